@@ -1,0 +1,95 @@
+"""Packed, balanced micro-batches versus fixed-size padded micro-batches on RL-like lengths.
+
+Lengths: prompt ~ uniform[50, 300] plus response ~ lognormal (median 400) capped at 4096.
+Cost per sample is `default_cost` (12*h*L + L^2, h=4096); a padded micro-batch costs
+size * cost(longest). "lockstep" is the sum over micro-batch steps of the slowest rank, which
+is what a ZeRO-3 step waits for.
+
+    python bench/packing.py [--n 1024] [--seed 0] [--max-tokens 16384] [--dp 2 8]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from slime.data.packing import packing_stats, padded_fixed_batches, plan_micro_batches  # noqa: E402
+
+TARGET_REAL_TOKEN_FRACTION = 0.97
+TARGET_IMBALANCE = 1.05
+
+
+def rl_lengths(n: int, seed: int, max_response: int = 4096) -> list[int]:
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(50, 301, size=n)
+    response = np.minimum(max_response, np.ceil(rng.lognormal(math.log(400), 1.0, size=n)))
+    return (prompt + response).astype(int).tolist()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--n", type=int, default=1024, help="samples in the global batch")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=16384,
+                        help="token budget per GPU per packed micro-batch")
+    parser.add_argument("--dp", type=int, nargs="+", default=[2, 8], help="data-parallel sizes")
+    parser.add_argument("--micro-batch-size", type=int, default=8,
+                        help="samples per micro-batch in the padded baseline")
+    args = parser.parse_args()
+
+    lengths = rl_lengths(args.n, args.seed)
+    q = np.percentile(lengths, [50, 90, 99, 100])
+    print(f"N={args.n} seed={args.seed} tokens={sum(lengths)} length p50/p90/p99/max="
+          f"{'/'.join(str(int(x)) for x in q)}; packed budget={args.max_tokens}, "
+          f"padded micro_batch_size={args.micro_batch_size}\n")
+    header = (f"{'dp':>3} {'layout':<7} {'real_frac':>9} {'fill':>6} {'mbs/rank':>8} "
+              f"{'lower_bd':>8} {'imbal':>7} {'lockstep':>8} {'peak_tok':>8} {'plan_ms':>7}")
+    print(header)
+    print("-" * len(header))
+    ok = True
+    ratios = []
+    for dp in args.dp:
+        t0 = time.perf_counter()
+        plan = plan_micro_batches(lengths, max_tokens=args.max_tokens, dp_size=dp)
+        plan_ms = 1e3 * (time.perf_counter() - t0)
+        packed = packing_stats(lengths, plan, max_tokens=args.max_tokens)
+        n_even = len(lengths) - len(lengths) % dp  # the padded layout needs equal rank shares
+        padded = packing_stats(
+            lengths[:n_even], padded_fixed_batches(lengths[:n_even], dp_size=dp,
+                                                   micro_batch_size=args.micro_batch_size),
+            padded=True)
+        # No plan can use fewer micro-batches than the busiest rank's tokens over the budget.
+        lower = math.ceil(sum(lengths) / (dp * args.max_tokens))
+        for name, s, bound, ms in (("packed", packed, str(lower), f"{plan_ms:.1f}"),
+                                   ("padded", padded, "-", "-")):
+            fill = "-" if s["budget_fill"] is None else f"{s['budget_fill']:.3f}"
+            print(f"{dp:>3} {name:<7} {s['real_token_fraction']:>9.3f} {fill:>6} "
+                  f"{s['num_micro_batches']:>8} {bound:>8} {s['compute_imbalance']:>7.4f} "
+                  f"{s['lockstep_imbalance']:>8.4f} {s['max_micro_batch_tokens']:>8} {ms:>7}")
+        step = {k: s["lockstep_imbalance"] * s["total_cost"] / dp for k, s in
+                (("packed", packed), ("padded", padded))}
+        ratios.append((dp, padded["total_cost"] / packed["total_cost"],
+                       step["padded"] / step["packed"],
+                       packed["real_token_fraction"] / padded["real_token_fraction"]))
+        ok &= packed["real_token_fraction"] >= TARGET_REAL_TOKEN_FRACTION
+        ok &= packed["compute_imbalance"] <= TARGET_IMBALANCE
+
+    print("\npadded / packed:")
+    for dp, compute, step, frac in ratios:
+        print(f"  dp={dp}: compute {compute:.2f}x, lockstep step compute {step:.2f}x, "
+              f"real-token fraction packed/padded {frac:.2f}x")
+    print(f"\ntargets (packed): real_token_fraction >= {TARGET_REAL_TOKEN_FRACTION}, "
+          f"compute_imbalance <= {TARGET_IMBALANCE}: {'met' if ok else 'NOT met'}")
+    print("real_frac: real tokens / tokens processed (packed kernels see no padding). "
+          "fill: mean micro-batch tokens / budget. lower_bd: ceil(tokens / (dp * budget)).")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

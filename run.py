@@ -1,0 +1,32 @@
+"""Entry point, the same on every rank:  deepspeed --num_gpus N run.py --config examples/X.yaml [a.b=value ...]"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from slime.config import describe, load_config
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        description="SPMD RL trainer on DeepSpeed ZeRO-3. Override any field with section.key=value.",
+        epilog="Config fields (section.key = default):\n" + describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="YAML run config (examples/*.yaml)")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
+    ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        sys.exit(f"config error: {e}")
+
+    from slime.trainer.loop import run
+    from slime.utils.logging import setup_logging
+
+    setup_logging()
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

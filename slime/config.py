@@ -1,0 +1,288 @@
+"""Run configuration: nested dataclasses loaded from one YAML file plus `a.b=value` overrides.
+
+Every field has a default and a one-line doc (`help` metadata). Loading checks names and types
+recursively and `__post_init__` checks combinations, so a bad config fails at start-up with a
+message naming the key and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+def field(default: Any, help: str) -> Any:
+    """A dataclass field with a default and a one-line doc shown by `run.py --help`."""
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    path: str = field("", "HF model directory (config + weights + tokenizer) to train.")
+    gguf_file: str | None = field(None, "GGUF file inside `path` to load instead of safetensors.")
+    dtype: Literal["auto", "float32", "bfloat16"] = field("auto", "Training dtype; auto = bf16 on GPU, fp32 on CPU.")
+    attn_implementation: Literal["auto", "packed_sdpa", "flash_attention_2"] = field(
+        "auto", "Attention kernel for packed micro-batches; auto = flash-attn varlen on GPU when installed, else packed sdpa.")
+    gradient_checkpointing: bool = field(False, "Recompute activations in backward to save memory.")
+    trust_remote_code: bool = field(False, "Allow model code from the model directory.")
+
+
+@dataclasses.dataclass
+class DataConfig:
+    path: str = field("", "Prompt file: .jsonl/.json or .parquet (loaded with `datasets`).")
+    prompt_key: str = field("prompt", "Field holding the prompt text.")
+    messages_key: str = field("messages", "Field holding chat messages; used when the prompt field is absent.")
+    label_key: str = field("label", "Field holding the ground truth passed to the reward function.")
+    metadata_key: str = field("metadata", "Optional dict field copied into Sample.metadata.")
+    apply_chat_template: bool = field(True, "Wrap prompts with the tokenizer's chat template when it has one.")
+    system_prompt: str | None = field(None, "System message prepended when the chat template is applied.")
+    max_prompt_len: int = field(512, "Prompts longer than this (in tokens) are dropped and counted.")
+    shuffle: bool = field(True, "Shuffle prompts every epoch (seeded by train.seed and the epoch).")
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    fn: str | dict = field("exact_match", "Built-in name (math, exact_match, format), {name: weight}, or 'module:function'.")
+    granularity: Literal["sample", "group"] = field("sample", "User function gets one sample or one prompt's group.")
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    engine: Literal["hf", "sglang"] = field("hf", "Generation engine: in-process HF transformers or SGLang servers.")
+    batch_size: int = field(8, "Prompts per step over all data-parallel ranks.")
+    n_samples_per_prompt: int = field(4, "Responses sampled per prompt (the GRPO group size).")
+    temperature: float = field(1.0, "Sampling temperature (also applied to the trainer's logprobs).")
+    top_p: float = field(1.0, "Nucleus sampling threshold.")
+    max_response_len: int = field(64, "Maximum new tokens per response.")
+    stop_token_ids: list = field([], "Extra token ids that end a response (EOS always does).")
+    gen_batch_size: int = field(64, "hf engine: sequences generated per forward batch.")
+    sync_bucket_mb: float = field(64.0, "Size of the parameter buckets gathered and pushed to the engine.")
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+
+    def __post_init__(self):
+        if self.batch_size < 1 or self.n_samples_per_prompt < 1:
+            raise ValueError("rollout.batch_size and rollout.n_samples_per_prompt must be >= 1")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
+        if self.temperature <= 0:
+            raise ValueError(f"rollout.temperature={self.temperature} must be > 0 (use a small value for near-greedy)")
+
+
+@dataclasses.dataclass
+class AlgoConfig:
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = field("grpo", "How rewards become advantages.")
+    normalize_std: bool = field(True, "GRPO: divide by the group's reward std.")
+    policy_loss: Literal["ppo"] = field("ppo", "Policy-gradient loss.")
+    clip_low: float = field(0.2, "PPO clip range below 1.")
+    clip_high: float = field(0.2, "PPO clip range above 1 (clip-higher when > clip_low).")
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = field(
+        "token_mean", "How per-token losses are averaged over the global batch.")
+    loss_agg_constant: float = field(1.0, "Divisor for seq_mean_token_sum_norm (Dr.GRPO uses max_response_len).")
+    entropy_coef: float = field(0.0, "Entropy bonus coefficient (0 = only logged).")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    num_steps: int = field(10, "RL steps (rollout + update) to run.")
+    lr: float = field(1e-6, "Peak learning rate.")
+    min_lr: float = field(0.0, "Final learning rate of the cosine schedule.")
+    lr_schedule: Literal["constant", "cosine"] = field("constant", "Schedule after warmup.")
+    warmup_steps: int = field(0, "Linear warmup optimizer steps.")
+    weight_decay: float = field(0.0, "AdamW weight decay.")
+    betas: list = field([0.9, 0.999], "AdamW betas.")
+    grad_clip: float = field(1.0, "Clip the global gradient norm to this (0 = off).")
+    num_mini_batches: int = field(1, "Optimizer steps per rollout batch (PPO-style mini-batches).")
+    max_tokens_per_gpu: int = field(4096, "Token budget of one training micro-batch (packed, no padding).")
+    logprob_max_tokens_per_gpu: int = field(0, "Budget for no-grad logprob passes; 0 = 2 x max_tokens_per_gpu.")
+    logits_chunk_size: int = field(1024, "Tokens per chunk when computing logprobs from hidden states.")
+    ds_config: str = field("ds_configs/zero3.json", "DeepSpeed JSON config; 'auto' fields are filled from this file.")
+    seed: int = field(1234, "Seed for data order, sampling and initialisation.")
+
+    def __post_init__(self):
+        if self.max_tokens_per_gpu < 1:
+            raise ValueError("train.max_tokens_per_gpu must be >= 1")
+        if self.num_mini_batches < 1:
+            raise ValueError("train.num_mini_batches must be >= 1")
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    sp: int = field(1, "Ulysses sequence-parallel size (1 = off).")
+    ep: int = field(1, "Expert-parallel size for MoE models (1 = off).")
+
+    def __post_init__(self):
+        if self.sp != 1 or self.ep != 1:
+            raise ValueError("parallel.sp and parallel.ep > 1 are not implemented yet; set them to 1")
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    interval: int = field(0, "Save a checkpoint every this many steps (0 = only at the end when save_final).")
+    save_final: bool = field(True, "Save a checkpoint after the last step.")
+    resume: bool = field(True, "Continue from the latest checkpoint in the run directory if there is one.")
+    export_hf: bool = field(True, "Write an HF-format model directory (run_dir/hf) at the end.")
+
+
+@dataclasses.dataclass
+class LogConfig:
+    run_dir: str = field("runs/default", "Directory for metrics, checkpoints and exports.")
+    wandb: bool = field(False, "Log to Weights & Biases.")
+    wandb_project: str = field("slime", "W&B project name.")
+    wandb_mode: Literal["online", "offline"] = field("offline", "offline works without network.")
+    tensorboard: bool = field(False, "Also write TensorBoard event files.")
+
+
+@dataclasses.dataclass
+class Config:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
+
+    def __post_init__(self):
+        if not self.model.path:
+            raise ValueError("model.path is required: an HF model directory (e.g. model.path=assets/tiny-arith)")
+        if not self.data.path:
+            raise ValueError("data.path is required: a .jsonl or .parquet prompt file")
+        if self.algo.advantage_estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.n_samples_per_prompt < 2:
+            raise ValueError(f"algo.advantage_estimator={self.algo.advantage_estimator} needs "
+                             "rollout.n_samples_per_prompt >= 2 (a group baseline of one sample is zero)")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`, converting only lossless cases (int -> float)."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            choices = ", ".join(repr(c) for c in typing.get_args(tp))
+            raise ValueError(f"{key}={value!r} is not allowed; choose one of {choices}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise TypeError(f"{key} may not be null; expected {_type_name(tp)}")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except (TypeError, ValueError) as e:
+                errors.append(str(e))
+        raise TypeError(f"{key}={value!r} has the wrong type; expected {_type_name(tp)}")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise TypeError(f"{key} must be a mapping of {tp.__name__} fields, got {value!r}")
+        return _build(tp, value, key)
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{key}={value!r} must be a number (float)")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{key}={value!r} must be an integer")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"{key}={value!r} must be true or false")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise TypeError(f"{key}={value!r} must be a string (quote it in YAML)")
+        return value
+    if tp in (list, dict):
+        if not isinstance(value, tp):
+            raise TypeError(f"{key}={value!r} must be a {tp.__name__}")
+        return value
+    raise AssertionError(f"unsupported annotation {tp} for {key}")
+
+
+def _build(cls: type, raw: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        full = f"{prefix}.{key}" if prefix else key
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""
+            raise ValueError(f"unknown config key '{full}'{hint} (valid keys here: {', '.join(names)})")
+        kwargs[key] = _coerce(value, hints[key], full)
+    try:
+        return cls(**kwargs)
+    except ValueError as e:
+        raise ValueError(f"invalid config: {e}") from None
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override '{dotted}': '{part}' is not a section")
+    node[parts[-1]] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read YAML `path` (may be None), apply `a.b=value` overrides (values parsed as YAML), validate."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override '{item}' must look like section.key=value")
+        key, text = item.split("=", 1)
+        _set_dotted(raw, key.strip(), yaml.safe_load(text) if text.strip() else "")
+    return _build(Config, raw)
+
+
+def describe(cls: type = Config, prefix: str = "") -> str:
+    """Every section and field with its default and doc, for `run.py --help`."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(tp):
+            lines.append(f"\n[{name}]")
+            lines.append(describe(tp, name + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {name} = {default!r}  ({_type_name(tp)})\n      {f.metadata.get('help', '')}")
+    return "\n".join(lines)

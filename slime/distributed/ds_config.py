@@ -1,0 +1,45 @@
+"""Build a DeepSpeed config dict from a JSON file in ds_configs/, filling "auto" fields from the run config."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from slime.config import Config
+
+
+def build_ds_config(cfg: Config, path: str | Path | None = None, *, bf16: bool) -> dict:
+    path = Path(path or cfg.train.ds_config)
+    if not path.is_absolute() and not path.exists():
+        path = Path(__file__).resolve().parents[2] / path  # relative to the repo when run elsewhere
+    if not path.is_file():
+        raise FileNotFoundError(f"train.ds_config: {path} does not exist")
+    ds = json.loads(path.read_text())
+    auto = {
+        "gradient_clipping": cfg.train.grad_clip,
+        "bf16.enabled": bf16,
+        "optimizer.params.lr": cfg.train.lr,
+        "optimizer.params.betas": list(cfg.train.betas),
+        "optimizer.params.weight_decay": cfg.train.weight_decay,
+        # DeepSpeed's fused Adam needs CUDA; on CPU fall back to torch's AdamW.
+        "optimizer.params.torch_adam": not torch.cuda.is_available(),
+    }
+    _fill(ds, auto, str(path))
+    # We set accumulation boundaries by hand (micro-batch counts vary per step), so DeepSpeed
+    # must neither scale the loss by 1/gas nor step on its own schedule.
+    ds["gradient_accumulation_steps"] = 1
+    ds["train_micro_batch_size_per_gpu"] = 1
+    return ds
+
+
+def _fill(node: dict, auto: dict, source: str, prefix: str = "") -> None:
+    for key, value in node.items():
+        full = f"{prefix}{key}"
+        if isinstance(value, dict):
+            _fill(value, auto, source, full + ".")
+        elif value == "auto":
+            if full not in auto:
+                raise ValueError(f"{source}: '{full}' is 'auto' but the run config has nothing to fill it with; "
+                                 f"give it a value (auto is supported for: {', '.join(sorted(auto))})")
+            node[key] = auto[full]

@@ -1,0 +1,58 @@
+"""The RolloutEngine protocol: what the trainer needs from a generation backend.
+
+Engines take token ids and return token ids with per-token logprobs (never re-tokenised text).
+`sleep`/`wake` follow SGLang's tags: after training, wake `weights`, push the new weights, then
+wake `kv_cache`, so the trainer's states and the engine's cache are never resident together.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+
+
+@dataclasses.dataclass
+class Generation:
+    response_ids: list[int]
+    logprobs: list[float]  # log p(token) under the sampling distribution at `temperature` (T=1 when greedy)
+    finish_reason: str  # "stop" or "length"
+
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        """For each prompt, `params.n` generations."""
+
+    def sleep(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None: ...
+
+    def wake(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None: ...
+
+    def update_weights(self, buckets: Iterable[NamedTensors], version: int) -> None:
+        """Load HF-named tensors, bucket by bucket; `version` identifies the trainer step."""
+
+    @property
+    def weight_version(self) -> int: ...
+
+    def abort(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def make_engine(cfg, model_cfg, tokenizer, dims) -> RolloutEngine:
+    if cfg.engine == "hf":
+        from slime.rollout.hf_engine import HFEngine
+
+        return HFEngine(model_cfg, tokenizer, device=dims.device)
+    raise NotImplementedError(f"rollout.engine={cfg.engine!r} is not available yet; use rollout.engine=hf")

@@ -1,0 +1,98 @@
+"""In-process generation with HF transformers on its own copy of the weights.
+
+The copy is a plain (unpartitioned) model: generation never touches the ZeRO-3 module, and the
+trainer pushes gathered weights into it after every step, exactly as it would to SGLang.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+from transformers import GenerationConfig
+
+from slime.models.loading import load_causal_lm, resolve_dtype
+from slime.rollout.engine import Generation, NamedTensors, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class HFEngine:
+    def __init__(self, model_cfg, tokenizer, *, device: torch.device, batch_size: int = 64):
+        self.model = load_causal_lm(model_cfg, attn_implementation="sdpa", dtype=resolve_dtype(model_cfg.dtype))
+        self.model.to(device).eval()
+        self.device, self.batch_size = device, batch_size
+        self.pad_id = tokenizer.pad_token_id
+        self.eos_id = tokenizer.eos_token_id
+        self._params = dict(self.model.named_parameters())
+        self._version = 0
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        out: list[list[Generation]] = []
+        per_call = max(1, self.batch_size // params.n)
+        for i in range(0, len(prompts), per_call):
+            out.extend(self._generate_batch(prompts[i:i + per_call], params))
+        return out
+
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(prompts):  # left padding: generation continues from the right edge
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        stops = [self.eos_id, *params.stop_token_ids]
+        greedy = params.temperature == 0
+        # A fresh GenerationConfig: the model's own defaults (top_k=50, repetition penalty, ...)
+        # would change the sampling distribution away from the logprobs we report.
+        gen_cfg = GenerationConfig(
+            do_sample=not greedy, temperature=None if greedy else params.temperature,
+            top_p=None if greedy or params.top_p >= 1 else params.top_p, top_k=None,
+            max_new_tokens=params.max_new_tokens, num_return_sequences=params.n,
+            eos_token_id=stops, pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True)
+        res = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                  generation_config=gen_cfg)
+        new = res.sequences[:, width:].cpu()  # (B*n, L)
+        logits = torch.stack(res.logits, dim=1).float().cpu()  # (B*n, L, V) raw logits
+        logps = torch.log_softmax(logits / (1.0 if greedy else params.temperature), dim=-1)
+        token_logps = logps.gather(-1, new[..., None]).squeeze(-1)
+        stop_set = set(stops)
+        gens = []
+        for row in range(new.shape[0]):
+            toks = new[row].tolist()
+            end = next((j + 1 for j, t in enumerate(toks) if t in stop_set), None)
+            reason = "stop" if end is not None else "length"
+            end = end or len(toks)
+            gens.append(Generation(toks[:end], token_logps[row, :end].tolist(), reason))
+        return [gens[k * params.n:(k + 1) * params.n] for k in range(len(prompts))]
+
+    def update_weights(self, buckets: Iterable[NamedTensors], version: int) -> None:
+        seen = set()
+        for bucket in buckets:
+            for name, tensor in bucket:
+                if name not in self._params:
+                    raise KeyError(f"weight '{name}' from the trainer has no counterpart in the hf engine's model")
+                self._params[name].data.copy_(tensor.to(self._params[name].device, self._params[name].dtype))
+                seen.add(name)
+        missing = set(self._params) - seen
+        if missing:
+            raise RuntimeError(f"weight update {version} left {len(missing)} parameters stale, e.g. {sorted(missing)[:3]}")
+        self._version = version
+
+    def sleep(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
+        """In-process engine: nothing to release on CPU; on GPU, the weights could move to host."""
+
+    def wake(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        self.model = None
+        self._params = {}

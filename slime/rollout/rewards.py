@@ -1,0 +1,340 @@
+"""Rule-based and user-supplied rewards, chosen by a spec string or a dict of weights.
+
+Spec forms:
+  - a built-in name: ``"math"``, ``"exact_match"``, ``"format"``;
+  - a user function ``"package.module:function"`` (sync or async);
+  - weights over sample-level functions, ``{"math": 1.0, "format": 0.1}`` -> weighted sum.
+
+A sample-level function maps a `Sample` to a number, or to a dict with a ``"reward"`` key plus
+extra numbers that are stored in ``sample.metadata["reward_info"]``. A group-level function maps
+the samples of one ``group_id`` to one number (or dict) per sample, in order.
+
+Where things run: built-ins are CPU-bound Python, so they run inline on the calling thread (threads
+would not speed them up under the GIL, and math-verify's signal-based timeout only works on the main
+thread). User sync functions run in a thread pool (they may do I/O, e.g. call a reward server);
+user async functions run concurrently. At most ``max_concurrency`` user calls are in flight.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import math
+import numbers
+import re
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from math_verify import parse, verify
+from math_verify.errors import TimeoutException
+
+from slime.data.sample import Sample
+
+logger = logging.getLogger(__name__)
+
+MATH_VERIFY_TIMEOUT_S = 5
+"""Per parse/compare limit; only enforceable on the main thread (math-verify uses SIGALRM)."""
+
+# ----------------------------------------------------------------------------- answer extraction
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ANSWER_LINE = re.compile(r"(?:####|\banswer\s*:)[ \t]*([^\n]*)", re.IGNORECASE)
+_BOXED = re.compile(r"\\boxed\s*\{")
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` whose braces balance (nested braces allowed)."""
+    for m in reversed(list(_BOXED.finditer(text))):
+        depth = 1
+        for i in range(m.end(), len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[m.end():i]
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer in a response: last <answer> span, last \\boxed{}, or text after
+    'Answer:'/'####' (in that order of preference). None when the response marks no answer."""
+    spans = _ANSWER_TAG.findall(text)
+    if spans:
+        inner = spans[-1]
+        boxed = _last_boxed(inner)
+        return (boxed if boxed is not None else inner).strip()
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    lines = [m.group(1).strip() for m in _ANSWER_LINE.finditer(text)]
+    lines = [line for line in lines if line]
+    return lines[-1] if lines else None
+
+
+def _labels(sample: Sample, reward: str) -> list[str]:
+    """The acceptable answers of a sample as strings; a missing label is a data error."""
+    label = sample.label
+    if label is None or (isinstance(label, (list, tuple)) and not label):
+        raise ValueError(
+            f"sample index={sample.index} has no label; the {reward!r} reward compares against "
+            "ground truth, so put the answer in the prompt file's 'label' field"
+        )
+    return [str(x) for x in (label if isinstance(label, (list, tuple)) else [label])]
+
+
+# ----------------------------------------------------------------------------- built-ins
+
+_NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)")
+_THOUSANDS = re.compile(r"[+-]?\d{1,3}(,\d{3})+(\.\d*)?")
+
+
+def normalize_answer(text: str) -> str:
+    """Canonical form for string comparison: case, spaces, $...$, a trailing period, number
+    formatting ('1,000' == '1000', '19.0' == '19')."""
+    s = " ".join(text.lower().split()).rstrip(".").strip("$ ").rstrip(". ")
+    if _THOUSANDS.fullmatch(s):
+        s = s.replace(",", "")
+    if _NUMBER.fullmatch(s):
+        # By hand, not Decimal: Decimal rounds to 28 significant digits.
+        sign = "-" if s.startswith("-") else ""
+        whole, _, frac = s.lstrip("+-").partition(".")
+        whole, frac = whole.lstrip("0") or "0", frac.rstrip("0")
+        s = sign + whole + ("." + frac if frac else "")
+        s = "0" if s == "-0" else s
+    return s
+
+
+def exact_match_reward(sample: Sample) -> float:
+    """1.0 when the extracted answer (or the whole stripped response) equals a label."""
+    pred = extract_answer(sample.response_text)
+    pred = normalize_answer(sample.response_text if pred is None else pred)
+    return float(any(pred == normalize_answer(g) for g in _labels(sample, "exact_match")))
+
+
+def format_reward(sample: Sample) -> float:
+    """1.0 when the response ends with exactly one non-empty <answer> span, or (without answer
+    tags) has a non-empty \\boxed{}."""
+    text = sample.response_text
+    n_open, n_close = text.count("<answer>"), text.count("</answer>")
+    if n_open or n_close:
+        m = _ANSWER_TAG.search(text)
+        return float(
+            n_open == n_close == 1 and m is not None and bool(m.group(1).strip())
+            and not text[m.end():].strip()
+        )
+    boxed = _last_boxed(text)
+    return float(boxed is not None and bool(boxed.strip()))
+
+
+def _mv_parse(text: str, timeout: int | None, *, bare: bool) -> list:
+    """math-verify parse. A `bare` answer such as 'x^2+1' is only found inside math delimiters,
+    so it is wrapped in $...$ first; free text is left to math-verify's own extraction."""
+    has_delims = "$" in text or "\\(" in text or "\\[" in text
+    candidates = [f"${text}$", text] if bare and not has_delims else [text]
+    for candidate in candidates:
+        parsed = parse(candidate, parsing_timeout=timeout, raise_on_error=True)
+        if parsed:
+            return parsed
+    return []
+
+
+def math_reward(sample: Sample) -> dict[str, float]:
+    """Symbolic/numeric equivalence of the final answer with a label (math-verify): 1/2 == 0.5.
+
+    Never raises on a garbage response: math-verify's parse/compare failures and timeouts give
+    reward 0 and are counted in the returned ``math/error`` (also ``math/pred_unparsed`` when the
+    response holds no parseable expression). Timeouts are enforced only on the main thread.
+    """
+    on_main = threading.current_thread() is threading.main_thread()
+    timeout = MATH_VERIFY_TIMEOUT_S if on_main else None
+    golds = _labels(sample, "math")
+    pred_text = extract_answer(sample.response_text)
+    info = {"reward": 0.0, "math/pred_unparsed": 0.0, "math/error": 0.0}
+    try:
+        pred = (_mv_parse(pred_text, timeout, bare=True) if pred_text is not None
+                else _mv_parse(sample.response_text, timeout, bare=False))
+        info["math/pred_unparsed"] = float(all(isinstance(p, str) for p in pred))
+        for gold_text in golds:
+            gold = _mv_parse(gold_text, timeout, bare=True)
+            if not gold:
+                logger.warning("math reward: cannot parse label %r (sample index=%d)",
+                               gold_text, sample.index)
+                continue
+            if pred and verify(gold, pred, timeout_seconds=timeout, raise_on_error=True):
+                info["reward"] = 1.0
+                break
+    except TimeoutException:
+        logger.warning("math reward: math-verify timed out (sample index=%d)", sample.index)
+        info["math/error"] = 1.0
+    except Exception:  # math-verify's parse/compare failures (sympy/latex2sympy raise anything)
+        logger.debug("math reward: math-verify failed (sample index=%d)", sample.index,
+                     exc_info=True)
+        info["math/error"] = 1.0
+    return info
+
+
+BUILTIN_REWARDS: dict[str, Callable[[Sample], float | dict[str, float]]] = {
+    "math": math_reward,
+    "exact_match": exact_match_reward,
+    "format": format_reward,
+}
+
+# ----------------------------------------------------------------------------- spec -> functions
+
+GRANULARITIES = ("sample", "group")
+_SPEC_HELP = (f"use a built-in name {sorted(BUILTIN_REWARDS)}, a user function as "
+              "'package.module:function', or a dict of weights such as {'math': 1.0, 'format': 0.1}")
+
+
+def _load_user_fn(path: str) -> Callable:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"bad reward spec {path!r}: {_SPEC_HELP}")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"reward spec {path!r}: cannot import {module_name!r} ({e}); "
+                         f"{_SPEC_HELP}") from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ValueError(f"reward spec {path!r}: module {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+def _resolve(name: str) -> Callable:
+    if name in BUILTIN_REWARDS:
+        return BUILTIN_REWARDS[name]
+    if ":" in name:
+        return _load_user_fn(name)
+    raise ValueError(f"unknown reward spec {name!r}: {_SPEC_HELP}")
+
+
+def _is_async(fn: Callable) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None))
+
+
+def _as_reward(value: Any, fn_name: str) -> tuple[float, dict[str, float]]:
+    """(reward, extras) from a function's return value; wrong types name the function."""
+    extras: dict[str, float] = {}
+    if isinstance(value, dict):
+        if "reward" not in value:
+            raise TypeError(f"reward function {fn_name} returned a dict without a 'reward' key: "
+                            f"keys {sorted(value)}")
+        extras = {k: v for k, v in value.items() if k != "reward"}
+        value = value["reward"]
+        for k, v in extras.items():
+            if not isinstance(v, numbers.Real):
+                raise TypeError(f"reward function {fn_name} returned non-number {type(v).__name__}"
+                                f" for extra key {k!r}; extras must be numbers")
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"reward function {fn_name} returned {type(value).__name__} "
+                        f"({value!r:.80}); return a float or a dict with a 'reward' key")
+    if not math.isfinite(value):
+        raise ValueError(f"reward function {fn_name} returned a non-finite reward {value}")
+    return float(value), {k: float(v) for k, v in extras.items()}
+
+
+class RewardFn:
+    """``await reward_fn(samples)`` or ``reward_fn.score(samples)`` -> one reward per sample.
+
+    Also records ``sample.metadata["reward_info"]``: the extra numbers a function returned and,
+    for a weighted spec, each component's unweighted score under its spec name. Does not set
+    ``sample.reward``; the caller decides (e.g. after shaping).
+    """
+
+    def __init__(self, spec: str | dict[str, float], *, granularity: str = "sample",
+                 max_concurrency: int = 32) -> None:
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"reward granularity {granularity!r} is not one of {GRANULARITIES}")
+        if max_concurrency < 1:
+            raise ValueError(f"reward max_concurrency must be >= 1, got {max_concurrency}")
+        weights = {spec: 1.0} if isinstance(spec, str) else spec
+        if not isinstance(weights, dict) or not weights:
+            raise ValueError(f"bad reward spec {spec!r}: {_SPEC_HELP}")
+        for name, w in weights.items():
+            if not isinstance(name, str) or isinstance(w, bool) or not isinstance(w, numbers.Real):
+                raise ValueError(f"bad reward spec {spec!r}: entry {name!r}: {w!r} must map a "
+                                 f"name to a number; {_SPEC_HELP}")
+        if granularity == "group":
+            if len(weights) != 1 or next(iter(weights)) in BUILTIN_REWARDS:
+                raise ValueError(f"reward spec {spec!r} with granularity 'group' must be one user "
+                                 "function 'package.module:function' taking a group's samples")
+        self.spec = spec
+        self.granularity = granularity
+        self.weights = {name: float(w) for name, w in weights.items()}
+        self.fns = {name: _resolve(name) for name in weights}
+        self._max_concurrency = max_concurrency
+        self._pool: ThreadPoolExecutor | None = None
+
+    async def __call__(self, samples: list[Sample]) -> list[float]:
+        # A fresh semaphore per call: asyncio primitives bind to the loop they are first used on.
+        sem = asyncio.Semaphore(self._max_concurrency)
+        if self.granularity == "group":
+            return await self._score_groups(samples, sem)
+        per_fn = {name: await asyncio.gather(*(self._run(fn, name, s, sem) for s in samples))
+                  for name, fn in self.fns.items()}
+        rewards = []
+        for i, sample in enumerate(samples):
+            info: dict[str, float] = {}
+            total = 0.0
+            for name, results in per_fn.items():
+                value, extras = results[i]
+                total += self.weights[name] * value
+                info.update(extras)
+                if len(self.fns) > 1:
+                    info[name] = value
+            if info:
+                sample.metadata.setdefault("reward_info", {}).update(info)
+            rewards.append(total)
+        return rewards
+
+    def score(self, samples: list[Sample]) -> list[float]:
+        """Synchronous entry point for code that is not running an event loop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self(samples))
+        raise RuntimeError("RewardFn.score() called inside a running event loop; "
+                           "use `await reward_fn(samples)` there instead")
+
+    async def _score_groups(self, samples: list[Sample], sem: asyncio.Semaphore) -> list[float]:
+        (name, fn), = self.fns.items()
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(samples):
+            groups.setdefault(s.group_id, []).append(i)
+        members = [[samples[i] for i in idx] for idx in groups.values()]
+        outputs = await asyncio.gather(*(self._call(fn, g, sem) for g in members))
+        rewards = [0.0] * len(samples)
+        for idx, group, out in zip(groups.values(), members, outputs):
+            if not isinstance(out, (list, tuple)) or len(out) != len(group):
+                got = f"{len(out)} values" if isinstance(out, (list, tuple)) else type(out).__name__
+                raise TypeError(f"group reward function {name} must return a list with one value "
+                                f"per sample of the group ({len(group)}), got {got}")
+            for i, sample, value in zip(idx, group, out):
+                rewards[i], extras = _as_reward(value, name)
+                if extras:
+                    sample.metadata.setdefault("reward_info", {}).update(extras)
+        return [self.weights[name] * r for r in rewards]
+
+    async def _run(self, fn: Callable, name: str, sample: Sample,
+                   sem: asyncio.Semaphore) -> tuple[float, dict[str, float]]:
+        if fn is BUILTIN_REWARDS.get(name):
+            return _as_reward(fn(sample), name)
+        return _as_reward(await self._call(fn, sample, sem), name)
+
+    async def _call(self, fn: Callable, arg: Any, sem: asyncio.Semaphore) -> Any:
+        async with sem:
+            if _is_async(fn):
+                return await fn(arg)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._max_concurrency,
+                                                thread_name_prefix="reward")
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, arg)
+
+
+def make_reward_fn(spec: str | dict[str, float], *, granularity: str = "sample",
+                   max_concurrency: int = 32) -> RewardFn:
+    """Build the reward callable for a run's reward spec (see the module docstring)."""
+    return RewardFn(spec, granularity=granularity, max_concurrency=max_concurrency)

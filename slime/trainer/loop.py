@@ -1,0 +1,112 @@
+"""The RL loop every rank runs (SPMD): rollout -> advantages -> old logprobs -> update -> weight sync."""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from slime.config import Config
+from slime.distributed.parallel_dims import ParallelDims
+from slime.models.loading import load_tokenizer
+from slime.data.prompts import PromptSource
+from slime.rollout.engine import make_engine
+from slime.rollout.rewards import make_reward_fn
+from slime.rollout.rollout import compute_advantages, generate_rollout, sampling_params
+from slime.trainer.actor import Actor
+from slime.trainer.checkpoint import load_checkpoint, save_checkpoint
+from slime.utils.metrics import MetricsLogger
+
+logger = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def sync_weights(actor: Actor, engine, version: int) -> dict:
+    start = time.time()
+    engine.update_weights(actor.gathered_weight_buckets(), version=version)
+    return {"time/sync": time.time() - start}
+
+
+def rollout_metrics(samples, dims: ParallelDims) -> dict:
+    """Global means over every rank's samples."""
+    n, r, r2, length, trunc = dims.all_reduce_sum([
+        len(samples), sum(s.reward for s in samples), sum(s.reward ** 2 for s in samples),
+        sum(len(s.response_ids) for s in samples), sum(s.finish_reason == "length" for s in samples)])
+    mean = r / n
+    return {"rollout/reward_mean": mean, "rollout/reward_std": max(r2 / n - mean ** 2, 0.0) ** 0.5,
+            "rollout/response_len": length / n, "rollout/truncated_frac": trunc / n, "rollout/gen_tokens": length}
+
+
+def run(cfg: Config) -> dict:
+    """Train for cfg.train.num_steps; returns the last step's metrics."""
+    dims = ParallelDims.build(sp=cfg.parallel.sp, ep=cfg.parallel.ep)
+    seed_everything(cfg.train.seed + dims.rank)  # per-rank sampling streams, reproducible
+    run_dir = Path(cfg.log.run_dir)
+    ckpt_dir = run_dir / "checkpoints"
+    tokenizer = load_tokenizer(cfg.model)
+    data = PromptSource(cfg.data, tokenizer, batch_size=cfg.rollout.batch_size, dp_rank=dims.dp_rank,
+                        dp_size=dims.dp, seed=cfg.train.seed)
+    actor = Actor(cfg, dims)
+    engine = make_engine(cfg.rollout, cfg.model, tokenizer, dims)
+    reward_fn = make_reward_fn(cfg.rollout.reward.fn, granularity=cfg.rollout.reward.granularity)
+    params = sampling_params(cfg.rollout)
+
+    start_step = 0
+    if cfg.checkpoint.resume:
+        state = load_checkpoint(actor.engine, ckpt_dir, rank=dims.rank)
+        if state is not None:
+            start_step = state["step"]
+            data.load_state_dict(state["data"])
+    sync_weights(actor, engine, version=start_step)  # the engine starts from the trainer's weights
+
+    log = MetricsLogger(cfg.log, run_config=cfg.to_dict(), enabled=dims.is_main, total_steps=cfg.train.num_steps)
+    logger.info("training %d steps on %d rank(s): %d prompts x %d samples per step, %d prompts dropped as too long",
+                cfg.train.num_steps - start_step, dims.world_size, cfg.rollout.batch_size,
+                cfg.rollout.n_samples_per_prompt, data.num_too_long)
+    metrics: dict = {}
+    per_rank = cfg.rollout.batch_size // dims.dp
+    for step in range(start_step, cfg.train.num_steps):
+        t0 = time.time()
+        prompts = data.next_batch()
+        engine.wake()
+        samples = generate_rollout(engine, prompts, params, tokenizer, reward_fn,
+                                   first_group_id=step * cfg.rollout.batch_size + dims.dp_rank * per_rank)
+        engine.sleep()
+        t_rollout = time.time() - t0
+        metrics = {**rollout_metrics(samples, dims), **compute_advantages(samples, cfg.algo)}
+
+        t1 = time.time()
+        global_batch = [s for part in dims.all_gather_objects(samples) for s in part]
+        old_logprobs = actor.compute_logprobs(global_batch)
+        metrics.update(logprob_metrics(global_batch, old_logprobs))
+        metrics.update(actor.train(global_batch, old_logprobs))
+        t_train = time.time() - t1
+
+        metrics.update(sync_weights(actor, engine, version=step + 1))
+        metrics.update({"time/rollout": t_rollout, "time/train": t_train, "time/step": time.time() - t0,
+                        "perf/train_tokens_per_s": metrics["train/tokens"] / t_train,
+                        "perf/gen_tokens_per_s": metrics["rollout/gen_tokens"] / t_rollout})
+        log.log(step, metrics)
+        done = step + 1
+        if (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0) or \
+                (cfg.checkpoint.save_final and done == cfg.train.num_steps):
+            save_checkpoint(actor.engine, ckpt_dir, step=done, loop_state={"data": data.state_dict()}, rank=dims.rank)
+    if cfg.checkpoint.export_hf and start_step < cfg.train.num_steps:
+        actor.export_hf(str(run_dir / "hf"), tokenizer)
+    log.close()
+    engine.shutdown()
+    return metrics
+
+
+def logprob_metrics(samples, old_logprobs) -> dict:
+    """How far the trainer's logprobs are from the engine's (rollout/training mismatch)."""
+    diffs = [abs(a - b) for s, lp in zip(samples, old_logprobs) for a, b in zip(lp, s.rollout_logprobs)]
+    return {"rollout/train_logprob_abs_diff": sum(diffs) / max(len(diffs), 1)}

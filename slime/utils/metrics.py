@@ -1,0 +1,73 @@
+"""Metrics sinks: console line, metrics.jsonl in the run directory, wandb and TensorBoard when enabled."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+from slime.config import LogConfig
+
+logger = logging.getLogger(__name__)
+
+CONSOLE_KEYS = [("rollout/reward_mean", "reward"), ("rollout/response_len", "len"), ("train/loss", "loss"),
+                ("train/entropy", "ent"), ("train/pg_clipfrac", "clip"), ("train/grad_norm", "gnorm"),
+                ("eval/accuracy", "eval_acc"), ("time/step", "s/step")]
+
+
+class MetricsLogger:
+    """Only rank 0 writes; other ranks hold a no-op logger."""
+
+    def __init__(self, cfg: LogConfig, *, run_config: dict, enabled: bool, total_steps: int):
+        self.enabled, self.total_steps = enabled, total_steps
+        self.start, self.steps_done = time.time(), 0
+        self._wandb = self._tb = None
+        self._file = None
+        if not enabled:
+            return
+        run_dir = Path(cfg.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        (run_dir / "config.json").write_text(json.dumps(run_config, indent=2))
+        if cfg.wandb:
+            import wandb
+
+            os.environ.setdefault("WANDB_MODE", cfg.wandb_mode)
+            self._wandb = wandb.init(project=cfg.wandb_project, dir=str(run_dir), config=run_config,
+                                     name=run_dir.name, mode=cfg.wandb_mode)
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        self.steps_done += 1
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+        if self._tb is not None:
+            for key, value in metrics.items():
+                self._tb.add_scalar(key, value, step)
+        elapsed = time.time() - self.start
+        eta = elapsed / self.steps_done * (self.total_steps - step - 1)
+        shown = " ".join(f"{short}={metrics[key]:.4g}" for key, short in CONSOLE_KEYS if key in metrics)
+        logger.info("step %d/%d %s | eta %s", step + 1, self.total_steps, shown, _fmt_time(eta))
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _fmt_time(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

@@ -1,0 +1,61 @@
+"""User reward functions loaded by tests/test_rewards.py through 'module:function' specs."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from slime.data.sample import Sample
+
+CALL_THREADS: list[str] = []
+"""Thread names that ran `length_reward`; lets a test check sync functions leave the loop thread."""
+
+_in_flight = 0
+MAX_IN_FLIGHT = 0
+"""Peak number of concurrent `slow_async_reward` calls."""
+
+
+def length_reward(sample: Sample) -> float:
+    CALL_THREADS.append(threading.current_thread().name)
+    return float(len(sample.response_text))
+
+
+def reward_with_info(sample: Sample) -> dict:
+    return {"reward": 2.0, "n_chars": len(sample.response_text)}
+
+
+async def slow_async_reward(sample: Sample) -> float:
+    global _in_flight, MAX_IN_FLIGHT
+    _in_flight += 1
+    MAX_IN_FLIGHT = max(MAX_IN_FLIGHT, _in_flight)
+    await asyncio.sleep(0.01)
+    _in_flight -= 1
+    return 1.0 if sample.response_text == sample.label else 0.0
+
+
+def rank_in_group(samples: list[Sample]) -> list[float]:
+    """1.0 for the longest response of the group, 0.0 for the others."""
+    longest = max(len(s.response_text) for s in samples)
+    return [float(len(s.response_text) == longest) for s in samples]
+
+
+async def async_group_size(samples: list[Sample]) -> list[float]:
+    return [float(len(samples))] * len(samples)
+
+
+def wrong_length_group(samples: list[Sample]) -> list[float]:
+    return [1.0]
+
+
+def returns_string(sample: Sample) -> str:
+    return "1.0"
+
+
+def dict_without_reward(sample: Sample) -> dict:
+    return {"score": 1.0}
+
+
+def returns_nan(sample: Sample) -> float:
+    return float("nan")
+
+
+NOT_CALLABLE = 3

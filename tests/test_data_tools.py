@@ -1,0 +1,86 @@
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location(
+    "make_arithmetic", ROOT / "data_tools" / "make_arithmetic.py")
+arith = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(arith)
+
+_PLAIN = re.compile(r"(\d+)([-+*])(\d+)=")
+_CHAT = re.compile(r"What is (\d+)([-+*])(\d+)\? Put the answer in <answer></answer>\.")
+
+
+def _expression(prompt: str, fmt: str) -> str:
+    m = (_PLAIN if fmt == "plain" else _CHAT).fullmatch(prompt)
+    assert m, f"prompt {prompt!r} is not in the {fmt} form"
+    return "".join(m.groups())
+
+
+@pytest.mark.parametrize("fmt", ["plain", "chat"])
+def test_labels_are_correct(fmt):
+    train, eval_ = arith.make_split(n_train=400, n_eval=100, seed=3, min_digits=1, max_digits=3,
+                                    ops="+-*", fmt=fmt)
+    assert len(train) == 400 and len(eval_) == 100
+    for row in train + eval_:
+        expr = _expression(row["prompt"], fmt)
+        assert row["label"] == str(eval(expr, {"__builtins__": {}}))  # only digits and one op
+        assert int(row["label"]) >= 0
+        meta = row["metadata"]
+        assert f"{meta['a']}{meta['op']}{meta['b']}" == expr
+        a, b = (int(x) for x in re.split(r"[-+*]", expr))
+        assert all(1 <= len(str(x)) <= 3 for x in (a, b))
+    assert {r["metadata"]["op"] for r in train} == {"+", "-", "*"}
+
+
+def test_no_overlap_and_no_duplicates():
+    # 1-digit '+' has exactly 100 problems: asking for all of them forces heavy collisions.
+    train, eval_ = arith.make_split(n_train=80, n_eval=20, seed=0, max_digits=1, ops="+")
+    prompts = [r["prompt"] for r in train + eval_]
+    assert len(set(prompts)) == 100
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in eval_}
+
+
+def test_determinism_by_seed():
+    kw = dict(n_train=200, n_eval=50, max_digits=2, ops="+-")
+    assert arith.make_split(seed=7, **kw) == arith.make_split(seed=7, **kw)
+    assert arith.make_split(seed=7, **kw) != arith.make_split(seed=8, **kw)
+
+
+def test_eval_split_independent_of_n_train():
+    _, eval_small = arith.make_split(n_train=10, n_eval=50, seed=1)
+    _, eval_big = arith.make_split(n_train=1000, n_eval=50, seed=1)
+    assert eval_small == eval_big
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(n_train=90, n_eval=20, max_digits=1, ops="+"), "only 100 distinct problems"),
+    (dict(n_train=1, n_eval=1, ops="+/"), "ops"),
+    (dict(n_train=1, n_eval=1, min_digits=3, max_digits=2), "min_digits"),
+    (dict(n_train=1, n_eval=1, fmt="markdown"), "format"),
+])
+def test_bad_arguments(kw, match):
+    with pytest.raises(ValueError, match=match):
+        arith.make_split(**kw)
+
+
+def test_cli_writes_jsonl(tmp_path):
+    cmd = [sys.executable, str(ROOT / "data_tools" / "make_arithmetic.py"), "--n-train", "30",
+           "--n-eval", "10", "--seed", "0", "--min-digits", "1", "--max-digits", "2", "--ops", "+-"]
+    for out in ("a", "b"):
+        subprocess.run(cmd + ["--out-dir", str(tmp_path / out)], check=True, capture_output=True)
+    for split, n in (("train", 30), ("eval", 10)):
+        text = (tmp_path / "a" / f"{split}.jsonl").read_text()
+        assert text == (tmp_path / "b" / f"{split}.jsonl").read_text()
+        rows = [json.loads(line) for line in text.splitlines()]
+        assert len(rows) == n
+        assert all(set(r) == {"prompt", "label", "metadata"} for r in rows)
+    bad = subprocess.run(cmd[:-2] + ["--ops", "/", "--out-dir", str(tmp_path / "c")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "ops" in bad.stderr

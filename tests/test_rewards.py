@@ -1,0 +1,256 @@
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from slime.data.sample import Sample
+from slime.rollout import rewards
+from slime.rollout.rewards import (
+    RewardFn, exact_match_reward, extract_answer, format_reward, make_reward_fn, math_reward,
+)
+
+
+@pytest.fixture(autouse=True)
+def _user_fns_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+
+
+def S(response: str, label=None, group_id: int = 0) -> Sample:
+    return Sample(prompt_ids=[1], response_text=response, label=label, group_id=group_id)
+
+
+GARBAGE = ["", "}{", "\\boxed{", "\\boxed{}}}", "<answer>", "</answer><answer>", "$$$",
+           "\\frac{", "答案 ∞∞ \x00 \\\\\\", "Answer:", "#### ", "<answer>\\boxed{</answer>",
+           "\\boxed{\\frac{1}{0}}", "x" * 5000]
+
+
+# ----------------------------------------------------------------------------- extraction
+
+@pytest.mark.parametrize("text,expected", [
+    ("so \\boxed{42}", "42"),
+    ("\\boxed{1} then \\boxed{\\frac{3}{4}}", "\\frac{3}{4}"),
+    ("\\boxed{\\sqrt{\\frac{1}{2}}}", "\\sqrt{\\frac{1}{2}}"),
+    ("<answer> 7 </answer>", "7"),
+    ("\\boxed{1} <answer>2</answer>", "2"),          # an answer span wins over a stray box
+    ("<answer>\\boxed{5}</answer>", "5"),
+    ("<answer>1</answer><answer>2</answer>", "2"),
+    ("work...\nAnswer: 12\n", "12"),
+    ("steps\n#### 1,234", "1,234"),
+    ("\\boxed{unclosed and \\boxed{3}", "3"),
+    ("just 19", None),
+    ("\\boxed{never closed", None),
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+# ----------------------------------------------------------------------------- math
+
+@pytest.mark.parametrize("response,label", [
+    ("The answer is \\boxed{\\frac{1}{2}}", "0.5"),
+    ("<answer>0.5</answer>", "1/2"),
+    ("<answer>1/2</answer>", "\\frac{1}{2}"),
+    ("Answer: 0.5", "\\frac{1}{2}"),
+    ("So \\boxed{x^2+1}.", "1+x^2"),
+    ("#### 1,000", "1000"),
+    ("19", 19),
+    ("\\boxed{3}", ["2", "3"]),
+])
+def test_math_correct(response, label):
+    assert math_reward(S(response, label))["reward"] == 1.0
+
+
+@pytest.mark.parametrize("response,label", [
+    ("\\boxed{\\frac{1}{3}}", "0.5"),
+    ("<answer>0.51</answer>", "1/2"),
+    ("\\boxed{x^2-1}", "x^2+1"),
+    ("I think 20", "19"),
+    ("\\boxed{4}", ["2", "3"]),
+])
+def test_math_wrong(response, label):
+    assert math_reward(S(response, label))["reward"] == 0.0
+
+
+@pytest.mark.parametrize("response", GARBAGE)
+def test_math_garbage_scores_zero_without_raising(response):
+    info = math_reward(S(response, "3"))
+    assert info["reward"] == 0.0
+    assert set(info) == {"reward", "math/pred_unparsed", "math/error"}
+
+
+def test_math_counts_unparsed_prediction():
+    assert math_reward(S("no number here", "3"))["math/pred_unparsed"] == 1.0
+    assert math_reward(S("\\boxed{3}", "3"))["math/pred_unparsed"] == 0.0
+
+
+def test_math_timeout_is_counted_not_hung(monkeypatch):
+    monkeypatch.setattr(rewards, "MATH_VERIFY_TIMEOUT_S", 1)
+    info = math_reward(S("\\boxed{9^{9^{9^{9}}}}", "5"))  # sympy would compare this for ages
+    assert info == {"reward": 0.0, "math/pred_unparsed": 0.0, "math/error": 1.0}
+
+
+def test_math_works_off_the_main_thread():
+    # math-verify's default signal timeout raises ValueError outside the main thread.
+    out = []
+    t = threading.Thread(target=lambda: out.append(math_reward(S("\\boxed{1/2}", "0.5"))))
+    t.start()
+    t.join()
+    assert out and out[0]["reward"] == 1.0
+
+
+def test_missing_label_is_an_error():
+    with pytest.raises(ValueError, match="no label"):
+        math_reward(S("\\boxed{1}"))
+    with pytest.raises(ValueError, match="no label"):
+        exact_match_reward(S("1", []))
+
+
+# ----------------------------------------------------------------------------- exact_match
+
+@pytest.mark.parametrize("response,label,expected", [
+    ("19", "19", 1.0),
+    (" 19\n", 19, 1.0),
+    ("19.0", "19", 1.0),
+    ("20", "19", 0.0),
+    ("119", "19", 0.0),
+    ("<answer>19</answer>", "19", 1.0),
+    ("Answer: Paris.", ["paris", "Paris, France"], 1.0),
+    ("#### 1,000", "1000", 1.0),
+    ("\\boxed{1/2}", "0.5", 0.0),          # no maths: that is what "math" is for
+    ("-0", "0", 1.0),
+    ("12345678901234567890123456789012", "12345678901234567890123456789013", 0.0),
+])
+def test_exact_match(response, label, expected):
+    assert exact_match_reward(S(response, label)) == expected
+
+
+@pytest.mark.parametrize("response", GARBAGE)
+def test_exact_match_garbage(response):
+    assert exact_match_reward(S(response, "3")) == 0.0
+
+
+# ----------------------------------------------------------------------------- format
+
+@pytest.mark.parametrize("response,expected", [
+    ("think...\n<answer>7</answer>", 1.0),
+    ("<answer>7</answer>  \n", 1.0),
+    ("so \\boxed{7}.", 1.0),
+    ("<answer>7</answer> and more text", 0.0),
+    ("<answer>7</answer><answer>8</answer>", 0.0),
+    ("<answer>  </answer>", 0.0),
+    ("<answer>7", 0.0),
+    ("\\boxed{7} <answer>", 0.0),
+    ("\\boxed{}", 0.0),
+    ("7", 0.0),
+])
+def test_format(response, expected):
+    assert format_reward(S(response)) == expected
+
+
+# ----------------------------------------------------------------------------- RewardFn
+
+def test_weighted_combination_and_reward_info():
+    samples = [S("<answer>1/2</answer>", "0.5"), S("1/2", "0.5"), S("<answer>3</answer>", "0.5"),
+               S("3", "0.5")]
+    fn = make_reward_fn({"math": 1.0, "format": 0.1})
+    assert fn.score(samples) == pytest.approx([1.1, 1.0, 0.1, 0.0])
+    info = samples[0].metadata["reward_info"]
+    assert info["math"] == 1.0 and info["format"] == 1.0 and info["math/error"] == 0.0
+    assert samples[3].metadata["reward_info"]["format"] == 0.0
+
+
+def test_single_builtin_by_name():
+    assert RewardFn("exact_match").score([S("19", "19"), S("18", "19")]) == [1.0, 0.0]
+
+
+def test_user_sync_function_runs_in_pool():
+    import reward_fns_for_test as user
+
+    user.CALL_THREADS.clear()
+    fn = make_reward_fn("reward_fns_for_test:length_reward")
+    assert fn.score([S("ab"), S("abcd"), S("")]) == [2.0, 4.0, 0.0]
+    assert len(user.CALL_THREADS) == 3
+    assert all(name.startswith("reward") for name in user.CALL_THREADS)
+
+
+def test_user_dict_extras_recorded():
+    samples = [S("abc")]
+    assert make_reward_fn("reward_fns_for_test:reward_with_info").score(samples) == [2.0]
+    assert samples[0].metadata["reward_info"] == {"n_chars": 3.0}
+
+
+def test_user_async_function_concurrency_bounded():
+    import reward_fns_for_test as user
+
+    user.MAX_IN_FLIGHT = 0
+    samples = [S("a", "a"), S("b", "x")] * 5
+    fn = make_reward_fn("reward_fns_for_test:slow_async_reward", max_concurrency=3)
+    assert fn.score(samples) == [1.0, 0.0] * 5
+    assert user.MAX_IN_FLIGHT == 3
+
+
+def test_user_function_combined_with_builtin():
+    fn = make_reward_fn({"exact_match": 1.0, "reward_fns_for_test:length_reward": 0.5})
+    assert fn.score([S("19", "19"), S("7", "19")]) == [2.0, 0.5]  # 1 + 0.5*len
+
+
+def test_group_function_maps_back_to_input_order():
+    samples = [S("aaa", group_id=1), S("a", group_id=0), S("a", group_id=1),
+               S("aaaa", group_id=0), S("b", group_id=2)]
+    fn = make_reward_fn("reward_fns_for_test:rank_in_group", granularity="group")
+    assert fn.score(samples) == [1.0, 0.0, 0.0, 1.0, 1.0]
+
+
+def test_async_group_function():
+    samples = [S("x", group_id=g) for g in (5, 5, 5, 9)]
+    fn = make_reward_fn("reward_fns_for_test:async_group_size", granularity="group")
+    assert fn.score(samples) == [3.0, 3.0, 3.0, 1.0]
+
+
+def test_awaitable_inside_loop_and_score_refuses_it():
+    fn = make_reward_fn("exact_match")
+
+    async def main():
+        rewards_ = await fn([S("1", "1")])
+        with pytest.raises(RuntimeError, match="await"):
+            fn.score([S("1", "1")])
+        return rewards_
+
+    assert asyncio.run(main()) == [1.0]
+
+
+# ----------------------------------------------------------------------------- errors
+
+@pytest.mark.parametrize("spec,kwargs,match", [
+    ("maths", {}, r"'maths'.*exact_match.*format.*math.*package\.module:function"),
+    ("no_such_module_xyz:f", {}, "no_such_module_xyz"),
+    ("reward_fns_for_test:missing", {}, "has no callable 'missing'"),
+    ("reward_fns_for_test:NOT_CALLABLE", {}, "NOT_CALLABLE"),
+    (":f", {}, "':f'"),
+    ({}, {}, "bad reward spec"),
+    ({"math": "1.0"}, {}, "must map a name to a number"),
+    ({"math": 1.0, "oops": 1.0}, {}, "'oops'"),
+    ("math", {"granularity": "group"}, "granularity 'group'"),
+    ("reward_fns_for_test:rank_in_group", {"granularity": "batch"}, "'batch'"),
+    ("math", {"max_concurrency": 0}, "max_concurrency"),
+])
+def test_bad_specs(spec, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_reward_fn(spec, **kwargs)
+
+
+@pytest.mark.parametrize("fn_name,granularity,match", [
+    ("returns_string", "sample", "returns_string returned str"),
+    ("dict_without_reward", "sample", "dict_without_reward returned a dict without a 'reward'"),
+    ("wrong_length_group", "group", "wrong_length_group must return a list with one value"),
+])
+def test_bad_return_values_name_the_function(fn_name, granularity, match):
+    fn = make_reward_fn(f"reward_fns_for_test:{fn_name}", granularity=granularity)
+    with pytest.raises(TypeError, match=match):
+        fn.score([S("a", group_id=0), S("b", group_id=0)])
+
+
+def test_non_finite_reward_is_rejected():
+    with pytest.raises(ValueError, match="returns_nan.*non-finite"):
+        make_reward_fn("reward_fns_for_test:returns_nan").score([S("a")])
