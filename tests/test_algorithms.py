@@ -136,7 +136,8 @@ def test_ppo_loss_values_clip_frac_and_gradients():
     close(metrics["clip_frac"], 2 / 5)
     close(metrics["dual_clip_frac"], 0.0)
     close(metrics["ppo_kl"], sum(-math.log(r) for r in RATIOS) / 5)
-    aggregate_loss(loss, t(MASK), torch.zeros(6, dtype=torch.long), mode="token_mean", num_tokens=1, num_seqs=1).backward()
+    seq_ids = torch.zeros(6, dtype=torch.long)
+    aggregate_loss(loss, t(MASK), seq_ids, mode="token_mean", num_tokens=1, num_seqs=1).backward()
     # d/dlogp of -A*r is -A*r where unclipped, 0 where the clip is active.
     close(logp.grad, [0.0, -0.5, 0.0, 2.2, 4.0, 0.0])
 
@@ -172,7 +173,8 @@ def test_gspo_sequence_ratio_and_token_gradients():
 def test_gspo_no_gradient_between_tokens():
     old = t([-1.0, -2.0, -0.5])
     logp = (old + t([0.01, -0.02, 0.0])).requires_grad_()
-    loss, _ = gspo_policy_loss(logp, old, t([1.0, 1.0, 1.0]), t([1, 1, 1]), torch.zeros(3, dtype=torch.long), clip_low=0.2, clip_high=0.2)
+    adv, mask, seq_ids = t([1.0, 1.0, 1.0]), t([1, 1, 1]), torch.zeros(3, dtype=torch.long)
+    loss, _ = gspo_policy_loss(logp, old, adv, mask, seq_ids, clip_low=0.2, clip_high=0.2)
     loss[0].backward()
     s = math.exp(-0.01 / 3)
     close(logp.grad, [-s, 0.0, 0.0])

@@ -176,7 +176,8 @@ def reinforce_pp_advantages(
     rows = torch.arange(keep.shape[0], device=rewards.device)
     token_rewards[rows, last] = torch.where(has_response, scores, torch.zeros_like(scores))
     if kl is not None and kl_coef != 0.0:
-        token_rewards = token_rewards - kl_coef * torch.where(keep, kl.to(rewards.dtype), torch.zeros_like(token_rewards))
+        kl = torch.where(keep, kl.to(rewards.dtype), torch.zeros_like(token_rewards))
+        token_rewards = token_rewards - kl_coef * kl
 
     returns = _masked_discounted_cumsum(token_rewards, response_mask, gamma)
     adv = masked_whiten(returns, response_mask, eps=eps)

@@ -1,0 +1,47 @@
+"""Shared fixtures: a tiny model and task written to a temp dir (no downloads), and a 2-rank launcher."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def make_task(out_dir: Path, n_train: int = 400, n_eval: int = 50) -> Path:
+    from data_tools.make_arithmetic import make_split
+
+    train, evals = make_split(n_train=n_train, n_eval=n_eval, seed=0, min_digits=1, max_digits=2)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train", train), ("eval", evals)):
+        (out_dir / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from data_tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen2", arch="qwen2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def task_dir(tmp_path_factory) -> Path:
+    return make_task(tmp_path_factory.mktemp("data") / "arith")
+
+
+def run_ranks(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Launch `args` (a script and its arguments) on `nproc` CPU ranks over gloo with torchrun."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
