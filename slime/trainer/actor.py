@@ -119,7 +119,7 @@ class Actor:
             total = loss - algo.entropy_coef * ent_loss if algo.entropy_coef else loss
             self.engine.backward(total * self.dims.dp)
             n_local = float(mask.sum())
-            sums["loss"] += float(loss)
+            sums["loss"] += loss.item()
             sums["pg_clipfrac"] += float(m["clip_frac"]) * n_local
             sums["ppo_kl"] += float(m["ppo_kl"]) * n_local
             sums["entropy"] += float((entropy.detach() * mask).sum())

