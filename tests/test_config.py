@@ -1,0 +1,84 @@
+"""Config errors name the key and the fix; overrides and --help work."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from slime.config import Config, describe, load_config
+from slime.distributed.ds_config import build_ds_config
+
+BASE = ["model.path=m", "data.path=d.jsonl"]
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {path: m}\ndata: {path: d.jsonl}\ntrain: {lr: 1e-5, num_steps: 3}\n")
+    cfg = load_config(path, ["train.num_steps=7", "rollout.reward.fn={math: 1.0, format: 0.1}"])
+    assert isinstance(cfg, Config)
+    assert cfg.train.lr == 1e-5 and cfg.train.num_steps == 7
+    assert cfg.rollout.reward.fn == {"math": 1.0, "format": 0.1}
+
+
+def test_int_is_accepted_for_float():
+    assert load_config(None, BASE + ["train.lr=1"]).train.lr == 1.0
+
+
+@pytest.mark.parametrize("override, words", [
+    ("train.lrr=1", ["unknown config key 'train.lrr'", "did you mean 'train.lr'"]),
+    ("trainer.lr=1", ["unknown config key 'trainer'"]),
+    ("train.num_steps=abc", ["train.num_steps='abc'", "integer"]),
+    ("train.num_steps=1.5", ["train.num_steps", "integer"]),
+    ("model.gradient_checkpointing=maybe", ["model.gradient_checkpointing", "true or false"]),
+    ("rollout.engine=vllm", ["rollout.engine='vllm'", "'hf'", "'sglang'"]),
+    ("rollout.n_samples_per_prompt=1", ["n_samples_per_prompt >= 2"]),
+    ("rollout.top_p=0", ["rollout.top_p"]),
+    ("train.max_tokens_per_gpu=0", ["train.max_tokens_per_gpu"]),
+    ("parallel.sp=2", ["parallel.sp"]),
+    ("train=3", ["train must be a mapping"]),
+])
+def test_bad_config_names_key(override, words):
+    with pytest.raises((ValueError, TypeError)) as err:
+        load_config(None, BASE + [override])
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_missing_required_paths():
+    with pytest.raises(ValueError, match="model.path is required"):
+        load_config(None, ["data.path=d.jsonl"])
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: {path: m, pth: x}\ndata: {path: d}\n")
+    with pytest.raises(ValueError, match="model.pth"):
+        load_config(path)
+
+
+def test_describe_lists_every_section_with_docs():
+    text = describe()
+    for section in ("[model]", "[data]", "[rollout]", "[rollout.reward]", "[algo]", "[train]", "[checkpoint]"):
+        assert section in text
+    assert "train.lr = 1e-06" in text and "Peak learning rate" in text
+
+
+def test_run_py_help_and_config_error_exit():
+    out = subprocess.run([sys.executable, "run.py", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0 and "rollout.n_samples_per_prompt" in out.stdout
+    bad = subprocess.run([sys.executable, "run.py", "--config", "examples/cpu_tiny_grpo.yaml", "train.lrr=1"],
+                         cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode != 0 and "did you mean 'train.lr'" in bad.stderr
+
+
+def test_ds_config_auto_fields_filled(tmp_path):
+    cfg = load_config(None, BASE + ["train.lr=3e-4", "train.grad_clip=0.5", "train.weight_decay=0.1"])
+    ds = build_ds_config(cfg, bf16=False)
+    assert ds["optimizer"]["params"]["lr"] == 3e-4
+    assert ds["gradient_clipping"] == 0.5 and ds["optimizer"]["params"]["weight_decay"] == 0.1
+    assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"]["enabled"] is False
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}))
+    with pytest.raises(ValueError, match="zero_optimization.reduce_bucket_size"):
+        build_ds_config(cfg, bad, bf16=False)
