@@ -79,13 +79,23 @@ class RolloutConfig:
 class AlgoConfig:
     advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = field("grpo", "How rewards become advantages.")
     normalize_std: bool = field(True, "GRPO: divide by the group's reward std.")
-    policy_loss: Literal["ppo"] = field("ppo", "Policy-gradient loss.")
+    policy_loss: Literal["ppo", "sft"] = field(
+        "ppo", "Policy-gradient loss; 'sft' trains on prompt + label (cross-entropy on response tokens, no rollout).")
     clip_low: float = field(0.2, "PPO clip range below 1.")
     clip_high: float = field(0.2, "PPO clip range above 1 (clip-higher when > clip_low).")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = field(
         "token_mean", "How per-token losses are averaged over the global batch.")
     loss_agg_constant: float = field(1.0, "Divisor for seq_mean_token_sum_norm (Dr.GRPO uses max_response_len).")
     entropy_coef: float = field(0.0, "Entropy bonus coefficient (0 = only logged).")
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    path: str | None = field(None, "Held-out prompt file (same schema as data.path); None = no evaluation.")
+    interval: int = field(5, "Evaluate every this many steps (and before the first and after the last).")
+    max_prompts: int = field(0, "Evaluate on at most this many prompts (0 = all).")
+    max_response_len: int = field(0, "Max new tokens for eval (0 = rollout.max_response_len).")
+    accuracy_threshold: float = field(1.0, "A response counts as correct when its reward is >= this.")
 
 
 @dataclasses.dataclass
@@ -148,6 +158,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
 
     def __post_init__(self):
@@ -155,7 +166,8 @@ class Config:
             raise ValueError("model.path is required: an HF model directory (e.g. model.path=assets/tiny-arith)")
         if not self.data.path:
             raise ValueError("data.path is required: a .jsonl or .parquet prompt file")
-        if self.algo.advantage_estimator in ("grpo", "dr_grpo", "rloo") and self.rollout.n_samples_per_prompt < 2:
+        if self.algo.policy_loss != "sft" and self.algo.advantage_estimator in ("grpo", "dr_grpo", "rloo") \
+                and self.rollout.n_samples_per_prompt < 2:
             raise ValueError(f"algo.advantage_estimator={self.algo.advantage_estimator} needs "
                              "rollout.n_samples_per_prompt >= 2 (a group baseline of one sample is zero)")
 

@@ -24,7 +24,7 @@ def test_two_rank_grpo_run_writes_metrics_checkpoint_and_export(tiny_model, task
     run_dir = tmp_path / "run"
     proc = launch(tiny_model, task_dir, run_dir, "train.num_steps=2")
     rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     for key in ("rollout/reward_mean", "rollout/reward_std", "rollout/response_len", "train/pg_clipfrac",
                 "train/ppo_kl", "train/entropy", "train/grad_norm", "train/lr", "time/rollout", "time/train",
                 "time/sync", "perf/train_tokens_per_s"):
@@ -41,7 +41,7 @@ def test_resume_reproduces_next_step_metrics(tiny_model, task_dir, tmp_path):
     launch(tiny_model, task_dir, resumed, "train.num_steps=2", "checkpoint.export_hf=false")
     launch(tiny_model, task_dir, resumed, "train.num_steps=3", "checkpoint.export_hf=false")
     a, b = read_metrics(straight), read_metrics(resumed)
-    assert [r["step"] for r in b] == [0, 1, 2]
+    assert [r["step"] for r in b] == [1, 2, 3]
     assert b[2]["train/grad_norm"] > 0
     for key, value in a[2].items():
         if not key.startswith(TIME_KEYS):

@@ -132,3 +132,16 @@ def to_samples(prompts: list[Prompt], n: int, first_group_id: int) -> list[Sampl
     return [Sample(prompt_ids=list(p.prompt_ids), prompt_text=p.prompt_text, label=p.label,
                    metadata=dict(p.metadata), group_id=first_group_id + g)
             for g, p in enumerate(prompts) for _ in range(n)]
+
+
+def sft_samples(prompts: list[Prompt], tokenizer) -> list[Sample]:
+    """Supervised samples: the label's text followed by EOS is the response to learn."""
+    samples = []
+    for p in prompts:
+        if p.label is None:
+            raise ValueError(f"SFT needs a label for every prompt; row {p.index} has none (data.label_key)")
+        target = tokenizer(str(p.label), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        samples.append(Sample(prompt_ids=list(p.prompt_ids), response_ids=target, prompt_text=p.prompt_text,
+                              response_text=str(p.label), label=p.label, metadata=dict(p.metadata),
+                              group_id=p.index, finish_reason="stop"))
+    return samples

@@ -90,7 +90,7 @@ class Actor:
 
     # -- training -------------------------------------------------------------------------------
 
-    def forward_backward(self, samples: Sequence[Sample], old_logprobs: Sequence[Sequence[float]]) -> dict:
+    def forward_backward(self, samples: Sequence[Sample], old_logprobs: Sequence[Sequence[float]] | None) -> dict:
         """Accumulate gradients of one optimizer step's loss over this rank's micro-batches.
 
         `samples` is the step's GLOBAL batch (identical on every rank); this rank packs and
@@ -109,10 +109,14 @@ class Actor:
             mb = build_micro_batch(samples, idx)
             self.engine.set_gradient_accumulation_boundary(k == len(my_plan) - 1)
             logp, entropy = self._forward(mb)
-            old = mb.token_values([old_logprobs[i] for i in idx]).to(logp.device)
-            adv = mb.token_values([[samples[i].advantage] * len(samples[i].response_ids) for i in idx]).to(logp.device)
             mask, seq_ids = mb.loss_mask.to(logp.device), mb.seq_ids.to(logp.device)
-            per_token, m = ppo_policy_loss(logp, old, adv, mask, clip_low=algo.clip_low, clip_high=algo.clip_high)
+            if algo.policy_loss == "sft":
+                per_token, m = -logp, {"clip_frac": 0.0, "ppo_kl": 0.0}
+            else:
+                old = mb.token_values([old_logprobs[i] for i in idx]).to(logp.device)
+                adv = mb.token_values([[samples[i].advantage] * len(samples[i].response_ids) for i in idx])
+                per_token, m = ppo_policy_loss(logp, old, adv.to(logp.device), mask,
+                                               clip_low=algo.clip_low, clip_high=algo.clip_high)
             agg = dict(mode=algo.loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, constant=algo.loss_agg_constant)
             loss = aggregate_loss(per_token, mask, seq_ids, **agg)
             ent_loss = aggregate_loss(entropy, mask, seq_ids, **agg)
@@ -133,7 +137,7 @@ class Actor:
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else float("nan")
 
-    def train(self, samples: Sequence[Sample], old_logprobs: Sequence[Sequence[float]]) -> dict:
+    def train(self, samples: Sequence[Sample], old_logprobs: Sequence[Sequence[float]] | None) -> dict:
         """One rollout batch: num_mini_batches optimizer steps. Returns global metrics."""
         n_mini = self.cfg.train.num_mini_batches
         if len(samples) < n_mini * self.dims.dp:
@@ -142,7 +146,7 @@ class Actor:
         totals: dict[str, float] = {}
         grad_norms = []
         for a, b in zip(bounds[:-1], bounds[1:]):
-            sums = self.forward_backward(samples[a:b], old_logprobs[a:b])
+            sums = self.forward_backward(samples[a:b], old_logprobs[a:b] if old_logprobs else None)
             grad_norms.append(self.optimizer_step())
             for key, value in sums.items():
                 totals[key] = totals.get(key, 0.0) + value

@@ -1,4 +1,7 @@
-"""The RL loop every rank runs (SPMD): rollout -> advantages -> old logprobs -> update -> weight sync."""
+"""The loop every rank runs (SPMD): rollout -> advantages -> old logprobs -> update -> weight sync.
+
+With algo.policy_loss=sft the rollout is replaced by the prompts' labels as responses.
+"""
 from __future__ import annotations
 
 import logging
@@ -10,15 +13,17 @@ import numpy as np
 import torch
 
 from slime.config import Config
+from slime.data.prompts import PromptSource, sft_samples
 from slime.distributed.parallel_dims import ParallelDims
 from slime.models.loading import load_tokenizer
-from slime.data.prompts import PromptSource
 from slime.rollout.engine import make_engine
 from slime.rollout.rewards import make_reward_fn
 from slime.rollout.rollout import compute_advantages, generate_rollout, sampling_params
 from slime.trainer.actor import Actor
 from slime.trainer.checkpoint import load_checkpoint, save_checkpoint
+from slime.trainer.evaluate import evaluate, load_eval_prompts
 from slime.utils.metrics import MetricsLogger
+from slime.utils.plot import plot_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -45,17 +50,24 @@ def rollout_metrics(samples, dims: ParallelDims) -> dict:
             "rollout/response_len": length / n, "rollout/truncated_frac": trunc / n, "rollout/gen_tokens": length}
 
 
+def logprob_metrics(samples, old_logprobs) -> dict:
+    """How far the trainer's logprobs are from the engine's (rollout/training mismatch)."""
+    diffs = [abs(a - b) for s, lp in zip(samples, old_logprobs) for a, b in zip(lp, s.rollout_logprobs)]
+    return {"rollout/train_logprob_abs_diff": sum(diffs) / max(len(diffs), 1)}
+
+
 def run(cfg: Config) -> dict:
-    """Train for cfg.train.num_steps; returns the last step's metrics."""
+    """Train for cfg.train.num_steps; returns the last logged metrics."""
     dims = ParallelDims.build(sp=cfg.parallel.sp, ep=cfg.parallel.ep)
     seed_everything(cfg.train.seed + dims.rank)  # per-rank sampling streams, reproducible
-    run_dir = Path(cfg.log.run_dir)
+    run_dir, sft = Path(cfg.log.run_dir), cfg.algo.policy_loss == "sft"
     ckpt_dir = run_dir / "checkpoints"
     tokenizer = load_tokenizer(cfg.model)
     data = PromptSource(cfg.data, tokenizer, batch_size=cfg.rollout.batch_size, dp_rank=dims.dp_rank,
                         dp_size=dims.dp, seed=cfg.train.seed)
+    eval_prompts = load_eval_prompts(cfg, tokenizer, dims) if cfg.eval.path else None
     actor = Actor(cfg, dims)
-    engine = make_engine(cfg.rollout, cfg.model, tokenizer, dims)
+    engine = make_engine(cfg.rollout, cfg.model, tokenizer, dims) if not sft or eval_prompts else None
     reward_fn = make_reward_fn(cfg.rollout.reward.fn, granularity=cfg.rollout.reward.granularity)
     params = sampling_params(cfg.rollout)
 
@@ -65,48 +77,62 @@ def run(cfg: Config) -> dict:
         if state is not None:
             start_step = state["step"]
             data.load_state_dict(state["data"])
-    sync_weights(actor, engine, version=start_step)  # the engine starts from the trainer's weights
+    if engine is not None:
+        sync_weights(actor, engine, version=start_step)  # the engine starts from the trainer's weights
 
     log = MetricsLogger(cfg.log, run_config=cfg.to_dict(), enabled=dims.is_main, total_steps=cfg.train.num_steps)
-    logger.info("training %d steps on %d rank(s): %d prompts x %d samples per step, %d prompts dropped as too long",
-                cfg.train.num_steps - start_step, dims.world_size, cfg.rollout.batch_size,
-                cfg.rollout.n_samples_per_prompt, data.num_too_long)
+    logger.info("%s for %d steps on %d rank(s): %d prompts x %d samples per step; %d prompts dropped as too long",
+                "SFT" if sft else "RL", cfg.train.num_steps - start_step, dims.world_size, cfg.rollout.batch_size,
+                1 if sft else cfg.rollout.n_samples_per_prompt, data.num_too_long)
+
+    def maybe_eval(done: int) -> None:
+        last = done == cfg.train.num_steps
+        if eval_prompts is not None and (done == start_step or last or done % cfg.eval.interval == 0):
+            log.log(done, evaluate(engine, eval_prompts, cfg, tokenizer, reward_fn, dims))
+
+    maybe_eval(start_step)
     metrics: dict = {}
     per_rank = cfg.rollout.batch_size // dims.dp
     for step in range(start_step, cfg.train.num_steps):
         t0 = time.time()
         prompts = data.next_batch()
-        engine.wake()
-        samples = generate_rollout(engine, prompts, params, tokenizer, reward_fn,
-                                   first_group_id=step * cfg.rollout.batch_size + dims.dp_rank * per_rank)
-        engine.sleep()
-        t_rollout = time.time() - t0
-        metrics = {**rollout_metrics(samples, dims), **compute_advantages(samples, cfg.algo)}
+        if sft:
+            samples = sft_samples(prompts, tokenizer)
+            metrics = {}
+        else:
+            engine.wake()
+            samples = generate_rollout(engine, prompts, params, tokenizer, reward_fn,
+                                       first_group_id=step * cfg.rollout.batch_size + dims.dp_rank * per_rank)
+            engine.sleep()
+            metrics = {**rollout_metrics(samples, dims), **compute_advantages(samples, cfg.algo),
+                       "time/rollout": time.time() - t0}
 
         t1 = time.time()
         global_batch = [s for part in dims.all_gather_objects(samples) for s in part]
-        old_logprobs = actor.compute_logprobs(global_batch)
-        metrics.update(logprob_metrics(global_batch, old_logprobs))
+        old_logprobs = None
+        if not sft:
+            old_logprobs = actor.compute_logprobs(global_batch)
+            metrics.update(logprob_metrics(global_batch, old_logprobs))
         metrics.update(actor.train(global_batch, old_logprobs))
         t_train = time.time() - t1
 
-        metrics.update(sync_weights(actor, engine, version=step + 1))
-        metrics.update({"time/rollout": t_rollout, "time/train": t_train, "time/step": time.time() - t0,
-                        "perf/train_tokens_per_s": metrics["train/tokens"] / t_train,
-                        "perf/gen_tokens_per_s": metrics["rollout/gen_tokens"] / t_rollout})
-        log.log(step, metrics)
         done = step + 1
+        if engine is not None and (not sft or (eval_prompts and (done % cfg.eval.interval == 0 or
+                                                                 done == cfg.train.num_steps))):
+            metrics.update(sync_weights(actor, engine, version=done))
+        metrics.update({"time/train": t_train, "time/step": time.time() - t0,
+                        "perf/train_tokens_per_s": metrics["train/tokens"] / t_train})
+        log.log(done, metrics)
+        maybe_eval(done)
         if (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0) or \
                 (cfg.checkpoint.save_final and done == cfg.train.num_steps):
             save_checkpoint(actor.engine, ckpt_dir, step=done, loop_state={"data": data.state_dict()}, rank=dims.rank)
     if cfg.checkpoint.export_hf and start_step < cfg.train.num_steps:
         actor.export_hf(str(run_dir / "hf"), tokenizer)
     log.close()
-    engine.shutdown()
+    if dims.is_main and (run_dir / "metrics.jsonl").is_file():
+        plot = plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")
+        logger.info("metrics: %s, plot: %s", run_dir / "metrics.jsonl", plot)
+    if engine is not None:
+        engine.shutdown()
     return metrics
-
-
-def logprob_metrics(samples, old_logprobs) -> dict:
-    """How far the trainer's logprobs are from the engine's (rollout/training mismatch)."""
-    diffs = [abs(a - b) for s, lp in zip(samples, old_logprobs) for a, b in zip(lp, s.rollout_logprobs)]
-    return {"rollout/train_logprob_abs_diff": sum(diffs) / max(len(diffs), 1)}

@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 CONSOLE_KEYS = [("rollout/reward_mean", "reward"), ("rollout/response_len", "len"), ("train/loss", "loss"),
                 ("train/entropy", "ent"), ("train/pg_clipfrac", "clip"), ("train/grad_norm", "gnorm"),
-                ("eval/accuracy", "eval_acc"), ("time/step", "s/step")]
+                ("eval/accuracy", "acc"), ("eval/reward_mean", "eval_reward")]
 
 
 class MetricsLogger:
@@ -21,7 +21,7 @@ class MetricsLogger:
 
     def __init__(self, cfg: LogConfig, *, run_config: dict, enabled: bool, total_steps: int):
         self.enabled, self.total_steps = enabled, total_steps
-        self.start, self.steps_done = time.time(), 0
+        self.start, self.steps_done, self.first_step = time.time(), 0, None
         self._wandb = self._tb = None
         self._file = None
         if not enabled:
@@ -45,7 +45,6 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        self.steps_done += 1
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
@@ -54,10 +53,16 @@ class MetricsLogger:
         if self._tb is not None:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)
-        elapsed = time.time() - self.start
-        eta = elapsed / self.steps_done * (self.total_steps - step - 1)
         shown = " ".join(f"{short}={metrics[key]:.4g}" for key, short in CONSOLE_KEYS if key in metrics)
-        logger.info("step %d/%d %s | eta %s", step + 1, self.total_steps, shown, _fmt_time(eta))
+        if not any(k.startswith("train/") for k in metrics):  # an evaluation record
+            logger.info("eval after step %d/%d: %s", step, self.total_steps, shown)
+            return
+        self.steps_done += 1
+        if self.first_step is None:
+            self.first_step, self.start = step - 1, time.time() - metrics.get("time/step", 0.0)
+        rate = (time.time() - self.start) / (step - self.first_step)
+        logger.info("step %d/%d %s | %.2fs/step eta %s", step, self.total_steps, shown, rate,
+                    _fmt_time(rate * (self.total_steps - step)))
 
     def close(self) -> None:
         if self._file:

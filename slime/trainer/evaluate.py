@@ -1,0 +1,31 @@
+"""Greedy evaluation on a held-out prompt file: accuracy and mean reward over every dp rank's share."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from slime.config import Config
+from slime.data.prompts import Prompt, load_prompts
+from slime.distributed.parallel_dims import ParallelDims
+from slime.rollout.engine import SamplingParams
+from slime.rollout.rollout import generate_rollout
+
+
+def load_eval_prompts(cfg: Config, tokenizer, dims: ParallelDims) -> list[Prompt]:
+    """This rank's slice of the eval file (the first eval.max_prompts prompts, split over dp)."""
+    prompts, _ = load_prompts(cfg.data, tokenizer, path=cfg.eval.path)
+    if cfg.eval.max_prompts:
+        prompts = prompts[:cfg.eval.max_prompts]
+    return prompts[dims.dp_rank::dims.dp]
+
+
+def evaluate(engine, prompts: list[Prompt], cfg: Config, tokenizer, reward_fn, dims: ParallelDims) -> dict:
+    start = time.time()
+    params = SamplingParams(max_new_tokens=cfg.eval.max_response_len or cfg.rollout.max_response_len,
+                            temperature=0.0, stop_token_ids=tuple(cfg.rollout.stop_token_ids), n=1)
+    samples = generate_rollout(engine, prompts, params, tokenizer, reward_fn, first_group_id=0) if prompts else []
+    n, correct, reward, length = dims.all_reduce_sum([
+        len(samples), sum(s.reward >= cfg.eval.accuracy_threshold for s in samples),
+        sum(s.reward for s in samples), sum(len(s.response_ids) for s in samples)])
+    return {"eval/accuracy": correct / n, "eval/reward_mean": reward / n, "eval/response_len": length / n,
+            "eval/num_prompts": n, "time/eval": time.time() - start}

@@ -1,0 +1,51 @@
+"""Plot a run's metrics.jsonl: one panel per metric over steps, written as a PNG.
+
+    python -m slime.utils.plot runs/cpu_tiny_grpo/metrics.jsonl [--out metrics.png]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+DEFAULT_KEYS = ["rollout/reward_mean", "eval/accuracy", "eval/reward_mean", "rollout/response_len", "train/loss",
+                "train/entropy"]
+
+
+def plot_metrics(metrics_path: str | Path, out_path: str | Path, keys: list[str] = DEFAULT_KEYS) -> Path | None:
+    """Write the PNG; panels only for keys that appear in the file. Returns the path (None if nothing to plot)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    series = {k: [(r["step"], r[k]) for r in rows if k in r] for k in keys}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return None
+    fig, axes = plt.subplots(len(series), 1, figsize=(7, 2.2 * len(series)), sharex=True, squeeze=False)
+    for ax, (key, points) in zip(axes[:, 0], series.items()):
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker="o", markersize=3)
+        ax.set_ylabel(key.split("/")[-1])
+        ax.set_title(key, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("training step")
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+    return Path(out_path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("metrics", help="metrics.jsonl of a run")
+    ap.add_argument("--out", help="output PNG (default: metrics.png beside the jsonl)")
+    args = ap.parse_args()
+    out = plot_metrics(args.metrics, args.out or Path(args.metrics).with_name("metrics.png"))
+    print(out or "nothing to plot")
+
+
+if __name__ == "__main__":
+    main()
