@@ -54,6 +54,13 @@ class RewardConfig:
 
 
 @dataclasses.dataclass
+class OverlongPenaltyConfig:
+    max_len: int = field(0, "DAPO overlong penalty: responses longer than max_len - buffer_len lose reward (0 = off).")
+    buffer_len: int = field(0, "Length of the linear penalty ramp before max_len.")
+    factor: float = field(1.0, "Penalty at and beyond max_len.")
+
+
+@dataclasses.dataclass
 class RolloutConfig:
     engine: Literal["hf", "sglang"] = field("hf", "Generation engine: in-process HF transformers or SGLang servers.")
     batch_size: int = field(8, "Prompts per step over all data-parallel ranks.")
@@ -65,8 +72,14 @@ class RolloutConfig:
     gen_batch_size: int = field(64, "hf engine: sequences generated per forward batch.")
     sync_bucket_mb: float = field(64.0, "Size of the parameter buckets gathered and pushed to the engine.")
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    dynamic_sampling: bool = field(False, "DAPO: drop groups whose rewards are all equal and sample more prompts.")
+    max_sampling_attempts: int = field(4, "Dynamic sampling: rollouts per step at most before training on what is kept.")
+    over_sample_factor: float = field(1.0, "Draw this many times the prompts still needed per sampling attempt.")
+    overlong_penalty: OverlongPenaltyConfig = dataclasses.field(default_factory=OverlongPenaltyConfig)
 
     def __post_init__(self):
+        if self.over_sample_factor < 1:
+            raise ValueError("rollout.over_sample_factor must be >= 1")
         if self.batch_size < 1 or self.n_samples_per_prompt < 1:
             raise ValueError("rollout.batch_size and rollout.n_samples_per_prompt must be >= 1")
         if not 0 < self.top_p <= 1:
@@ -76,17 +89,63 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass
+class TISConfig:
+    level: Literal["off", "token", "sequence", "geometric"] = field(
+        "off", "Rollout/training mismatch correction: importance weight exp(logp_old - logp_rollout) at this level.")
+    mode: Literal["truncate", "mask"] = field("truncate", "Clamp weights into [low, high], or zero tokens outside it.")
+    low: float = field(0.0, "Lower bound of the importance weight.")
+    high: float = field(2.0, "Upper bound of the importance weight.")
+
+
+@dataclasses.dataclass
+class CriticConfig:
+    path: str | None = field(None, "Critic initialisation (HF dir); None = the actor's model.path.")
+    lr: float = field(1e-5, "Critic learning rate.")
+    value_clip: float = field(0.2, "Clip range of the value update around the old values.")
+    value_loss_coef: float = field(0.5, "Weight of the value loss.")
+    warmup_steps: int = field(0, "Steps in which only the critic trains.")
+
+
+@dataclasses.dataclass
 class AlgoConfig:
-    advantage_estimator: Literal["grpo", "dr_grpo", "rloo"] = field("grpo", "How rewards become advantages.")
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = field(
+        "grpo", "How rewards become advantages (gae trains a critic).")
     normalize_std: bool = field(True, "GRPO: divide by the group's reward std.")
-    policy_loss: Literal["ppo", "sft"] = field(
-        "ppo", "Policy-gradient loss; 'sft' trains on prompt + label (cross-entropy on response tokens, no rollout).")
-    clip_low: float = field(0.2, "PPO clip range below 1.")
-    clip_high: float = field(0.2, "PPO clip range above 1 (clip-higher when > clip_low).")
+    policy_loss: Literal["ppo", "gspo", "cispo", "sft"] = field(
+        "ppo", "Policy loss; 'sft' trains on prompt + label (cross-entropy on response tokens, no rollout).")
+    clip_low: float | None = field(0.2, "Clip range below ratio 1 (null = no lower bound, CISPO).")
+    clip_high: float = field(0.2, "Clip range above ratio 1 (clip-higher when > clip_low).")
+    dual_clip: float | None = field(None, "Dual-clip constant c > 1 bounding the loss of negative advantages.")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = field(
         "token_mean", "How per-token losses are averaged over the global batch.")
     loss_agg_constant: float = field(1.0, "Divisor for seq_mean_token_sum_norm (Dr.GRPO uses max_response_len).")
     entropy_coef: float = field(0.0, "Entropy bonus coefficient (0 = only logged).")
+    use_reference: bool = field(False, "Keep a frozen reference model (implied by kl_coef > 0); KL to it is logged.")
+    kl_coef: float = field(0.0, "KL coefficient (loss term with use_kl_loss, else reward penalty with kl_in_reward).")
+    use_kl_loss: bool = field(False, "Add kl_coef * KL(policy || reference) to the loss.")
+    kl_in_reward: bool = field(False, "Subtract kl_coef * KL from the rewards instead.")
+    kl_estimator: Literal["k1", "k2", "k3"] = field("k3", "KL estimator (k3: low-variance, clamped).")
+    gamma: float = field(1.0, "Discount for token-level estimators (REINFORCE++, GAE).")
+    lam: float = field(0.95, "GAE lambda.")
+    tis: TISConfig = dataclasses.field(default_factory=TISConfig)
+    critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
+
+    def __post_init__(self):
+        if self.use_kl_loss and self.kl_in_reward:
+            raise ValueError("algo.use_kl_loss and algo.kl_in_reward are exclusive; pick where the KL goes")
+        if (self.use_kl_loss or self.kl_in_reward) and self.kl_coef <= 0:
+            raise ValueError("algo.use_kl_loss / algo.kl_in_reward need algo.kl_coef > 0")
+        if self.clip_low is None and self.policy_loss != "cispo":
+            raise ValueError(f"algo.clip_low=null (no lower bound) is only meaningful for policy_loss=cispo, "
+                             f"not {self.policy_loss}; give a number")
+        if self.dual_clip is not None and (self.dual_clip <= 1 or self.policy_loss != "ppo"):
+            raise ValueError("algo.dual_clip must be > 1 and needs algo.policy_loss=ppo")
+        if self.tis.level != "off" and not 0 <= self.tis.low < self.tis.high:
+            raise ValueError("algo.tis needs 0 <= low < high")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.use_reference or self.kl_coef > 0
 
 
 @dataclasses.dataclass

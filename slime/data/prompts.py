@@ -110,13 +110,16 @@ class PromptSource:
             random.Random(self.seed * 100003 + self.epoch).shuffle(order)
         return order
 
-    def next_batch(self) -> list[Prompt]:
-        """This rank's share of the next global batch (batch_size / dp prompts); epochs roll over."""
-        if self.offset + self.batch_size > len(self._order):  # drop the ragged tail of an epoch
+    def next_batch(self, n: int | None = None) -> list[Prompt]:
+        """This rank's share of the next n prompts (default rollout.batch_size); epochs roll over."""
+        n = n or self.batch_size
+        if n % self.dp_size or n > len(self._order):
+            raise ValueError(f"cannot draw {n} prompts over {self.dp_size} ranks from {len(self._order)}")
+        if self.offset + n > len(self._order):  # drop the ragged tail of an epoch
             self.epoch, self.offset = self.epoch + 1, 0
             self._order = self._make_order()
-        ids = self._order[self.offset:self.offset + self.batch_size]
-        self.offset += self.batch_size
+        ids = self._order[self.offset:self.offset + n]
+        self.offset += n
         return [self.prompts[i] for i in ids[self.dp_rank::self.dp_size]]
 
     def state_dict(self) -> dict:

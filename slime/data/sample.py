@@ -24,7 +24,14 @@ class Sample:
     """Ground truth for rule-based rewards (answer string, list of answers, ...)."""
     metadata: dict = dataclasses.field(default_factory=dict)
     reward: float = 0.0
-    advantage: float = 0.0
+    advantages: list[float] | None = None
+    """Per-response-token advantages (sequence-level estimators repeat one value)."""
+    old_logprobs: list[float] | None = None
+    """Trainer-side logprobs under the weights that generated the batch (PPO's pi_old)."""
+    ref_logprobs: list[float] | None = None
+    values: list[float] | None = None
+    """Critic values at each response position (PPO/GAE)."""
+    returns: list[float] | None = None
     group_id: int = 0
     """Samples of the same prompt share a group id (GRPO/RLOO baselines are per group)."""
     index: int = 0

@@ -1,14 +1,18 @@
-"""One rollout: prompts -> n responses each -> rewards -> advantages, all on this rank's share."""
+"""Rollout on this rank's share: prompts -> n responses each -> rewards (+ DAPO shaping and filtering).
+
+Dynamic sampling (DAPO) runs in lockstep on every rank: each attempt draws prompts, generates,
+drops groups whose rewards are all equal, and all ranks agree (all-reduce) whether the global
+batch is full. The kept groups are then gathered and cut to exactly rollout.batch_size groups.
+"""
 from __future__ import annotations
 
 import logging
+import math
 
-import torch
-
-from slime.algorithms.advantages import grpo_advantages, rloo_advantages
-from slime.config import AlgoConfig, RolloutConfig
-from slime.data.prompts import Prompt
+from slime.config import RolloutConfig
+from slime.data.prompts import Prompt, PromptSource
 from slime.data.sample import Sample
+from slime.distributed.parallel_dims import ParallelDims
 from slime.rollout.engine import RolloutEngine, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -36,18 +40,72 @@ def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: Sampl
     return samples
 
 
-def compute_advantages(samples: list[Sample], cfg: AlgoConfig) -> dict:
-    """Set `sample.advantage` from rewards (sequence-level estimators); returns metrics."""
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    groups = torch.tensor([s.group_id for s in samples], dtype=torch.long)
-    if cfg.advantage_estimator == "grpo":
-        adv, metrics = grpo_advantages(rewards, groups, normalize_std=cfg.normalize_std)
-    elif cfg.advantage_estimator == "dr_grpo":
-        adv, metrics = grpo_advantages(rewards, groups, normalize_std=False)
-    elif cfg.advantage_estimator == "rloo":
-        adv, metrics = rloo_advantages(rewards, groups)
-    else:
-        raise ValueError(f"algo.advantage_estimator={cfg.advantage_estimator!r} is not supported")
-    for sample, a in zip(samples, adv.tolist()):
-        sample.advantage = a
-    return {k: float(v) for k, v in metrics.items()}
+def overlong_penalty(length: int, *, max_len: int, buffer_len: int, factor: float) -> float:
+    """DAPO's soft overlong punishment: 0 up to max_len - buffer_len, then a linear ramp to -factor."""
+    if max_len <= 0 or length <= max_len - buffer_len:
+        return 0.0
+    if length > max_len or buffer_len == 0:
+        return -factor
+    return factor * ((max_len - buffer_len) - length) / buffer_len
+
+
+def groups_with_signal(samples: list[Sample]) -> list[list[Sample]]:
+    """Groups (in order) whose rewards are not all equal: the ones with a non-zero GRPO advantage."""
+    groups: dict[int, list[Sample]] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    return [g for g in groups.values() if max(s.reward for s in g) > min(s.reward for s in g)]
+
+
+def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfig, tokenizer, reward_fn,
+                    dims: ParallelDims, *, step: int) -> tuple[list[Sample], dict]:
+    """The step's GLOBAL batch (identical on every rank) and rollout metrics."""
+    params = sampling_params(cfg)
+    kept: list[Sample] = []  # this rank's kept samples
+    generated: list[Sample] = []
+    attempts, n_kept_groups = 0, 0
+    engine.wake()
+    while True:
+        need = cfg.batch_size - n_kept_groups
+        n_prompts = math.ceil(need * cfg.over_sample_factor / dims.dp) * dims.dp if cfg.dynamic_sampling else None
+        prompts = data.next_batch(n_prompts)
+        first = (step * cfg.max_sampling_attempts + attempts) * 10**6 + dims.dp_rank * len(prompts)
+        samples = generate_rollout(engine, prompts, params, tokenizer, reward_fn, first_group_id=first)
+        if cfg.overlong_penalty.max_len:
+            op = cfg.overlong_penalty
+            for s in samples:
+                s.reward += overlong_penalty(len(s.response_ids), max_len=op.max_len, buffer_len=op.buffer_len,
+                                             factor=op.factor)
+        generated += samples
+        attempts += 1
+        if not cfg.dynamic_sampling:
+            kept = samples
+            break
+        mine = groups_with_signal(samples)
+        kept += [s for g in mine for s in g]
+        n_kept_groups += int(dims.all_reduce_sum([len(mine)])[0])
+        if n_kept_groups >= cfg.batch_size or attempts >= cfg.max_sampling_attempts:
+            break
+    engine.sleep()
+    batch = [s for part in dims.all_gather_objects(kept) for s in part]
+    if cfg.dynamic_sampling:
+        group_order = list(dict.fromkeys(s.group_id for s in batch))[:cfg.batch_size]
+        chosen = set(group_order)
+        batch = [s for s in batch if s.group_id in chosen]
+        if len(group_order) < cfg.batch_size:
+            logger.warning("dynamic sampling kept %d of %d groups after %d attempts (rollout.max_sampling_attempts)",
+                           len(group_order), cfg.batch_size, attempts)
+    metrics = rollout_metrics(generated, dims)
+    metrics.update({"rollout/sampling_attempts": attempts, "rollout/kept_groups": len(set(s.group_id for s in batch)),
+                    "rollout/kept_samples": len(batch)})
+    return batch, metrics
+
+
+def rollout_metrics(samples: list[Sample], dims: ParallelDims) -> dict:
+    """Global means over every rank's generated samples (before any filtering)."""
+    n, r, r2, length, trunc = dims.all_reduce_sum([
+        len(samples), sum(s.reward for s in samples), sum(s.reward ** 2 for s in samples),
+        sum(len(s.response_ids) for s in samples), sum(s.finish_reason == "length" for s in samples)])
+    mean = r / n
+    return {"rollout/reward_mean": mean, "rollout/reward_std": max(r2 / n - mean ** 2, 0.0) ** 0.5,
+            "rollout/response_len": length / n, "rollout/truncated_frac": trunc / n, "rollout/gen_tokens": length}

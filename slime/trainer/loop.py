@@ -18,8 +18,10 @@ from slime.distributed.parallel_dims import ParallelDims
 from slime.models.loading import load_tokenizer
 from slime.rollout.engine import make_engine
 from slime.rollout.rewards import make_reward_fn
-from slime.rollout.rollout import compute_advantages, generate_rollout, sampling_params
-from slime.trainer.actor import Actor
+from slime.rollout.rollout import collect_rollout
+from slime.trainer.actor import Actor, Reference
+from slime.trainer.advantages import compute_advantages
+from slime.trainer.critic import Critic
 from slime.trainer.checkpoint import load_checkpoint, save_checkpoint
 from slime.trainer.evaluate import evaluate, load_eval_prompts
 from slime.utils.metrics import MetricsLogger
@@ -40,20 +42,27 @@ def sync_weights(actor: Actor, engine, version: int) -> dict:
     return {"time/sync": time.time() - start}
 
 
-def rollout_metrics(samples, dims: ParallelDims) -> dict:
-    """Global means over every rank's samples."""
-    n, r, r2, length, trunc = dims.all_reduce_sum([
-        len(samples), sum(s.reward for s in samples), sum(s.reward ** 2 for s in samples),
-        sum(len(s.response_ids) for s in samples), sum(s.finish_reason == "length" for s in samples)])
-    mean = r / n
-    return {"rollout/reward_mean": mean, "rollout/reward_std": max(r2 / n - mean ** 2, 0.0) ** 0.5,
-            "rollout/response_len": length / n, "rollout/truncated_frac": trunc / n, "rollout/gen_tokens": length}
+def logprob_metrics(samples) -> dict:
+    """How far the trainer's logprobs are from the engine's (rollout/training mismatch), and KL to the reference."""
+    diffs = [abs(a - b) for s in samples for a, b in zip(s.old_logprobs, s.rollout_logprobs)]
+    out = {"rollout/train_logprob_abs_diff": sum(diffs) / max(len(diffs), 1)}
+    if samples[0].ref_logprobs is not None:
+        kl = [a - b for s in samples for a, b in zip(s.old_logprobs, s.ref_logprobs)]
+        out["rollout/kl_ref_k1"] = sum(kl) / max(len(kl), 1)
+    return out
 
 
-def logprob_metrics(samples, old_logprobs) -> dict:
-    """How far the trainer's logprobs are from the engine's (rollout/training mismatch)."""
-    diffs = [abs(a - b) for s, lp in zip(samples, old_logprobs) for a, b in zip(lp, s.rollout_logprobs)]
-    return {"rollout/train_logprob_abs_diff": sum(diffs) / max(len(diffs), 1)}
+def score_batch(batch, cfg: Config, actor: Actor, ref: Reference | None, critic: Critic | None) -> dict:
+    """Everything the loss needs before the update: pi_old and reference logprobs, values, advantages."""
+    for s, lp in zip(batch, actor.compute_logprobs(batch)):
+        s.old_logprobs = lp
+    if ref is not None:
+        for s, lp in zip(batch, ref.compute_logprobs(batch)):
+            s.ref_logprobs = lp
+    if critic is not None:
+        for s, v in zip(batch, critic.compute_values(batch)):
+            s.values = v
+    return {**compute_advantages(batch, cfg.algo), **logprob_metrics(batch)}
 
 
 def run(cfg: Config) -> dict:
@@ -67,13 +76,16 @@ def run(cfg: Config) -> dict:
                         dp_size=dims.dp, seed=cfg.train.seed)
     eval_prompts = load_eval_prompts(cfg, tokenizer, dims) if cfg.eval.path else None
     actor = Actor(cfg, dims)
+    ref = Reference(cfg, dims) if cfg.algo.needs_reference and not sft else None
+    critic = Critic(cfg, dims) if cfg.algo.advantage_estimator == "gae" and not sft else None
     engine = make_engine(cfg.rollout, cfg.model, tokenizer, dims) if not sft or eval_prompts else None
     reward_fn = make_reward_fn(cfg.rollout.reward.fn, granularity=cfg.rollout.reward.granularity)
-    params = sampling_params(cfg.rollout)
 
     start_step = 0
     if cfg.checkpoint.resume:
         state = load_checkpoint(actor.engine, ckpt_dir, rank=dims.rank)
+        if state is not None and critic is not None:
+            critic.engine.load_checkpoint(str(ckpt_dir / "critic"))
         if state is not None:
             start_step = state["step"]
             data.load_state_dict(state["data"])
@@ -92,41 +104,40 @@ def run(cfg: Config) -> dict:
 
     maybe_eval(start_step)
     metrics: dict = {}
-    per_rank = cfg.rollout.batch_size // dims.dp
     for step in range(start_step, cfg.train.num_steps):
         t0 = time.time()
-        prompts = data.next_batch()
         if sft:
-            samples = sft_samples(prompts, tokenizer)
+            batch = [s for part in dims.all_gather_objects(sft_samples(data.next_batch(), tokenizer)) for s in part]
             metrics = {}
         else:
-            engine.wake()
-            samples = generate_rollout(engine, prompts, params, tokenizer, reward_fn,
-                                       first_group_id=step * cfg.rollout.batch_size + dims.dp_rank * per_rank)
-            engine.sleep()
-            metrics = {**rollout_metrics(samples, dims), **compute_advantages(samples, cfg.algo),
-                       "time/rollout": time.time() - t0}
+            batch, metrics = collect_rollout(engine, data, cfg.rollout, tokenizer, reward_fn, dims, step=step)
+            metrics["time/rollout"] = time.time() - t0
 
         t1 = time.time()
-        global_batch = [s for part in dims.all_gather_objects(samples) for s in part]
-        old_logprobs = None
         if not sft:
-            old_logprobs = actor.compute_logprobs(global_batch)
-            metrics.update(logprob_metrics(global_batch, old_logprobs))
-        metrics.update(actor.train(global_batch, old_logprobs))
+            metrics.update(score_batch(batch, cfg, actor, ref, critic))
+        if critic is not None:
+            metrics.update(critic.train(batch))
+        if critic is None or step >= cfg.algo.critic.warmup_steps:
+            metrics.update(actor.train(batch))
         t_train = time.time() - t1
 
         done = step + 1
         if engine is not None and (not sft or (eval_prompts and (done % cfg.eval.interval == 0 or
                                                                  done == cfg.train.num_steps))):
             metrics.update(sync_weights(actor, engine, version=done))
-        metrics.update({"time/train": t_train, "time/step": time.time() - t0,
-                        "perf/train_tokens_per_s": metrics["train/tokens"] / t_train})
+        metrics.update({"time/train": t_train, "time/step": time.time() - t0})
+        if "train/tokens" in metrics:
+            metrics["perf/train_tokens_per_s"] = metrics["train/tokens"] / t_train
+        if "rollout/gen_tokens" in metrics:
+            metrics["perf/gen_tokens_per_s"] = metrics["rollout/gen_tokens"] / metrics["time/rollout"]
         log.log(done, metrics)
         maybe_eval(done)
         if (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0) or \
                 (cfg.checkpoint.save_final and done == cfg.train.num_steps):
             save_checkpoint(actor.engine, ckpt_dir, step=done, loop_state={"data": data.state_dict()}, rank=dims.rank)
+            if critic is not None:
+                critic.engine.save_checkpoint(str(ckpt_dir / "critic"), tag=f"step_{done}")
     if cfg.checkpoint.export_hf and start_step < cfg.train.num_steps:
         actor.export_hf(str(run_dir / "hf"), tokenizer)
     log.close()

@@ -29,7 +29,7 @@ def fixed_batch(n: int = 12, seed: int = 0) -> list[Sample]:
         mask[0] = 1
         samples.append(Sample(prompt_ids=torch.randint(5, 250, (p,), generator=g).tolist(),
                               response_ids=torch.randint(5, 250, (r,), generator=g).tolist(),
-                              response_mask=mask, advantage=float(torch.randn(1, generator=g)), group_id=i // 4))
+                              response_mask=mask, advantages=[float(torch.randn(1, generator=g))] * r, group_id=i // 4))
     return samples
 
 
@@ -50,7 +50,9 @@ def main() -> None:
         actor.cfg.algo.loss_agg = mode
         before = full_state(actor)
         old = actor.compute_logprobs(samples)
-        sums = actor.forward_backward(samples, old)
+        for s, lp in zip(samples, old):
+            s.old_logprobs = lp
+        sums = actor.forward_backward(samples)
         grads = {n.removeprefix("hf."): safe_get_full_grad(p).clone() for n, p in actor.engine.module.named_parameters()}
         loss, ppo_kl, micro = dims.all_reduce_sum([sums["loss"], sums["ppo_kl"], sums["micro_batches"]])
         actor.optimizer_step()
