@@ -69,3 +69,9 @@ def test_hf_export_loads_with_from_pretrained(checks):
     model = AutoModelForCausalLM.from_pretrained(out / "hf")
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), final[name], rtol=0, atol=0)
+
+
+def test_reference_never_changes(checks):
+    _, result = checks
+    assert result["actor_moved"]  # two optimizer steps moved the actor ...
+    assert result["ref_logprobs_unchanged"] and result["ref_equals_initial"]  # ... and not the reference

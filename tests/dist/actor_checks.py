@@ -17,7 +17,8 @@ from slime.config import load_config
 from slime.data.sample import Sample
 from slime.distributed.parallel_dims import ParallelDims
 from slime.rollout.hf_engine import HFEngine
-from slime.trainer.actor import Actor
+from slime.rollout.weight_sync import iter_gathered_buckets
+from slime.trainer.actor import Actor, Reference
 
 
 def fixed_batch(n: int = 12, seed: int = 0) -> list[Sample]:
@@ -44,8 +45,11 @@ def main() -> None:
                              "train.logits_chunk_size=16", "rollout.sync_bucket_mb=0.05", *sys.argv[3:]])
     dims = ParallelDims.build()
     actor = Actor(cfg, dims)
+    ref = Reference(cfg, dims)
     samples = fixed_batch()
+    ref_before = ref.compute_logprobs(samples)
     result = {"world": dims.world_size, "modes": {}}
+    first_state = full_state(actor)
     for mode in ("token_mean", "seq_mean_token_mean"):
         actor.cfg.algo.loss_agg = mode
         before = full_state(actor)
@@ -60,6 +64,11 @@ def main() -> None:
             torch.save({"before": before, "grads": grads, "old_logprobs": old}, out / f"{mode}.pt")
         result["modes"][mode] = {"loss": loss, "ppo_kl_sum": ppo_kl, "micro_batches": micro}
 
+    ref_after = ref.compute_logprobs(samples)
+    ref_state = {n: t for b in iter_gathered_buckets(ref.engine.module, bucket_bytes=2**20) for n, t in b}
+    result["ref_logprobs_unchanged"] = ref_before == ref_after
+    result["ref_equals_initial"] = all(torch.equal(ref_state[n], t) for n, t in first_state.items())
+    result["actor_moved"] = any(not torch.equal(ref_state[n], t) for n, t in full_state(actor).items())
     engine = HFEngine(cfg.model, tokenizer=type("T", (), {"pad_token_id": 0, "eos_token_id": 1})(),
                       device=dims.device)
     initial = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
