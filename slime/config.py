@@ -168,6 +168,8 @@ class TrainConfig:
     betas: list = field([0.9, 0.999], "AdamW betas.")
     grad_clip: float = field(1.0, "Clip the global gradient norm to this (0 = off).")
     num_mini_batches: int = field(1, "Optimizer steps per rollout batch (PPO-style mini-batches).")
+    packing: bool = field(True, "Pack samples without padding under the token budget (off = padded fixed-size batches).")
+    micro_batch_size: int = field(4, "Samples per micro-batch when packing is off (each padded to the longest).")
     max_tokens_per_gpu: int = field(4096, "Token budget of one training micro-batch (packed, no padding).")
     logprob_max_tokens_per_gpu: int = field(0, "Budget for no-grad logprob passes; 0 = 2 x max_tokens_per_gpu.")
     logits_chunk_size: int = field(1024, "Tokens per chunk when computing logprobs from hidden states.")

@@ -14,10 +14,16 @@ from conftest import REPO, run_ranks
 from dist.actor_checks import fixed_batch
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "2ranks"])
+LAYOUTS = {"1rank-packed": (1, []), "2ranks-packed": (2, []),
+           "2ranks-padded": (2, ["train.packing=false", "train.micro_batch_size=2"])}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
 def checks(request, tiny_model, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"zero3_{request.param}")
-    run_ranks([str(REPO / "tests/dist/actor_checks.py"), str(tiny_model), str(out)], nproc=request.param)
+    """The same global batch under three layouts: 1 vs 2 dp ranks, packed vs padded micro-batches."""
+    nproc, overrides = LAYOUTS[request.param]
+    out = tmp_path_factory.mktemp(request.param)
+    run_ranks([str(REPO / "tests/dist/actor_checks.py"), str(tiny_model), str(out), *overrides], nproc=nproc)
     return out, json.loads((out / "result.json").read_text())
 
 

@@ -1,7 +1,9 @@
 """Turn a list of samples into one packed micro-batch (no padding) and back.
 
 Layout: the samples' prompt+response tokens are concatenated into one row of T tokens with
-position ids reset per sample and `cu_seqlens` marking borders. Per-token training values live on
+position ids reset per sample and `cu_seqlens` marking borders. The padded baseline
+(`build_padded_micro_batch`) instead right-pads each sample to the longest into a (B, L) batch;
+causal attention never looks right, so real tokens never see the padding and no mask is needed. Per-token training values live on
 the N response tokens, in sample order; `pred_index[j]` is the position whose hidden state
 predicts response token j (one to its left), `seq_ids[j]` the token's sample within the batch.
 """
@@ -17,11 +19,11 @@ from slime.data.sample import Sample
 
 @dataclasses.dataclass
 class MicroBatch:
-    input_ids: torch.Tensor  # (T,) long
-    position_ids: torch.Tensor  # (T,) long, reset per sample
-    cu_seqlens: torch.Tensor  # (S+1,) int32
+    input_ids: torch.Tensor  # (T,) long packed, or (B, L) padded
+    position_ids: torch.Tensor  # same shape, reset per sample
+    cu_seqlens: torch.Tensor | None  # (S+1,) int32 when packed
     max_len: int
-    pred_index: torch.Tensor  # (N,) long
+    pred_index: torch.Tensor  # (N,) long, into the flattened input_ids
     seq_ids: torch.Tensor  # (N,) long in [0, S)
     loss_mask: torch.Tensor  # (N,) float
     indices: list[int]  # the samples' positions in the caller's list
@@ -29,6 +31,7 @@ class MicroBatch:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the model processes (padding included)."""
         return int(self.input_ids.numel())
 
     def token_values(self, per_sample: Sequence[Sequence[float]]) -> torch.Tensor:
@@ -74,3 +77,17 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int]) -> Micr
         indices=list(indices),
         response_lens=resp_lens,
     )
+
+
+def build_padded_micro_batch(samples: Sequence[Sample], indices: Sequence[int], pad_id: int = 0) -> MicroBatch:
+    packed = build_micro_batch(samples, indices)
+    width = packed.max_len
+    ids = torch.full((len(indices), width), pad_id, dtype=torch.long)
+    pred, starts = [], packed.cu_seqlens.tolist()
+    for row, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
+        ids[row, :end - start] = packed.input_ids[start:end]
+        s = samples[indices[row]]
+        first = row * width + len(s.prompt_ids) - 1
+        pred.extend(range(first, first + len(s.response_ids)))
+    return dataclasses.replace(packed, input_ids=ids, position_ids=torch.arange(width).expand(len(indices), -1).clone(),
+                               cu_seqlens=None, pred_index=torch.tensor(pred, dtype=torch.long))

@@ -3,11 +3,17 @@
 Logprobs are computed only at response positions and in chunks, so full-vocabulary logits never
 exist for the whole micro-batch at once; with grad, each chunk is recomputed in backward
 (activation checkpointing) so only one chunk's logits are alive at a time.
+
+The chunks run inside ONE call of `LogprobHead`, a module that shares the LM head's weight: under
+ZeRO-3 every module call gathers its parameters, so calling the LM head once per chunk would
+re-gather the (large) vocabulary projection per chunk, and ranks with different token counts
+would issue different numbers of gathers, a collective mismatch.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
 
 from slime.models.attention import packed_attention_kwargs
@@ -20,29 +26,20 @@ def logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[t
     return logp.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
-class PolicyModel(nn.Module):
-    def __init__(self, hf_model: nn.Module):
+class LogprobHead(nn.Module):
+    def __init__(self, lm_head: nn.Linear):
         super().__init__()
-        self.hf = hf_model
+        self.weight = lm_head.weight  # shared, like tied embeddings; named once, under hf.
+        self.bias = lm_head.bias
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                pred_index: torch.Tensor, *, max_len: int, temperature: float = 1.0,
-                chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids/position_ids (T,) packed; pred_index (N,) positions whose NEXT token is scored.
-
-        Returns logprobs (N,) and entropies (N,) of input_ids[pred_index + 1] at `temperature`.
-        """
-        out = self.hf.base_model(input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False,
-                                 **packed_attention_kwargs(cu_seqlens, max_len))
-        hidden = out.last_hidden_state[0, pred_index]  # (N, H)
-        targets = input_ids[pred_index + 1]  # (N,)
-        head = self.hf.get_output_embeddings()
-
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float,
+                chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden (N, H), targets (N,) -> logprobs (N,), entropies (N,)."""
         def chunk_fn(h: torch.Tensor, t: torch.Tensor):
-            return logprobs_and_entropy(head(h).float() / temperature, t)
+            return logprobs_and_entropy(F.linear(h, self.weight, self.bias).float() / temperature, t)
 
         logps, ents = [], []
-        for i in range(0, hidden.shape[0], chunk_size):
+        for i in range(0, max(hidden.shape[0], 1), chunk_size):
             h, t = hidden[i:i + chunk_size], targets[i:i + chunk_size]
             if torch.is_grad_enabled():
                 lp, ent = ckpt.checkpoint(chunk_fn, h, t, use_reentrant=False)
@@ -50,7 +47,27 @@ class PolicyModel(nn.Module):
                 lp, ent = chunk_fn(h, t)
             logps.append(lp)
             ents.append(ent)
-        if not logps:  # an empty selection still has to touch the head so ZeRO-3 hooks stay in step
-            lp, ent = chunk_fn(hidden, targets)
-            return lp, ent
         return torch.cat(logps), torch.cat(ents)
+
+
+class PolicyModel(nn.Module):
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.hf = hf_model
+        self.logprob_head = LogprobHead(hf_model.get_output_embeddings())
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
+                pred_index: torch.Tensor, *, max_len: int, temperature: float = 1.0,
+                chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids/position_ids (T,) packed or (B, L) right-padded; pred_index (N,) positions of the
+        flattened tokens whose NEXT token is scored.
+
+        Returns logprobs (N,) and entropies (N,) of input_ids[pred_index + 1] at `temperature`.
+        """
+        if input_ids.dim() == 1:
+            input_ids, position_ids = input_ids[None], position_ids[None]
+        kwargs = packed_attention_kwargs(cu_seqlens, max_len) if cu_seqlens is not None else {}
+        out = self.hf.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
+        hidden = out.last_hidden_state.flatten(0, 1)[pred_index]  # (N, H)
+        targets = input_ids.flatten()[pred_index + 1]  # (N,)
+        return self.logprob_head(hidden, targets, temperature=temperature, chunk_size=chunk_size)

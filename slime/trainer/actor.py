@@ -25,7 +25,8 @@ from slime.models.attention import resolve_attn_implementation
 from slime.models.loading import load_causal_lm, resolve_dtype
 from slime.models.policy import PolicyModel
 from slime.rollout.weight_sync import iter_gathered_buckets
-from slime.trainer.engine_utils import accumulate_gradients, init_engine, mini_batches, nograd_budget, per_sample_pass
+from slime.trainer.engine_utils import (accumulate_gradients, init_engine, mini_batches, nograd_layout, per_sample_pass,
+                                       train_layout)
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class Actor:
 
     def compute_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
         """Per-sample response logprobs under the current weights, for the whole global batch."""
-        return per_sample_pass(lambda mb: self._forward(mb)[0], samples, self.dims, max_tokens=nograd_budget(self.cfg))
+        return per_sample_pass(lambda mb: self._forward(mb)[0], samples, self.dims, layout=nograd_layout(self.cfg))
 
     def forward_backward(self, samples: Sequence[Sample]) -> dict:
         """Accumulate gradients of one optimizer step's loss over this rank's micro-batches.
@@ -135,8 +136,7 @@ class Actor:
                         loss_tokens=n_local)
             return loss, sums
 
-        return accumulate_gradients(self.engine, samples, self.dims, max_tokens=self.cfg.train.max_tokens_per_gpu,
-                                    loss_fn=loss_fn)
+        return accumulate_gradients(self.engine, samples, self.dims, layout=train_layout(self.cfg), loss_fn=loss_fn)
 
     def optimizer_step(self) -> float:
         self.engine.step()
@@ -162,8 +162,10 @@ class Actor:
             "train/grad_norm": sum(grad_norms) / len(grad_norms),
             "train/lr": self.engine.get_lr()[0],
             "train/tokens": g.pop("train_tokens"),
+            "train/real_tokens": g.pop("real_tokens"),
             "train/micro_batches_per_rank": n_mb / self.dims.dp / n_mini,
-            "train/budget_fill": g.pop("budget_fill") / n_mb,
+            "train/real_token_fraction": g.pop("real_token_fraction") / n_mini,
+            "train/dp_imbalance": g.pop("dp_imbalance") / n_mini,
         }
         if "pg_loss" in g:
             out["train/pg_loss"] = g.pop("pg_loss") / n_mini
@@ -198,4 +200,4 @@ class Reference:
         self._forward = policy_forward(self.engine, cfg, dims.device)
 
     def compute_logprobs(self, samples: Sequence[Sample]) -> list[list[float]]:
-        return per_sample_pass(lambda mb: self._forward(mb)[0], samples, self.dims, max_tokens=nograd_budget(self.cfg))
+        return per_sample_pass(lambda mb: self._forward(mb)[0], samples, self.dims, layout=nograd_layout(self.cfg))

@@ -17,7 +17,7 @@ from slime.distributed.ds_config import build_ds_config
 from slime.distributed.parallel_dims import ParallelDims
 from slime.models.attention import packed_attention_kwargs, resolve_attn_implementation
 from slime.models.loading import check_model_path, resolve_dtype
-from slime.trainer.engine_utils import accumulate_gradients, init_engine, nograd_budget, per_sample_pass
+from slime.trainer.engine_utils import accumulate_gradients, init_engine, nograd_layout, per_sample_pass, train_layout
 
 
 class ValueModel(nn.Module):
@@ -51,7 +51,7 @@ class Critic:
         return self.engine(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len)
 
     def compute_values(self, samples: Sequence[Sample]) -> list[list[float]]:
-        return per_sample_pass(self._forward, samples, self.dims, max_tokens=nograd_budget(self.cfg))
+        return per_sample_pass(self._forward, samples, self.dims, layout=nograd_layout(self.cfg))
 
     def train(self, samples: Sequence[Sample]) -> dict:
         """One optimizer step on the clipped value loss against the GAE returns."""
@@ -72,8 +72,7 @@ class Critic:
             return loss, {"value_loss": loss.item(), "value_clipfrac": float(m["value_clip_frac"]) * n_local,
                           "loss_tokens": n_local}
 
-        sums = accumulate_gradients(self.engine, samples, self.dims, max_tokens=self.cfg.train.max_tokens_per_gpu,
-                                    loss_fn=loss_fn)
+        sums = accumulate_gradients(self.engine, samples, self.dims, layout=train_layout(self.cfg), loss_fn=loss_fn)
         self.engine.step()
         loss, clip, ntok = self.dims.all_reduce_sum([sums["value_loss"], sums["value_clipfrac"], sums["loss_tokens"]])
         return {"critic/value_loss": loss, "critic/value_clipfrac": clip / max(ntok, 1.0),

@@ -128,7 +128,7 @@ def run(cfg: Config) -> dict:
             metrics.update(sync_weights(actor, engine, version=done))
         metrics.update({"time/train": t_train, "time/step": time.time() - t0})
         if "train/tokens" in metrics:
-            metrics["perf/train_tokens_per_s"] = metrics["train/tokens"] / t_train
+            metrics["perf/train_tokens_per_s"] = metrics["train/real_tokens"] / t_train
         if "rollout/gen_tokens" in metrics:
             metrics["perf/gen_tokens_per_s"] = metrics["rollout/gen_tokens"] / metrics["time/rollout"]
         log.log(done, metrics)
