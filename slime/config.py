@@ -61,6 +61,36 @@ class OverlongPenaltyConfig:
 
 
 @dataclasses.dataclass
+class SGLangConfig:
+    python: str = field("", "Python with SGLang for the servers; '' = $SLIME_SGLANG_PYTHON, else this interpreter.")
+    extra_args: list = field([], "Extra `sglang.launch_server` arguments, e.g. ['--max-total-tokens', '8192'].")
+    env: dict = field({}, "Extra environment variables for the server processes only.")
+    mode: Literal["colocated", "disaggregated"] = field(
+        "colocated", "colocated: engines share the trainer's GPUs (sleep/wake, tensor buckets); "
+        "disaggregated: engines on their own GPUs, weights broadcast over a process group.")
+    tp_size: int = field(1, "Tensor-parallel size of one engine (GPUs per server).")
+    ranks_per_engine: int = field(0, "colocated: trainer ranks sharing one engine; 0 = tp_size (one per TP group).")
+    num_engines: int = field(1, "disaggregated: servers rank 0 launches (on GPUs base_gpu_id, base_gpu_id + tp_size, ...).")
+    base_gpu_id: int = field(-1, "disaggregated: first GPU of the engines; -1 = the GPU after the trainer's.")
+    urls: list = field([], "Use these running servers (http://127.0.0.1:PORT) instead of launching any.")
+    mem_fraction: float = field(0.0, "--mem-fraction-static of each server; 0 = SGLang's default.")
+    max_concurrency: int = field(64, "Requests in flight per rank.")
+    startup_timeout: float = field(900.0, "Seconds to wait for a server to answer /health.")
+    request_timeout: float = field(600.0, "Seconds one HTTP request may take.")
+    max_retries: int = field(2, "Retries of a failed request while the server is alive.")
+
+    def __post_init__(self):
+        if self.tp_size < 1 or self.ranks_per_engine < 0 or self.num_engines < 1:
+            raise ValueError("rollout.sglang.tp_size and num_engines must be >= 1 and ranks_per_engine >= 0")
+        if self.ranks_per_engine and self.ranks_per_engine % self.tp_size:
+            raise ValueError(f"rollout.sglang.ranks_per_engine={self.ranks_per_engine} must be a multiple of "
+                             f"tp_size={self.tp_size}")
+        if self.max_concurrency < 1 or self.request_timeout <= 0 or self.startup_timeout <= 0 or self.max_retries < 0:
+            raise ValueError("rollout.sglang.max_concurrency, request_timeout and startup_timeout must be > 0, "
+                             "max_retries >= 0")
+
+
+@dataclasses.dataclass
 class RolloutConfig:
     engine: Literal["hf", "sglang"] = field("hf", "Generation engine: in-process HF transformers or SGLang servers.")
     batch_size: int = field(8, "Prompts per step over all data-parallel ranks.")
@@ -72,6 +102,7 @@ class RolloutConfig:
     gen_batch_size: int = field(64, "hf engine: sequences generated per forward batch.")
     sync_bucket_mb: float = field(64.0, "Size of the parameter buckets gathered and pushed to the engine.")
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)
     dynamic_sampling: bool = field(False, "DAPO: drop groups whose rewards are all equal and sample more prompts.")
     max_sampling_attempts: int = field(4, "Dynamic sampling: rollouts per step at most before training on what is kept.")
     over_sample_factor: float = field(1.0, "Draw this many times the prompts still needed per sampling attempt.")
