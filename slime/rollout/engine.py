@@ -50,9 +50,14 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None: ...
 
 
-def make_engine(cfg, model_cfg, tokenizer, dims) -> RolloutEngine:
+def make_engine(cfg, model_cfg, tokenizer, dims, *, run_dir: str | None = None) -> RolloutEngine:
+    """`run_dir`: where the sglang engine writes its servers' logs (a temp dir when None)."""
     if cfg.engine == "hf":
         from slime.rollout.hf_engine import HFEngine
 
         return HFEngine(model_cfg, tokenizer, device=dims.device)
-    raise NotImplementedError(f"rollout.engine={cfg.engine!r} is not available yet; use rollout.engine=hf")
+    if cfg.engine == "sglang":
+        from slime.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(cfg.sglang, model_cfg, tokenizer, dims, log_dir=run_dir)
+    raise ValueError(f"rollout.engine={cfg.engine!r} is not one of: hf, sglang")
