@@ -47,6 +47,9 @@ class RolloutEngine(Protocol):
 
     def abort(self) -> None: ...
 
+    def metrics(self) -> dict:
+        """Engine-side figures since the last call (tokens/s, sync GB/s, memory), for the step's log."""
+
     def shutdown(self) -> None: ...
 
 

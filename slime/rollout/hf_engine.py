@@ -93,6 +93,9 @@ class HFEngine:
     def abort(self) -> None:
         pass
 
+    def metrics(self) -> dict:
+        return {}
+
     def shutdown(self) -> None:
         self.model = None
         self._params = {}

@@ -172,6 +172,25 @@ class Actor:
         out.update({f"train/{k}": v / ntok for k, v in g.items()})  # the rest are token sums
         return out
 
+    # -- colocation -------------------------------------------------------------------------------
+
+    def offload(self, *, params: bool = True) -> None:
+        """Move DeepSpeed states to host while a colocated engine uses the GPU (no-op on CPU).
+
+        params=False keeps the parameter partitions, which the weight gather for the engine needs.
+        """
+        if self.device.type != "cuda":
+            return
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+        include = [t for t in OffloadStateTypeEnum if params or t != OffloadStateTypeEnum.lp_params]
+        self.engine.offload_states(include=include)
+        torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        if self.device.type == "cuda":
+            self.engine.reload_states()
+
     # -- weights out ------------------------------------------------------------------------------
 
     def gathered_weight_buckets(self):

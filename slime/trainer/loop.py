@@ -75,10 +75,16 @@ def run(cfg: Config) -> dict:
     data = PromptSource(cfg.data, tokenizer, batch_size=cfg.rollout.batch_size, dp_rank=dims.dp_rank,
                         dp_size=dims.dp, seed=cfg.train.seed)
     eval_prompts = load_eval_prompts(cfg, tokenizer, dims) if cfg.eval.path else None
+    # A colocated engine starts before the trainer and releases its memory at once, so the trainer's
+    # states and the engine's cache are never on the GPU together (the trainer offloads around rollout).
+    engine = make_engine(cfg.rollout, cfg.model, tokenizer, dims, run_dir=str(run_dir)) \
+        if not sft or eval_prompts else None
+    colocate = engine is not None and cfg.rollout.engine == "sglang" and cfg.rollout.sglang.mode == "colocated"
+    if colocate:
+        engine.sleep()
     actor = Actor(cfg, dims)
     ref = Reference(cfg, dims) if cfg.algo.needs_reference and not sft else None
     critic = Critic(cfg, dims) if cfg.algo.advantage_estimator == "gae" and not sft else None
-    engine = make_engine(cfg.rollout, cfg.model, tokenizer, dims) if not sft or eval_prompts else None
     reward_fn = make_reward_fn(cfg.rollout.reward.fn, granularity=cfg.rollout.reward.granularity)
 
     start_step = 0
@@ -113,7 +119,11 @@ def run(cfg: Config) -> dict:
             batch = [s for part in dims.all_gather_objects(sft_samples(data.next_batch(), tokenizer)) for s in part]
             metrics = {}
         else:
+            if colocate:
+                actor.offload()  # every state, parameters included, off the GPU while the engine is awake
             batch, metrics = collect_rollout(engine, data, cfg.rollout, tokenizer, reward_fn, dims, step=step)
+            if colocate:
+                actor.reload()
             metrics["time/rollout"] = time.time() - t0
 
         t1 = time.time()
@@ -128,7 +138,10 @@ def run(cfg: Config) -> dict:
         done = step + 1
         if engine is not None and (not sft or (eval_prompts and (done % cfg.eval.interval == 0 or
                                                                  done == cfg.train.num_steps))):
+            if colocate:
+                actor.offload(params=False)  # the gather below still needs the ZeRO-3 partitions
             metrics.update(sync_weights(actor, engine, version=done))
+            metrics.update(engine.metrics())
         metrics.update({"time/train": t_train, "time/step": time.time() - t0})
         if "train/tokens" in metrics:
             metrics["perf/train_tokens_per_s"] = metrics["train/real_tokens"] / t_train

@@ -1,0 +1,372 @@
+"""The `sglang` rollout engine: SGLang servers driven over HTTP from every rank.
+
+Topology (`plan_engines`): colocated, ranks r*k .. r*k+k-1 (k = ranks_per_engine, default the TP
+size) share engine r, which their first rank launches on its own GPU(s) and controls (sleep, wake,
+weight updates); disaggregated, rank 0 launches and controls `num_engines` servers on GPUs after the
+trainer's, and rank r generates on engine r % num_engines. `urls` attaches to running servers.
+
+Every rank sends its own prompts to its engine, one request per sample (an exact request id, so
+`abort` can cancel it; the radix cache shares the prompt), at most `max_concurrency` in flight.
+
+Colocated order, which keeps the trainer's states and the engine's cache from being resident
+together: `sleep()` after rollout releases weights and KV cache; `update_weights` first resumes
+`weights`, loads the buckets, flushes the cache and checks the version; the next `wake()` resumes
+`kv_cache`. Every call is recorded in `events` so tests can check that order.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from slime.config import SGLangConfig
+from slime.rollout.engine import Generation, NamedTensors, SamplingParams
+from slime.rollout.sglang_server import SGLangClient, SGLangServer, SGLangServerError, free_port
+from slime.rollout.sglang_weights import dtype_name, new_update_group, serialize_flat_bucket, split_by_dtype
+
+logger = logging.getLogger(__name__)
+
+TAGS = ("weights", "kv_cache")  # resume order: weights first, so a weight push never meets a live cache
+GROUP_NAME = "slime_weight_update"
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePlan:
+    num_engines: int
+    engine_of_rank: tuple[int, ...]
+    owner_of_engine: tuple[int, ...]  # the rank that launches and controls each engine
+    ranks_of_engine: tuple[tuple[int, ...], ...]  # colocated: the ranks whose GPUs the engine uses
+
+
+def plan_engines(cfg: SGLangConfig, world_size: int) -> EnginePlan:
+    if cfg.mode == "colocated":
+        k = cfg.ranks_per_engine or cfg.tp_size
+        if world_size % k:
+            raise ValueError(f"rollout.sglang.ranks_per_engine (or tp_size) = {k} must divide the world size "
+                             f"{world_size}")
+        n = world_size // k
+        if cfg.urls and len(cfg.urls) != n:
+            raise ValueError(f"rollout.sglang.urls lists {len(cfg.urls)} servers but colocated mode on {world_size} "
+                             f"ranks with {k} ranks per engine needs {n}")
+        return EnginePlan(n, tuple(r // k for r in range(world_size)), tuple(e * k for e in range(n)),
+                          tuple(tuple(range(e * k, e * k + k)) for e in range(n)))
+    n = len(cfg.urls) or cfg.num_engines
+    return EnginePlan(n, tuple(r % n for r in range(world_size)), (0,) * n, ((0,),) * n)
+
+
+def server_args(cfg: SGLangConfig, *, dtype: torch.dtype, gpu_id: int | None, colocated: bool) -> list[str]:
+    """Launch arguments; the CPU flags are those of SGLang's torch-native text path."""
+    args = ["--tp-size", str(cfg.tp_size), "--dtype", dtype_name(dtype), "--nccl-port", str(free_port())]
+    if gpu_id is None:
+        args += ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch"]
+    else:
+        args += ["--base-gpu-id", str(gpu_id)]
+        if colocated:
+            args += ["--enable-memory-saver"]  # release/resume free nothing without it
+    if cfg.mem_fraction:
+        args += ["--mem-fraction-static", str(cfg.mem_fraction)]
+    return args + [str(a) for a in cfg.extra_args]
+
+
+class SGLangEngine:
+    def __init__(self, cfg: SGLangConfig, model_cfg, tokenizer, dims, *, log_dir: str | None = None):
+        from slime.models.loading import resolve_dtype
+
+        self.cfg, self.dims = cfg, dims
+        self.plan = plan_engines(cfg, dims.world_size)
+        self.colocated = cfg.mode == "colocated"
+        self.eos_id = tokenizer.eos_token_id
+        self._version = 0
+        self._asleep: set[str] = set()
+        self._servers: list[SGLangServer] = []
+        self._group = None
+        self._rid = itertools.count()
+        self._inflight: dict[str, SGLangClient] = {}
+        self._lock = threading.Lock()
+        self._aborting = False
+        self._pool = ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="sglang-http")
+        self.events: collections.deque = collections.deque(maxlen=1000)
+        self._stats = collections.Counter()
+        self._since = time.monotonic()  # last change between generating (awake) and released (asleep)
+        self._group_device = torch.device("cpu")
+
+        endpoints, error = {}, None
+        if cfg.urls:
+            endpoints = {e: (url, None) for e, url in enumerate(cfg.urls)}
+        else:
+            try:
+                mine = [e for e in range(self.plan.num_engines) if self.plan.owner_of_engine[e] == dims.rank]
+                log_dir = Path(log_dir) / "sglang" if log_dir else Path(tempfile.mkdtemp(prefix="slime-sglang-"))
+                python = cfg.python or os.environ.get("SLIME_SGLANG_PYTHON") or sys.executable
+                for e in mine:
+                    server = SGLangServer(python, model_cfg.path, port=free_port(), env=cfg.env,
+                                          args=server_args(cfg, dtype=resolve_dtype(model_cfg.dtype),
+                                                           gpu_id=self._gpu_of(e), colocated=self.colocated),
+                                          log_path=log_dir / f"engine{e}.log")
+                    server.start()
+                    self._servers.append(server)
+                for e, server in zip(mine, self._servers):  # they start in parallel; wait for each
+                    server.wait_ready(cfg.startup_timeout)
+                    endpoints[e] = (server.url, str(server.log_path))
+            except Exception as e:  # report to every rank instead of leaving the others in a collective
+                error = f"rank {dims.rank}: {e}"
+                self._kill_servers()
+        gathered = self._all_gather((endpoints, error))
+        errors = [err for _, err in gathered if err]
+        if errors:
+            self._kill_servers()
+            raise SGLangServerError("SGLang engine start failed:\n" + "\n".join(errors))
+        merged = {e: ep for part, _ in gathered for e, ep in part.items()}
+        own = {s.url: s for s in self._servers}
+        self.clients = [SGLangClient(merged[e][0], timeout=cfg.request_timeout, max_retries=cfg.max_retries,
+                                     server=own.get(merged[e][0]), log_path=merged[e][1])
+                        for e in range(self.plan.num_engines)]
+        self.client = self.clients[self.plan.engine_of_rank[dims.rank]]
+        self.owned = [c for c, owner in zip(self.clients, self.plan.owner_of_engine) if owner == dims.rank]
+        if self.owned:
+            self._read_memory()
+        logger.info("sglang engine (%s): %d server(s) %s", cfg.mode, len(self.clients), [c.url for c in self.clients])
+
+    def _gpu_of(self, engine: int) -> int | None:
+        if not torch.cuda.is_available():
+            return None
+        if self.colocated:
+            return self.dims.local_rank
+        base = self.cfg.base_gpu_id if self.cfg.base_gpu_id >= 0 else \
+            int(os.environ.get("LOCAL_WORLD_SIZE", self.dims.world_size))
+        return base + engine * self.cfg.tp_size
+
+    # -- generation -------------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+        self._aborting = False
+        stops = sorted({t for t in (self.eos_id, *params.stop_token_ids) if t is not None})
+        sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
+                    "top_p": params.top_p, "stop_token_ids": stops, "n": 1}
+        start = time.monotonic()
+        jobs = [self._pool.submit(self._generate_one, list(p), sampling) for p in prompts for _ in range(params.n)]
+        try:
+            flat = [job.result() for job in jobs]
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            self.abort()
+            raise
+        self._stats["gen_tokens"] += sum(len(g.response_ids) for g in flat)
+        self._stats["gen_s"] += time.monotonic() - start
+        self.events.append(("generate", len(flat)))
+        return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def _generate_one(self, prompt: list[int], sampling: dict) -> Generation:
+        if self._aborting:
+            return Generation([], [], "abort")
+        rid = f"slime-r{self.dims.rank}-{next(self._rid)}"
+        with self._lock:
+            self._inflight[rid] = self.client
+        try:
+            out = self.client.post("/generate", {"rid": rid, "input_ids": prompt, "sampling_params": sampling,
+                                                 "return_logprob": True})
+        finally:
+            with self._lock:
+                self._inflight.pop(rid, None)
+        ids = list(out["output_ids"])
+        logprobs = [lp for lp, _tok, _text in out["meta_info"]["output_token_logprobs"]]
+        if len(logprobs) != len(ids):
+            raise SGLangServerError(f"{self.client.url} returned {len(ids)} tokens but {len(logprobs)} logprobs")
+        reason = out["meta_info"]["finish_reason"]["type"]
+        return Generation(ids, logprobs, reason if reason in ("stop", "length") else "abort")
+
+    def abort(self) -> None:
+        """Stop this rank's outstanding requests: unsent ones return empty, running ones return what they have."""
+        self._aborting = True
+        with self._lock:
+            inflight = list(self._inflight.items())
+        for rid, client in inflight:
+            try:
+                client.post("/abort_request", {"rid": rid}, timeout=10, retries=0)
+            except SGLangServerError as e:
+                logger.warning("abort of %s failed: %s", rid, e)
+        self.events.append(("abort", len(inflight)))
+
+    # -- colocated memory ---------------------------------------------------------------------
+
+    def sleep(self, tags: Iterable[str] = TAGS) -> None:
+        self._toggle("release", [t for t in TAGS if t in tags and t not in self._asleep])
+
+    def wake(self, tags: Iterable[str] = TAGS) -> None:
+        self._toggle("resume", [t for t in TAGS if t in tags and t in self._asleep])
+
+    def _toggle(self, op: str, tags: list[str]) -> None:
+        if not self.colocated:
+            return  # disaggregated engines keep their GPUs
+        self.dims.barrier()  # release only once every rank sharing the engine has finished generating
+        error = None
+        if tags:
+            error = _attempt(lambda: [c.post(f"/{op}_memory_occupation", {"tags": tags}, retries=0)
+                                      for c in self.owned])
+            if "kv_cache" in tags:  # the engine can generate exactly while its cache is resident
+                now = time.monotonic()
+                self._stats["asleep_s" if op == "resume" else "awake_s"] += now - self._since
+                self._since = now
+            self._asleep = self._asleep - set(tags) if op == "resume" else self._asleep | set(tags)
+            self.events.append((op, tuple(tags)))
+        self._check_everywhere(f"{op}_memory_occupation", error)  # also: generate only once the engine is back
+
+    # -- weights ----------------------------------------------------------------------------------
+
+    def update_weights(self, buckets: Iterable[NamedTensors], version: int) -> None:
+        """Push every bucket (a collective: all ranks iterate `buckets`), then check the version.
+
+        Errors do not stop the iteration (the ZeRO-3 gathers inside it are collective); they are
+        gathered at the end and raised on every rank.
+        """
+        if "weights" in self._asleep:
+            self._toggle("resume", ["weights"])
+        start, nbytes = time.monotonic(), 0
+        pushing = bool(self.owned)
+        shared_tp = self.colocated and self.cfg.tp_size > 1  # every TP rank hands its own copy to its server
+        error = _attempt(self._session, "begin") if pushing else None
+        for bucket in buckets:
+            flats = split_by_dtype(bucket) if pushing or shared_tp else []
+            nbytes += sum(f.nbytes for f in flats) if pushing else 0
+            payloads = self._payloads(flats, pushing) if self.colocated else None
+            if error is None and pushing:
+                error = _attempt(self._push, flats, payloads, version)
+            if shared_tp:
+                self.dims.barrier()  # peers' tensors must outlive the owner's HTTP call
+        if error is None and pushing:
+            error = _attempt(self._finish_update, version)
+        self._check_everywhere("weight update", error)
+        self._version = version
+        self._stats["sync_s"] += time.monotonic() - start
+        self._stats["sync_bytes"] += nbytes
+        self.events.append(("update", version))
+
+    def _finish_update(self, version: int) -> None:
+        self._session("end")
+        for client in self.owned:
+            client.post("/flush_cache", {}, retries=0)
+            served = client.get("/model_info").get("weight_version")
+            if served != str(version):
+                raise SGLangServerError(f"{client.url} serves weight version {served!r} after pushing {version}")
+
+    def _check_everywhere(self, what: str, error: Exception | None) -> None:
+        """Collective: raise on every rank if any rank failed, so none is left waiting in a collective."""
+        errors = self._all_gather(None if error is None else f"rank {self.dims.rank}: {error}")
+        if any(errors):
+            raise SGLangServerError(f"{what} failed: " + "\n".join(e for e in errors if e)) from error
+
+    def _session(self, which: str) -> None:
+        for client in self.owned:
+            client.post(f"/{which}_weight_update", {}, retries=0)
+
+    def _payloads(self, flats, pushing: bool) -> list[list[str]] | None:
+        """Colocated: for each flat bucket, the payload of every TP rank of this rank's engine."""
+        if self.cfg.tp_size == 1:
+            return [[serialize_flat_bucket(f)] for f in flats] if pushing else None
+        everyone = self._all_gather([serialize_flat_bucket(f) for f in flats])
+        tp_ranks = self.plan.ranks_of_engine[self.plan.engine_of_rank[self.dims.rank]][:self.cfg.tp_size]
+        return [[everyone[r][i] for r in tp_ranks] for i in range(len(flats))] if pushing else None
+
+    def _push(self, flats, payloads, version: int) -> None:
+        if self.colocated:
+            for flat, per_rank in zip(flats, payloads):
+                for client in self.owned:
+                    client.post("/update_weights_from_tensor", {
+                        "serialized_named_tensors": per_rank, "load_format": "flattened_bucket",
+                        "flush_cache": False, "weight_version": str(version)}, retries=0)
+            return
+        self._ensure_group()
+        for flat in flats:
+            body = {"names": flat.names, "dtypes": [dtype_name(flat.dtype)] * len(flat.names), "shapes": flat.shapes,
+                    "group_name": GROUP_NAME, "load_format": "flattened_bucket", "flush_cache": False,
+                    "weight_version": str(version)}
+            calls = [self._pool.submit(c.post, "/update_weights_from_distributed", body, retries=0) for c in self.owned]
+            torch.distributed.broadcast(flat.flat.to(self._group_device), src=0, group=self._group)
+            for call in calls:
+                call.result()
+
+    def _ensure_group(self) -> None:
+        """Disaggregated: trainer rank 0 + every engine rank in one group (`init_weights_update_group`)."""
+        if self._group is not None:
+            return
+        port, tp = free_port(), self.cfg.tp_size
+        world = 1 + len(self.owned) * tp
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        calls = [self._pool.submit(c.post, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1 + e * tp, "world_size": world,
+            "group_name": GROUP_NAME, "backend": backend}, retries=0) for e, c in enumerate(self.owned)]
+        self._group = new_update_group(port, world, group_name=GROUP_NAME, backend=backend,
+                                       timeout_s=self.cfg.request_timeout)
+        if backend == "nccl":
+            self._group_device = torch.device("cuda", torch.cuda.current_device())
+        for call in calls:
+            call.result()
+        self.events.append(("init_group", world))
+
+    # -- metrics and shutdown -----------------------------------------------------------------
+
+    def _read_memory(self) -> None:
+        try:
+            state = self.owned[0].get("/server_info", timeout=30)["internal_states"][0]
+            usage = state.get("memory_usage") or {}
+            self._memory = {f"sglang/mem_{k}_gb": float(usage[k]) for k in ("weight", "kvcache") if k in usage}
+        except (SGLangServerError, KeyError, IndexError, TypeError, ValueError):
+            self._memory = {}
+
+    def metrics(self) -> dict:
+        """Since the last call: generation tokens/s, weight-sync time and GB/s, time asleep/awake."""
+        s, self._stats = self._stats, collections.Counter()
+        out = dict(getattr(self, "_memory", {}))
+        if s["gen_s"]:
+            out["sglang/gen_tokens_per_s"] = s["gen_tokens"] / s["gen_s"]
+        if s["sync_s"]:
+            out["sglang/sync_s"] = s["sync_s"]
+        if s["sync_bytes"]:  # on the ranks that push
+            out["sglang/sync_gb_per_s"] = s["sync_bytes"] / 2**30 / s["sync_s"]
+        if self.colocated:
+            out["sglang/asleep_s"], out["sglang/awake_s"] = s["asleep_s"], s["awake_s"]
+        return out
+
+    def _all_gather(self, obj) -> list:
+        """Over every rank (engines are shared across dp and sp alike)."""
+        return self.dims.all_gather_objects(obj, group=torch.distributed.group.WORLD)
+
+    def _kill_servers(self) -> None:
+        for server in self._servers:
+            server.kill()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._group is not None:
+            for client in self.owned:
+                _attempt(client.post, "/destroy_weights_update_group", {"group_name": GROUP_NAME})
+            torch.distributed.destroy_process_group(self._group)
+            self._group = None
+        self._kill_servers()
+        self._servers = []
+
+
+def _attempt(fn, *args) -> Exception | None:
+    """Run fn; return its exception instead of raising it (raised later on every rank at once)."""
+    try:
+        fn(*args)
+    except Exception as e:
+        logger.error("%s failed: %s", getattr(fn, "__name__", fn), e)
+        return e
+    return None

@@ -1,0 +1,240 @@
+"""SGLang server processes and the HTTP client that talks to them.
+
+Processes: each server starts in a session of its own, so the server and every process it spawns
+(scheduler, detokenizer, resource tracker) are stopped together by one `killpg`. Every server this
+process started is stopped by `shutdown`, at interpreter exit, on SIGTERM (what torchrun sends the
+surviving ranks when one fails), and, on Linux, by the kernel when the launching process dies
+without cleaning up (PR_SET_PDEATHSIG). Only 127.0.0.1 is ever contacted.
+
+Client: JSON over HTTP with the standard library (no extra dependency in the trainer's Python).
+Every call is bounded: a timeout per attempt and a retry count. A refused or timed-out call first
+asks whether the server is still alive; a dead server is reported with the tail of its log.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+
+
+_LAUNCHER_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK",
+                  "CROSS_SIZE", "LOCAL_SIZE"}
+
+
+class SGLangServerError(RuntimeError):
+    """A server died, did not start, or refused a request."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: str | Path | None, lines: int = 40) -> str:
+    if not path or not Path(path).is_file():
+        return "(no log available on this rank)"
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - 64 * 1024))
+        text = f.read().decode("utf-8", errors="replace")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the kernel sends SIGKILL to the server when its launcher dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: atexit and the SIGTERM handler still apply
+
+
+class SGLangServer:
+    """One `python -m sglang.launch_server` process on 127.0.0.1:`port`, logging to `log_path`."""
+
+    def __init__(self, python: str, model_path: str, *, port: int, args: list[str], env: dict[str, str],
+                 log_path: Path):
+        self.port, self.log_path = port, Path(log_path)
+        self.cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", HOST,
+                    "--port", str(port), *args]
+        # The launcher's rendezvous variables would make SGLang's own process group join ours
+        # (TORCHELASTIC_USE_AGENT_STORE sends its store lookup to torchrun's store, and hangs).
+        inherited = {k: v for k, v in os.environ.items()
+                     if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+        self.env = {**inherited, **{k: str(v) for k, v in env.items()}}
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(self.cmd)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
+        _LIVE.add(self)
+        _install_cleanup()
+        logger.info("started SGLang server pid %d on %s, log %s", self.proc.pid, self.url, self.log_path)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def death_report(self) -> str:
+        code = None if self.proc is None else self.proc.poll()
+        return (f"SGLang server {self.url} exited with code {code}; last lines of {self.log_path}:\n"
+                f"{log_tail(self.log_path)}")
+
+    def wait_ready(self, timeout: float) -> None:
+        """Poll /health until 200; raise with the log tail if the process exits or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive:
+                raise SGLangServerError(self.death_report())
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        self.kill()
+        raise SGLangServerError(f"SGLang server {self.url} not ready after {timeout:.0f}s "
+                                f"(rollout.sglang.startup_timeout); last lines of {self.log_path}:\n"
+                                f"{log_tail(self.log_path)}")
+
+    def kill(self, grace: float = 10.0) -> None:
+        """SIGTERM the server's process group, SIGKILL whatever is left after `grace` seconds."""
+        _LIVE.discard(self)
+        if self.proc is None:
+            return
+        pgid = self.proc.pid  # start_new_session: the server leads its own group
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and (self.proc.poll() is None or _group_alive(pgid)):
+            time.sleep(0.2)
+        _signal_group(pgid, signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            logger.error("SGLang server pid %d survived SIGKILL", self.proc.pid)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+_LIVE: set[SGLangServer] = set()
+_cleanup_installed = False
+
+
+def kill_all_servers() -> None:
+    for server in list(_LIVE):
+        server.kill(grace=5.0)
+
+
+def _install_cleanup() -> None:
+    global _cleanup_installed
+    if _cleanup_installed:
+        return
+    _cleanup_installed = True
+    atexit.register(kill_all_servers)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame):
+        kill_all_servers()
+        if callable(previous):
+            previous(signum, frame)
+        else:  # default action: die by the signal, as if no handler were installed
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+class SGLangClient:
+    """Calls one server. `server` is set on the rank that launched it (to read its exit code)."""
+
+    def __init__(self, url: str, *, timeout: float, max_retries: int, server: SGLangServer | None = None,
+                 log_path: str | None = None):
+        self.url, self.timeout, self.max_retries = url.rstrip("/"), timeout, max_retries
+        self.server, self.log_path = server, log_path or (str(server.log_path) if server else None)
+
+    def post(self, path: str, body: dict | None = None, *, timeout: float | None = None,
+             retries: int | None = None) -> Any:
+        return self._call("POST", path, body or {}, timeout, retries)
+
+    def get(self, path: str, *, timeout: float | None = None) -> Any:
+        return self._call("GET", path, None, timeout, 0)
+
+    def _call(self, method: str, path: str, body: dict | None, timeout: float | None, retries: int | None) -> Any:
+        retries = self.max_retries if retries is None else retries
+        data = None if body is None else json.dumps(body).encode()
+        for attempt in range(retries + 1):
+            req = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
+                    raw = r.read()
+                    return json.loads(raw) if r.headers.get_content_type() == "application/json" else raw.decode()
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode(errors="replace")[:2000]
+                if e.code < 500:  # the server understood and refused: retrying cannot help
+                    raise SGLangServerError(f"{self.url}{path} answered {e.code}: {detail}") from None
+                error = f"HTTP {e.code}: {detail}"
+            except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
+                error = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+            if not self.is_alive():
+                raise SGLangServerError(self.death_report(f"{method} {path} failed ({error})")) from None
+            if attempt < retries:
+                logger.warning("%s %s%s failed (%s); retry %d/%d", method, self.url, path, error, attempt + 1, retries)
+                time.sleep(min(2.0 ** attempt, 10.0))
+        raise SGLangServerError(f"{method} {self.url}{path} failed after {retries + 1} attempt(s): {error}\n"
+                                f"last lines of the server log:\n{log_tail(self.log_path)}")
+
+    def is_alive(self) -> bool:
+        if self.server is not None:
+            return self.server.alive
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def death_report(self, what: str) -> str:
+        if self.server is not None:
+            return f"{what}: {self.server.death_report()}"
+        return (f"{what}: SGLang server {self.url} does not answer /health; last lines of its log:\n"
+                f"{log_tail(self.log_path)}")

@@ -1,0 +1,89 @@
+"""Run on 2 ranks by tests/test_sglang.py against one running SGLang server (`rollout.sglang.urls`).
+
+    torchrun --standalone --nproc_per_node 2 tests/dist/sglang_checks.py MODEL_DIR OUT_DIR SERVER_URL
+
+Pushes the ZeRO-3 actor's weights three times: at start and after a training step as colocated
+tensor buckets, then after another step over a gloo weight-update group (disaggregated path). After
+each push both ranks generate greedily on the server; the reference is an hf engine loaded with the
+same gathered weights. Records the server's weight version and the colocated engine's call order.
+"""
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from dist.actor_checks import fixed_batch
+from slime.config import load_config
+from slime.distributed.parallel_dims import ParallelDims
+from slime.models.loading import load_tokenizer
+from slime.rollout.engine import SamplingParams, make_engine
+from slime.rollout.hf_engine import HFEngine
+from slime.trainer.actor import Actor
+
+PROMPTS = ["12+7=", "what is 3*4?", "hello", "9-5"]
+
+
+def chat_ids(tokenizer, question: str) -> list[int]:
+    """Prompt ids as the data path makes them: chat template as text, then tokenized."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def train_step(actor: Actor) -> None:
+    samples = fixed_batch()
+    for s, lp in zip(samples, actor.compute_logprobs(samples)):
+        s.old_logprobs = lp
+    actor.train(samples)
+
+
+def main() -> None:
+    model_dir, out, url = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    cfg = load_config(None, [f"model.path={model_dir}", "data.path=unused.jsonl", "train.lr=5e-2",
+                             "train.max_tokens_per_gpu=64", "rollout.sync_bucket_mb=0.02", "rollout.engine=sglang",
+                             f"rollout.sglang.urls=[{url}]", "rollout.sglang.ranks_per_engine=2"])
+    dims = ParallelDims.build()
+    tokenizer = load_tokenizer(cfg.model)
+    actor = Actor(cfg, dims)
+    colocated = make_engine(cfg.rollout, cfg.model, tokenizer, dims)
+    dis_cfg = copy.deepcopy(cfg.rollout)
+    dis_cfg.sglang.mode = "disaggregated"
+    disaggregated = make_engine(dis_cfg, cfg.model, tokenizer, dims)
+    reference = HFEngine(cfg.model, tokenizer, device=dims.device)
+    prompts = [chat_ids(tokenizer, p)
+               for p in PROMPTS[dims.rank::dims.world_size]]
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+
+    def check(engine, version: int) -> dict:
+        engine.update_weights(actor.gathered_weight_buckets(), version=version)
+        reference.update_weights(actor.gathered_weight_buckets(), version=version)
+        engine.wake()  # the loop's order: wake, generate, sleep
+        ours = [g[0] for g in engine.generate(prompts, greedy)]
+        engine.sleep()
+        theirs = [g[0] for g in reference.generate(prompts, greedy)]
+        served = engine.clients[0].get("/model_info")["weight_version"]
+        return {"ours": [g.response_ids for g in ours], "theirs": [g.response_ids for g in theirs],
+                "logprob_diff": max((abs(a - b) for x, y in zip(ours, theirs) if x.response_ids == y.response_ids
+                                     for a, b in zip(x.logprobs, y.logprobs)), default=None),
+                "served_version": served, "engine_version": engine.weight_version}
+
+    result = {"initial": check(colocated, 1)}
+    train_step(actor)
+    result["tensor"] = check(colocated, 2)
+    train_step(actor)
+    colocated.wake()  # hand the server back fully resident before the other engine drives it
+    result["distributed"] = check(disaggregated, 3)
+    result["colocated_events"] = [list(e) for e in colocated.events]
+    result["disaggregated_events"] = [list(e) for e in disaggregated.events]
+    result["metrics"] = colocated.metrics()
+    per_rank = dims.all_gather_objects(result, group=torch.distributed.group.WORLD)
+    disaggregated.shutdown()
+    colocated.shutdown()
+    if dims.is_main:
+        (out / "result.json").write_text(json.dumps(per_rank))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""The sglang rollout engine.
+
+Always run: the engine plan, the weight payload format, the HTTP client's error paths, and a server
+that dies at start. With a real SGLang (SLIME_SGLANG_PYTHON, see docs/sglang.md) on a tiny model
+saved here: generation matches the hf engine from the same ids; abort; weight pushes (colocated
+tensor buckets and a gloo update group) from a 2-rank ZeRO-3 trainer make the server's greedy output
+equal the trainer's, with the version advancing and sleep/wake in order; a killed server is reported
+with its log; a 2-rank GRPO run on the engine; and no server process outlives the tests.
+One server is shared by the module (started once) and the GRPO run starts one more.
+"""
+from __future__ import annotations
+
+import base64
+import http.server
+import json
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, run_ranks
+from slime.config import ModelConfig, SGLangConfig
+from slime.rollout.engine import SamplingParams
+from slime.rollout.sglang_engine import SGLangEngine, plan_engines, server_args
+from slime.rollout.sglang_server import SGLangClient, SGLangServer, SGLangServerError, free_port
+from slime.rollout.sglang_weights import FlatBucket, serialize_flat_bucket, split_by_dtype
+
+SGLANG_PYTHON = os.environ.get("SLIME_SGLANG_PYTHON", "")
+needs_sglang = pytest.mark.skipif(
+    not (SGLANG_PYTHON and Path(SGLANG_PYTHON).is_file()),
+    reason="no SGLang environment: set SLIME_SGLANG_PYTHON to the python of a venv built with "
+           "../shared/sglang-cpu/setup.sh (and SLIME_SGLANG_PYTHONPATH to its stubs/); see docs/sglang.md")
+CPU_ARGS = ["--max-total-tokens", "4096", "--skip-server-warmup", "--random-seed", "0"]
+
+
+def chat_ids(tokenizer, question: str) -> list[int]:
+    """Prompt ids as the data path makes them: chat template as text, then tokenized."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def server_env(marker: str) -> dict:
+    """`marker` is inherited by every process of the server, whatever it renames itself to."""
+    env = {"SLIME_SGLANG_TEST": marker, **({"SGLANG_USE_CPU_ENGINE": "1"} if not torch.cuda.is_available() else {})}
+    if os.environ.get("SLIME_SGLANG_PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["SLIME_SGLANG_PYTHONPATH"]
+    return env
+
+
+def server_processes(marker: str) -> list[int]:
+    """Live pids started with SLIME_SGLANG_TEST=`marker` in their environment."""
+    pids, needle = [], f"SLIME_SGLANG_TEST={marker}".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0") and \
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                pids.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
+
+
+class OneRank:
+    """The slice of ParallelDims the engine uses, for a single process without torch.distributed."""
+    world_size, rank, local_rank, is_main = 1, 0, 0, True
+
+    def all_gather_objects(self, obj, group=None):
+        return [obj]
+
+    def barrier(self):
+        pass
+
+
+# -- without SGLang ---------------------------------------------------------------------------------
+
+def test_plan_engines_colocated_and_disaggregated():
+    plan = plan_engines(SGLangConfig(tp_size=2), world_size=4)
+    assert plan.engine_of_rank == (0, 0, 1, 1) and plan.owner_of_engine == (0, 2)
+    assert plan.ranks_of_engine == ((0, 1), (2, 3))
+    plan = plan_engines(SGLangConfig(ranks_per_engine=2), world_size=2)
+    assert plan.num_engines == 1 and plan.owner_of_engine == (0,)
+    plan = plan_engines(SGLangConfig(mode="disaggregated", num_engines=2), world_size=4)
+    assert plan.engine_of_rank == (0, 1, 0, 1) and plan.owner_of_engine == (0, 0)
+    with pytest.raises(ValueError, match="must divide the world size"):
+        plan_engines(SGLangConfig(tp_size=2), world_size=3)
+    with pytest.raises(ValueError, match="needs 2"):
+        plan_engines(SGLangConfig(urls=["http://127.0.0.1:1"]), world_size=2)
+    with pytest.raises(ValueError, match="multiple of tp_size"):
+        SGLangConfig(tp_size=2, ranks_per_engine=3)
+
+
+def test_server_args_cpu_path_and_extra_args_last():
+    args = server_args(SGLangConfig(extra_args=["--max-total-tokens", 64], mem_fraction=0.5), dtype=torch.bfloat16,
+                       gpu_id=None, colocated=True)
+    assert args[args.index("--device") + 1] == "cpu" and args[args.index("--dtype") + 1] == "bfloat16"
+    assert "--enable-memory-saver" not in args  # needs CUDA
+    assert args[-2:] == ["--max-total-tokens", "64"] and args[args.index("--mem-fraction-static") + 1] == "0.5"
+    gpu = server_args(SGLangConfig(), dtype=torch.bfloat16, gpu_id=3, colocated=True)
+    assert gpu[gpu.index("--base-gpu-id") + 1] == "3" and "--enable-memory-saver" in gpu and "--device" not in gpu
+
+
+def test_flat_bucket_payload_rebuilds_every_tensor():
+    """What the server unpickles: a uint8 tensor plus slice records that rebuild each tensor exactly."""
+    g = torch.Generator().manual_seed(0)
+    named = [("a.weight", torch.randn(3, 5, generator=g)), ("b.bias", torch.randn(7, generator=g).bfloat16()),
+             ("c.weight", torch.randn(2, 2, 2, generator=g))]
+    flats = split_by_dtype(named)
+    assert [f.dtype for f in flats] == [torch.float32, torch.bfloat16] and [len(f.names) for f in flats] == [2, 1]
+    rebuilt = {}
+    for flat in flats:
+        obj = pickle.loads(base64.b64decode(serialize_flat_bucket(flat)))  # as the server does, minus its allowlist
+        for m in obj["metadata"]:
+            rebuilt[m.name] = obj["flattened_tensor"][m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)
+    assert set(rebuilt) == {n for n, _ in named}
+    for name, t in named:
+        assert rebuilt[name].dtype == t.dtype and torch.equal(rebuilt[name], t), name
+    assert FlatBucket(named[:1]).nbytes == 15 * 4
+
+
+class _Flaky(http.server.BaseHTTPRequestHandler):
+    failures = 2
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        code, body = (503, b"busy") if _Flaky.failures > 0 else (200, b'{"ok": true}')
+        _Flaky.failures -= 1
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json" if code == 200 else "text/plain")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):  # /health
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_client_retries_while_alive_and_reports_a_dead_server(tmp_path):
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Flaky)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        assert SGLangClient(url, timeout=5, max_retries=2).post("/x", {}) == {"ok": True}
+        _Flaky.failures = 5
+        with pytest.raises(SGLangServerError, match="after 2 attempt"):
+            SGLangClient(url, timeout=5, max_retries=1).post("/x", {})
+    finally:
+        httpd.shutdown()
+    log = tmp_path / "dead.log"
+    log.write_text("line 1\nCUDA out of memory (the last words)\n")
+    with pytest.raises(SGLangServerError, match="(?s)does not answer /health.*the last words"):
+        SGLangClient(f"http://127.0.0.1:{free_port()}", timeout=5, max_retries=3, log_path=str(log)).post("/generate")
+
+
+def test_server_that_exits_at_start_is_reported_with_its_log(tmp_path):
+    """A stand-in for the server's python that fails at start: the error carries its exit code and last words."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho \"loading $4\"\n"
+                      "echo 'RuntimeError: not enough memory for the KV cache' >&2\nexit 3\n")
+    python.chmod(0o755)
+    server = SGLangServer(str(python), str(tmp_path / "model"), port=free_port(), args=[], env={},
+                          log_path=tmp_path / "server.log")
+    server.start()
+    with pytest.raises(SGLangServerError, match="(?s)exited with code 3.*loading .*model.*not enough memory"):
+        server.wait_ready(timeout=60)
+    server.kill()
+    assert not server.alive
+
+
+# -- against a real SGLang server ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    if not (SGLANG_PYTHON and Path(SGLANG_PYTHON).is_file()):
+        pytest.skip("no SGLang environment (SLIME_SGLANG_PYTHON)")
+    log = tmp_path_factory.mktemp("sglang") / "server.log"
+    srv = SGLangServer(SGLANG_PYTHON, str(tiny_model), port=free_port(), env=server_env("module"), log_path=log,
+                       args=server_args(SGLangConfig(extra_args=CPU_ARGS), dtype=torch.float32, gpu_id=None,
+                                        colocated=True))
+    srv.start()
+    try:
+        srv.wait_ready(timeout=900)
+        yield srv
+    finally:
+        srv.kill()
+    assert not server_processes("module"), "an SGLang server process outlived the tests"
+
+
+@pytest.fixture(scope="module")
+def engines(server, tiny_model):
+    from slime.models.loading import load_tokenizer
+    from slime.rollout.hf_engine import HFEngine
+
+    model_cfg = ModelConfig(path=str(tiny_model), dtype="float32")
+    tokenizer = load_tokenizer(model_cfg)
+    ours = SGLangEngine(SGLangConfig(urls=[server.url], max_concurrency=8), model_cfg, tokenizer, OneRank())
+    ours.clients[0].server = server  # as on the launching rank: liveness from the process itself
+    prompts = [chat_ids(tokenizer, q)
+               for q in ("1+1=", "name a colour", "7*8", "abc")]
+    yield ours, HFEngine(model_cfg, tokenizer, device=torch.device("cpu")), prompts
+    ours.shutdown()
+
+
+@needs_sglang
+def test_greedy_generation_matches_hf_engine_from_the_same_ids(engines):
+    ours, hf, prompts = engines
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    got, want = ours.generate(prompts, params), hf.generate(prompts, params)
+    for g, w in zip(got, want):
+        assert g[0].response_ids == w[0].response_ids
+        assert g[0].finish_reason == w[0].finish_reason
+        assert max(abs(a - b) for a, b in zip(g[0].logprobs, w[0].logprobs)) < 1e-3
+    assert ours.metrics()["sglang/gen_tokens_per_s"] > 0
+
+
+@needs_sglang
+def test_sampled_logprobs_are_those_of_the_temperature_scaled_policy(engines):
+    """Teacher-force the sampled tokens through the HF model: log_softmax(logits / T) must agree."""
+    ours, hf, prompts = engines
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, n=3)
+    out = ours.generate(prompts[:2], params)
+    assert [len(g) for g in out] == [3, 3]
+    for prompt, gens in zip(prompts, out):
+        for gen in gens:
+            assert 1 <= len(gen.response_ids) <= 12 and len(gen.logprobs) == len(gen.response_ids)
+            ids = torch.tensor([prompt + gen.response_ids])
+            with torch.no_grad():
+                logits = hf.model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+            want = torch.log_softmax(logits / 0.7, -1).gather(-1, ids[0, len(prompt):, None]).squeeze(-1)
+            torch.testing.assert_close(torch.tensor(gen.logprobs), want, atol=2e-3, rtol=0)
+
+
+@needs_sglang
+def test_abort_returns_partial_generations(engines):
+    ours, _, prompts = engines
+    params = SamplingParams(max_new_tokens=400, temperature=1.0, n=2)
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("out", ours.generate(prompts, params)))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while not ours._inflight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    ours.abort()
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    gens = [g for group in result["out"] for g in group]
+    assert len(gens) == 8 and any(g.finish_reason == "abort" for g in gens)
+    assert all(len(g.response_ids) < 400 for g in gens if g.finish_reason == "abort")
+    assert ours.generate(prompts[:1], SamplingParams(max_new_tokens=2, temperature=0.0))[0][0].finish_reason != "abort"
+
+
+@needs_sglang
+def test_weight_pushes_from_a_two_rank_trainer(server, tiny_model, tmp_path):
+    run_ranks([str(REPO / "tests/dist/sglang_checks.py"), str(tiny_model), str(tmp_path), server.url], timeout=900)
+    per_rank = json.loads((tmp_path / "result.json").read_text())
+    for rank, result in enumerate(per_rank):
+        for stage, version in (("initial", 1), ("tensor", 2), ("distributed", 3)):
+            r = result[stage]
+            assert r["ours"] == r["theirs"], (rank, stage)  # the server serves the trainer's weights
+            assert r["logprob_diff"] is not None and r["logprob_diff"] < 1e-3, (rank, stage)
+            assert r["served_version"] == str(version) and r["engine_version"] == version
+        # training moved the model: the pushes were not no-ops
+        assert result["initial"]["ours"] != result["tensor"]["ours"] != result["distributed"]["ours"], rank
+        n = len(result["initial"]["ours"])
+        assert result["colocated_events"] == [
+            ["update", 1], ["generate", n], ["release", ["weights", "kv_cache"]],
+            ["resume", ["weights"]], ["update", 2],  # weights back before the push ...
+            ["resume", ["kv_cache"]],  # ... the cache only after it
+            ["generate", n], ["release", ["weights", "kv_cache"]], ["resume", ["weights", "kv_cache"]]]
+        # rank 0 alone forms the group with the server's rank (world 2) and broadcasts
+        group = [["init_group", 2]] if rank == 0 else []
+        assert result["disaggregated_events"] == group + [["update", 3], ["generate", n]]
+        # rank 0 sends; rank 1 only takes part in the gathers
+        assert (result["metrics"].get("sglang/sync_gb_per_s", 0) > 0) == (rank == 0)
+
+
+@needs_sglang
+def test_two_rank_grpo_run_on_sglang(tiny_model, task_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    marker = f"grpo-{os.getpid()}"
+    proc = run_ranks([str(REPO / "run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"),
+                      f"model.path={tiny_model}", f"data.path={task_dir / 'train.jsonl'}", f"log.run_dir={run_dir}",
+                      "rollout.reward.fn=e2e_rewards:digit_fraction", "rollout.batch_size=4",
+                      "rollout.n_samples_per_prompt=4",
+                      "rollout.max_response_len=6", "train.lr=5e-3", "train.max_tokens_per_gpu=64", "train.num_steps=3",
+                      "checkpoint.export_hf=false", "checkpoint.save_final=false", "rollout.engine=sglang",
+                      "rollout.sglang.ranks_per_engine=2", f"rollout.sglang.python={SGLANG_PYTHON}",
+                      f"rollout.sglang.extra_args={json.dumps(CPU_ARGS)}",
+                      f"rollout.sglang.env={json.dumps(server_env(marker))}"],
+                     timeout=1200)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and "sglang engine (colocated): 1 server(s)" in proc.stdout
+    assert all(r["rollout/response_len"] > 0 for r in rows)
+    assert any(r["train/grad_norm"] > 0 for r in rows)
+    assert not server_processes(marker), "the run left SGLang server processes behind"
+
+
+@needs_sglang
+def test_killed_server_is_detected_and_reported(server, engines):
+    """Runs last: kills the module's server (SIGKILL to its main process, as an OOM killer would)."""
+    ours, _, prompts = engines
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(timeout=30)
+    with pytest.raises(SGLangServerError, match=rf"(?s)exited with code -9.*{server.log_path.name}.*\n.*\S"):
+        ours.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=0.0))
+    server.kill()  # the scheduler and detokenizer in its process group go too
+    assert not server_processes("module")
