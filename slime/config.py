@@ -152,6 +152,7 @@ class AlgoConfig:
     loss_agg_constant: float = field(1.0, "Divisor for seq_mean_token_sum_norm (Dr.GRPO uses max_response_len).")
     entropy_coef: float = field(0.0, "Entropy bonus coefficient (0 = only logged).")
     use_reference: bool = field(False, "Keep a frozen reference model (implied by kl_coef > 0); KL to it is logged.")
+    ref_offload: bool = field(False, "Keep the reference model's parameters in CPU memory (ZeRO-3 offload_param).")
     kl_coef: float = field(0.0, "KL coefficient (loss term with use_kl_loss, else reward penalty with kl_in_reward).")
     use_kl_loss: bool = field(False, "Add kl_coef * KL(policy || reference) to the loss.")
     kl_in_reward: bool = field(False, "Subtract kl_coef * KL from the rewards instead.")

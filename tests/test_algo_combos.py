@@ -14,6 +14,7 @@ JOBS = {f"{est}-{loss}": [f"algo.advantage_estimator={est}", f"algo.policy_loss=
         for est in ESTIMATORS for loss, extra in LOSSES.items()}
 JOBS.update({
     "kl_loss_k3": ["algo.use_kl_loss=true", "algo.kl_coef=0.1", "algo.kl_estimator=k3"],
+    "kl_loss_ref_offload": ["algo.use_kl_loss=true", "algo.kl_coef=0.1", "algo.ref_offload=true"],
     "kl_reward_k1_rpp": ["algo.advantage_estimator=reinforce_pp", "algo.kl_in_reward=true", "algo.kl_coef=0.1",
                          "algo.kl_estimator=k1"],
     "kl_reward_k2_grpo": ["algo.kl_in_reward=true", "algo.kl_coef=0.1", "algo.kl_estimator=k2"],

@@ -54,6 +54,8 @@ def load_policy_engine(cfg: Config, dims: ParallelDims, *, trainable: bool):
                         dtype=dtype)
     hf.config.use_cache = False
     if not trainable:
+        if cfg.algo.ref_offload:
+            ds_config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
         return init_engine(PolicyModel(hf), ds_config)
     if cfg.model.gradient_checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
