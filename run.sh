@@ -14,6 +14,17 @@ fi
 if grep -q "data/arith/" "$config" && [[ ! -f data/arith/train.jsonl ]]; then
   python data_tools/make_arithmetic.py --out-dir data/arith --n-train 5000 --n-eval 500 --seed 0
 fi
+if grep -q "data/arith-chat/" "$config" && [[ ! -f data/arith-chat/train.jsonl ]]; then
+  python data_tools/make_arithmetic.py --out-dir data/arith-chat --n-train 2000 --n-eval 200 --seed 0 --format chat
+fi
+# The shipped tiny-arith model (assets/) is rebuilt only if it was deleted (a few minutes).
+if grep -qE "assets/tiny-arith([^-]|$)" "$config" && [[ ! -f assets/tiny-arith/config.json ]]; then
+  python data_tools/build_tiny_arith.py
+fi
+# A GGUF model is turned into an HF directory once; later runs reuse it.
+if grep -q "data/smollm2-135m-hf" "$config" && [[ ! -f data/smollm2-135m-hf/config.json ]]; then
+  python data_tools/gguf_to_hf.py --out data/smollm2-135m-hf
+fi
 
 gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [[ $gpus -gt 0 ]]; then

@@ -1,0 +1,65 @@
+"""The CPU recipe, shortened: SFT from a random init (examples/tiny_arith_sft.yaml), then GRPO from its
+export (examples/cpu_tiny_grpo.yaml) with held-out evaluation, on 2 gloo ranks. Checks that the
+pipeline produces what the main job promises (eval accuracy before and after, metrics, the plot);
+whether the run learns is measured by the full run (docs/tiny_arith.md), not asserted here.
+"""
+import json
+
+from conftest import REPO, run_ranks
+from data_tools.build_tiny_arith import MODEL, write_data
+from data_tools.make_tiny_model import make_tiny_model
+from slime.config import load_config
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def evals(rows):
+    return [r for r in rows if "eval/accuracy" in r]
+
+
+def test_sft_then_grpo_writes_eval_before_and_after_and_plot(tmp_path):
+    data = tmp_path / "data"
+    write_data(data)
+    init = make_tiny_model(tmp_path / "init", **MODEL)
+    common = [f"data.path={data / 'train.jsonl'}", f"eval.path={data / 'eval.jsonl'}", "eval.max_prompts=8"]
+
+    sft_dir = tmp_path / "sft"
+    run_ranks([str(REPO / "run.py"), "--config", str(REPO / "examples/tiny_arith_sft.yaml"), f"model.path={init}",
+               f"log.run_dir={sft_dir}", "train.num_steps=4", "train.warmup_steps=0", "rollout.batch_size=32",
+               "eval.interval=2", *common])
+    sft = read_metrics(sft_dir)
+    losses = [r["train/loss"] for r in sft if "train/loss" in r]
+    assert len(losses) == 4 and losses[-1] < losses[0]  # cross-entropy on label + EOS goes down
+    assert [r["step"] for r in evals(sft)] == [0, 2, 4]
+    assert (sft_dir / "hf/model.safetensors").is_file()
+
+    rl_dir = tmp_path / "grpo"
+    proc = run_ranks([str(REPO / "run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"),
+                      f"model.path={sft_dir / 'hf'}", f"log.run_dir={rl_dir}", "train.num_steps=2",
+                      "rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "eval.interval=1", *common])
+    rows = read_metrics(rl_dir)
+    ev = evals(rows)
+    assert [r["step"] for r in ev] == [0, 1, 2]  # before training, then every eval.interval steps
+    assert all(r["eval/num_prompts"] == 8 and 0.0 <= r["eval/accuracy"] <= 1.0 for r in ev)
+    steps = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for key in ("rollout/reward_mean", "rollout/response_len", "train/entropy", "time/step"):
+        assert all(key in r for r in steps), key
+    assert all(r["rollout/response_len"] <= 5 for r in steps)  # rollout.max_response_len
+    assert "eval after step 0/2" in proc.stdout and "eval after step 2/2" in proc.stdout
+    assert (rl_dir / "metrics.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_main_config_uses_shipped_files_with_a_disjoint_eval_split():
+    """A fresh clone runs the main job without generating anything: model and data are in assets/."""
+    cfg = load_config(REPO / "examples/cpu_tiny_grpo.yaml")
+    assert (REPO / cfg.model.path / "config.json").is_file()
+    assert (REPO / cfg.model.path / "tokenizer.json").is_file()
+    train, held_out = ([json.loads(line)["prompt"] for line in (REPO / path).read_text().splitlines()]
+                       for path in (cfg.data.path, cfg.eval.path))
+    assert len(held_out) >= 200 and cfg.eval.max_prompts in (0, *range(200, len(held_out) + 1))
+    assert not set(train) & set(held_out)
