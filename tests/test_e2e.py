@@ -13,7 +13,7 @@ def launch(tiny_model, task_dir, run_dir, *overrides):
                       f"model.path={tiny_model}", f"data.path={task_dir / 'train.jsonl'}",
                       f"log.run_dir={run_dir}", "rollout.reward.fn=e2e_rewards:digit_fraction",
                       "rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=6",
-                      "train.lr=5e-3", "train.max_tokens_per_gpu=64", *overrides])
+                      "train.lr=5e-3", "train.max_tokens_per_gpu=64", "eval.path=null", *overrides])
 
 
 def read_metrics(run_dir):

@@ -293,7 +293,7 @@ def test_two_rank_grpo_run_on_sglang(tiny_model, task_dir, tmp_path):
                       "rollout.reward.fn=e2e_rewards:digit_fraction", "rollout.batch_size=4",
                       "rollout.n_samples_per_prompt=4",
                       "rollout.max_response_len=6", "train.lr=5e-3", "train.max_tokens_per_gpu=64", "train.num_steps=3",
-                      "checkpoint.export_hf=false", "checkpoint.save_final=false", "rollout.engine=sglang",
+                      "checkpoint.export_hf=false", "checkpoint.save_final=false", "eval.path=null", "rollout.engine=sglang",
                       "rollout.sglang.ranks_per_engine=2", f"rollout.sglang.python={SGLANG_PYTHON}",
                       f"rollout.sglang.extra_args={json.dumps(CPU_ARGS)}",
                       f"rollout.sglang.env={json.dumps(server_env(marker))}"],
