@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Launch a run on every local GPU, or on CPU ranks over gloo when there is no GPU.
 #   bash run.sh examples/cpu_tiny_grpo.yaml [section.key=value ...]
-# NPROC overrides the rank count (default: number of GPUs, or 2 on CPU).
+# NPROC overrides the rank count (default: number of GPUs, or 2 on CPU); MASTER_PORT the rendezvous
+# port (default 29500; give each of two concurrent runs its own).
 set -euo pipefail
 cd "$(dirname "$0")"
 config=${1:?usage: run.sh CONFIG.yaml [section.key=value ...]}
@@ -34,4 +35,4 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 echo "run.sh: $nproc rank(s) on $([[ $gpus -gt 0 ]] && echo GPU || echo CPU/gloo)"
-exec deepspeed --num_gpus "$nproc" run.py --config "$config" "$@"
+exec deepspeed --num_gpus "$nproc" --master_port "${MASTER_PORT:-29500}" run.py --config "$config" "$@"
