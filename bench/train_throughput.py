@@ -9,6 +9,8 @@ forward + backward + optimizer step of the real ZeRO-3 actor for both layouts, a
 from __future__ import annotations
 
 import argparse
+import copy
+import functools
 import random
 import sys
 import tempfile
@@ -19,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def make_batch(n: int, seed: int):
+    import torch
+
     from slime.data.sample import Sample
 
     rng = random.Random(seed)
@@ -28,7 +32,7 @@ def make_batch(n: int, seed: int):
         r = min(400, max(4, int(rng.lognormvariate(4.0, 0.8))))  # median ~55 tokens, long tail
         samples.append(Sample(prompt_ids=[rng.randint(5, 250) for _ in range(p)],
                               response_ids=[rng.randint(5, 250) for _ in range(r)],
-                              advantages=[rng.gauss(0, 1)] * r, group_id=i // 4))
+                              advantages=torch.full((r,), rng.gauss(0, 1)), group_id=i // 4))
     return samples
 
 
@@ -48,7 +52,9 @@ def main() -> None:
     from data_tools.make_tiny_model import make_tiny_model
     from slime.config import load_config
     from slime.distributed.parallel_dims import ParallelDims
-    from slime.trainer.actor import Actor
+    from slime.trainer.layout import distribute
+    from slime.trainer.losses import actor_loss
+    from slime.trainer.policy_engine import PolicyEngine
 
     torch.manual_seed(args.seed)
     model_dir = make_tiny_model(Path(tempfile.mkdtemp()) / "m", hidden=args.hidden, layers=args.layers,
@@ -60,13 +66,14 @@ def main() -> None:
     for name, layout in (("padded", ["train.packing=false", f"train.micro_batch_size={args.micro_batch_size}"]),
                          ("packed", [f"train.max_tokens_per_gpu={args.max_tokens}"])):
         cfg = load_config(None, [f"model.path={model_dir}", "data.path=unused.jsonl", "train.lr=1e-5", *layout])
-        actor = Actor(cfg, dims)
-        for s, lp in zip(samples, actor.compute_logprobs(samples)):
+        actor = PolicyEngine.actor(cfg, dims)
+        batch = distribute([copy.copy(s) for s in samples], dims, actor.train_layout)
+        for s, lp in zip(batch.samples, actor.score(batch)):
             s.old_logprobs = lp
         times = []
         for it in range(args.iters + 1):
             start = time.perf_counter()
-            m = actor.train(samples)
+            m = actor.train_step(batch, functools.partial(actor_loss, cfg.algo))
             if it:  # the first step warms up allocators and DeepSpeed's parameter trace
                 times.append(time.perf_counter() - start)
         t = sorted(times)[len(times) // 2]

@@ -1,6 +1,9 @@
-"""Write a tiny randomly initialised causal LM with a character-level tokenizer, in HF format.
+"""Write a tiny randomly initialised model with a character-level tokenizer, in HF format.
 
     python data_tools/make_tiny_model.py --out assets/tiny-random --arch qwen2
+
+Families: dense causal LMs (qwen2, qwen3, llama), MoE (qwen3_moe, qwen2_moe, mixtral: 4 experts, top 2)
+and image-text (qwen2_vl, qwen2_5_vl: a 1-block vision tower, multimodal rope over 3 position rows).
 
 The tokenizer is built with the `tokenizers` library: byte-level BPE with no merges, i.e. one token
 per byte, plus chat special tokens and a chat template, so the whole data path (template, stop
@@ -13,6 +16,11 @@ import argparse
 from pathlib import Path
 
 SPECIAL = ["<pad>", "<eos>", "<system>", "<user>", "<assistant>"]
+VISION_SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+TEXT_ARCHS = ("qwen2", "qwen3", "llama")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+VL_ARCHS = ("qwen2_vl", "qwen2_5_vl")
+ARCHS = TEXT_ARCHS + MOE_ARCHS + VL_ARCHS
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'system' %}<system>{{ m['content'] }}"
@@ -22,40 +30,70 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer():
+def build_tokenizer(vision: bool = False):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + alphabet)}
+    special = SPECIAL + (VISION_SPECIAL if vision else [])
+    vocab = {tok: i for i, tok in enumerate(special + alphabet)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL)
+    tok.add_special_tokens(special)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
 def tiny_config(arch: str, vocab_size: int, *, hidden: int = 64, layers: int = 2, heads: int = 4,
-                kv_heads: int = 2, max_pos: int = 512, tie: bool = False):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+                kv_heads: int = 2, max_pos: int = 512, tie: bool = False, experts: int = 4, tokenizer=None):
+    import transformers
 
-    cls = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "llama": LlamaConfig}[arch]
-    extra = {"head_dim": hidden // heads} if arch == "qwen3" else {}
-    return cls(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-               num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
-               tie_word_embeddings=tie, pad_token_id=0, eos_token_id=1, bos_token_id=None, **extra)
+    text = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+                tie_word_embeddings=tie, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    if arch in ("qwen3", "qwen3_moe"):
+        text["head_dim"] = hidden // heads
+    if arch in MOE_ARCHS:
+        experts_key = "num_local_experts" if arch == "mixtral" else "num_experts"
+        text.update({experts_key: experts, "num_experts_per_tok": 2})
+        if arch != "mixtral":
+            text["moe_intermediate_size"] = hidden // 2
+        if arch == "qwen2_moe":
+            text["shared_expert_intermediate_size"] = hidden
+    if arch in VL_ARCHS:
+        half = hidden // heads // 2  # rotary frequencies per head, split over the temporal/height/width rows
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                                   "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
+        vision = dict(depth=1, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2,
+                      temporal_patch_size=2, in_channels=3, out_hidden_size=hidden)
+        if arch == "qwen2_vl":
+            vision.update(embed_dim=32, mlp_ratio=2)
+        else:
+            vision.update(intermediate_size=64, fullatt_block_indexes=[0], window_size=56)
+        ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in (
+            ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
+            ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"))}
+        cls = {"qwen2_vl": transformers.Qwen2VLConfig, "qwen2_5_vl": transformers.Qwen2_5_VLConfig}[arch]
+        return cls(text_config=text, vision_config=vision, tie_word_embeddings=tie, **ids)
+    cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig,
+           "qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+           "mixtral": transformers.MixtralConfig}[arch]
+    return cls(**text)
 
 
 def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, **config_kwargs) -> Path:
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
     out = Path(out)
-    tok = build_tokenizer()
+    tok = build_tokenizer(vision=arch in VL_ARCHS)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, len(tok), **config_kwargs))
+    auto = AutoModelForImageTextToText if arch in VL_ARCHS else AutoModelForCausalLM
+    model = auto.from_config(tiny_config(arch, len(tok), tokenizer=tok, **config_kwargs))
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)
@@ -66,7 +104,7 @@ def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, **co
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3", "llama"])
+    ap.add_argument("--arch", default="qwen2", choices=ARCHS)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)

@@ -12,6 +12,9 @@ LOSSES = {"ppo": [], "gspo": ["algo.clip_low=3e-4", "algo.clip_high=4e-4", "algo
           "cispo": ["algo.clip_low=null", "algo.clip_high=4.0"]}
 JOBS = {f"{est}-{loss}": [f"algo.advantage_estimator={est}", f"algo.policy_loss={loss}", *extra]
         for est in ESTIMATORS for loss, extra in LOSSES.items()}
+# The padded layout (no packing) for every estimator: the critic's forward takes the same path.
+JOBS.update({f"{est}-padded": [f"algo.advantage_estimator={est}", "train.packing=false", "train.micro_batch_size=3"]
+             for est in ESTIMATORS})
 JOBS.update({
     "kl_loss_k3": ["algo.use_kl_loss=true", "algo.kl_coef=0.1", "algo.kl_estimator=k3"],
     "kl_loss_ref_offload": ["algo.use_kl_loss=true", "algo.kl_coef=0.1", "algo.ref_offload=true"],

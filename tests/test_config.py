@@ -74,11 +74,15 @@ def test_run_py_help_and_config_error_exit():
 
 def test_ds_config_auto_fields_filled(tmp_path):
     cfg = load_config(None, BASE + ["train.lr=3e-4", "train.grad_clip=0.5", "train.weight_decay=0.1"])
-    ds = build_ds_config(cfg, bf16=False)
+    ds = build_ds_config(cfg.train, bf16=False)
     assert ds["optimizer"]["params"]["lr"] == 3e-4
     assert ds["gradient_clipping"] == 0.5 and ds["optimizer"]["params"]["weight_decay"] == 0.1
     assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"]["enabled"] is False
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}))
     with pytest.raises(ValueError, match="zero_optimization.reduce_bucket_size"):
-        build_ds_config(cfg, bad, bf16=False)
+        build_ds_config(cfg.train, bad, bf16=False)
+    layout = tmp_path / "ep.json"
+    layout.write_text(json.dumps({"expert_parallel": {"enabled": True, "autoep_size": 2}}))
+    with pytest.raises(ValueError, match="parallel.ep"):  # set in one place only: the run config
+        build_ds_config(cfg.train, layout, bf16=False)

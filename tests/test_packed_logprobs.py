@@ -39,7 +39,7 @@ def test_packed_equals_per_sample(model_dir):
     with torch.no_grad():
         logp, _ = packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len, chunk_size=5)
         for s, got in zip(samples, mb.split(logp)):
-            torch.testing.assert_close(torch.tensor(got), per_sample_logprobs(alone, s), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, per_sample_logprobs(alone, s), rtol=1e-5, atol=1e-5)
 
 
 def test_packed_gradients_equal_per_sample(model_dir):

@@ -69,7 +69,7 @@ def server_processes(marker: str) -> list[int]:
 
 class OneRank:
     """The slice of ParallelDims the engine uses, for a single process without torch.distributed."""
-    world_size, rank, local_rank, is_main = 1, 0, 0, True
+    world_size, rank, local_rank, is_main, world_group = 1, 0, 0, True, None
 
     def all_gather_objects(self, obj, group=None):
         return [obj]

@@ -35,10 +35,10 @@ def reference_loss(model, samples, old_logprobs, mode: str, clip: float = 0.2) -
         logits = model(input_ids=ids).logits[0].float()
         p = len(s.prompt_ids)
         logp = torch.log_softmax(logits, -1)[p - 1:-1].gather(-1, ids[0, p:, None]).squeeze(-1)
-        ratio = torch.exp(logp - torch.tensor(old))
-        adv = torch.tensor(s.advantages)
+        ratio = torch.exp(logp - old)
+        adv = s.advantages
         loss = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
-        mask = torch.tensor(s.loss_mask, dtype=torch.float32)
+        mask = s.loss_mask
         per_seq.append((loss * mask).sum() / (mask.sum() if mode == "seq_mean_token_mean" else 1))
         n_tokens += int(mask.sum())
     total = torch.stack(per_seq).sum()

@@ -8,6 +8,7 @@ from slime.algorithms.advantages import (
     grpo_advantages,
     masked_whiten,
     reinforce_pp_advantages,
+    reinforce_pp_returns,
     rloo_advantages,
 )
 from slime.algorithms.importance import rollout_correction
@@ -34,6 +35,7 @@ __all__ = [
     "masked_whiten",
     "ppo_policy_loss",
     "reinforce_pp_advantages",
+    "reinforce_pp_returns",
     "rloo_advantages",
     "rollout_correction",
     "segment_sum",

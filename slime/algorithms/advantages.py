@@ -108,14 +108,21 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, dict[st
     return adv, _group_metrics(rewards, adv, constant, count)
 
 
-def masked_whiten(x: Tensor, mask: Tensor, *, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / (std + eps) over mask > 0 (biased std); 0 where mask == 0."""
+def masked_whiten(x: Tensor, mask: Tensor, *, eps: float = 1e-8, mean: Tensor | float | None = None,
+                  var: Tensor | float | None = None) -> Tensor:
+    """(x - mean) / (std + eps) over mask > 0 (biased std); 0 where mask == 0.
+
+    `mean` and `var` default to the statistics of x over the mask; pass them when x is one rank's
+    share of a larger batch (the batch's statistics, reduced over ranks by the caller).
+    """
     keep = mask > 0
     n = keep.sum().clamp(min=1)
-    vals = torch.where(keep, x, torch.zeros_like(x))
-    mean = vals.sum() / n
-    var = torch.where(keep, (x - mean) ** 2, torch.zeros_like(x)).sum() / n
-    return torch.where(keep, (x - mean) / (var.sqrt() + eps), torch.zeros_like(x))
+    if mean is None:
+        mean = torch.where(keep, x, torch.zeros_like(x)).sum() / n
+    if var is None:
+        var = torch.where(keep, (x - mean) ** 2, torch.zeros_like(x)).sum() / n
+    std = torch.as_tensor(var, dtype=x.dtype, device=x.device).sqrt()
+    return torch.where(keep, (x - mean) / (std + eps), torch.zeros_like(x))
 
 
 def _masked_discounted_cumsum(x: Tensor, mask: Tensor, discount: float) -> Tensor:
@@ -134,6 +141,43 @@ def _masked_discounted_cumsum(x: Tensor, mask: Tensor, discount: float) -> Tenso
         carry = torch.where(keep[:, t], x[:, t] + discount * carry, carry)
         out[:, t] = torch.where(keep[:, t], carry, torch.zeros_like(carry))
     return out
+
+
+def reinforce_pp_returns(
+    rewards: Tensor,
+    response_mask: Tensor,
+    *,
+    kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    group_ids: Tensor | None = None,
+) -> Tensor:
+    """REINFORCE++'s token-level returns before whitening (see reinforce_pp_advantages).
+
+    Shapes: rewards (N,), response_mask (N, T), kl (N, T) or None, group_ids (N,) or None -> (N, T).
+    """
+    _check_rewards(rewards, group_ids)
+    _check_token_layout(response_mask, rewards.shape[0], kl=kl)
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+
+    keep = response_mask > 0
+    scores = rewards
+    if group_ids is not None:
+        inv, num_groups = _group_index(group_ids)
+        count = _group_sum(torch.ones_like(rewards), inv, num_groups)
+        scores = rewards - _group_sum(rewards, inv, num_groups) / count
+    # Last response token per row; rows without any response token receive nothing.
+    num_pos = keep.shape[1]
+    last = num_pos - 1 - keep.flip(1).to(torch.int64).argmax(dim=1)  # (N,)
+    has_response = keep.any(dim=1)
+    token_rewards = torch.zeros(keep.shape, dtype=rewards.dtype, device=rewards.device)
+    rows = torch.arange(keep.shape[0], device=rewards.device)
+    token_rewards[rows, last] = torch.where(has_response, scores, torch.zeros_like(scores))
+    if kl is not None and kl_coef != 0.0:
+        kl = torch.where(keep, kl.to(rewards.dtype), torch.zeros_like(token_rewards))
+        token_rewards = token_rewards - kl_coef * kl
+    return _masked_discounted_cumsum(token_rewards, response_mask, gamma)
 
 
 def reinforce_pp_advantages(
@@ -157,31 +201,9 @@ def reinforce_pp_advantages(
     Returns advantages (N, T), 0 where response_mask == 0.
     Metrics: reward_mean, return_mean (before whitening), adv_abs_mean.
     """
-    _check_rewards(rewards, group_ids)
-    _check_token_layout(response_mask, rewards.shape[0], kl=kl)
-    if not 0.0 <= gamma <= 1.0:
-        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
-
-    keep = response_mask > 0
-    scores = rewards
-    if group_ids is not None:
-        inv, num_groups = _group_index(group_ids)
-        count = _group_sum(torch.ones_like(rewards), inv, num_groups)
-        scores = rewards - _group_sum(rewards, inv, num_groups) / count
-    # Last response token per row; rows without any response token receive nothing.
-    num_pos = keep.shape[1]
-    last = num_pos - 1 - keep.flip(1).to(torch.int64).argmax(dim=1)  # (N,)
-    has_response = keep.any(dim=1)
-    token_rewards = torch.zeros(keep.shape, dtype=rewards.dtype, device=rewards.device)
-    rows = torch.arange(keep.shape[0], device=rewards.device)
-    token_rewards[rows, last] = torch.where(has_response, scores, torch.zeros_like(scores))
-    if kl is not None and kl_coef != 0.0:
-        kl = torch.where(keep, kl.to(rewards.dtype), torch.zeros_like(token_rewards))
-        token_rewards = token_rewards - kl_coef * kl
-
-    returns = _masked_discounted_cumsum(token_rewards, response_mask, gamma)
+    returns = reinforce_pp_returns(rewards, response_mask, kl=kl, kl_coef=kl_coef, gamma=gamma, group_ids=group_ids)
     adv = masked_whiten(returns, response_mask, eps=eps)
-    n = keep.sum().clamp(min=1)
+    n = (response_mask > 0).sum().clamp(min=1)
     metrics = {
         "reward_mean": rewards.mean(),
         "return_mean": returns.sum() / n,

@@ -304,6 +304,38 @@ def padded_fixed_batches(lengths: Sequence[int], *, micro_batch_size: int, dp_si
     return plan
 
 
+def pack_each_rank(lengths_by_rank: Sequence[Sequence[int]], *, max_tokens: int | None = None,
+                   micro_batch_size: int | None = None) -> Plan:
+    """Pack every rank's own samples where they are (no sample changes rank): first-fit decreasing
+    under `max_tokens`, or consecutive chunks of `micro_batch_size` (the padded layout).
+
+    plan[rank][mb] holds positions into lengths_by_rank[rank]. Every rank gets the same number of
+    micro-batches; a rank that needs fewer gets EMPTY ones at the end, which the caller runs as a
+    dummy call (the lockstep ZeRO-3 needs), rather than splitting its real work finer.
+    """
+    if (max_tokens is None) == (micro_batch_size is None):
+        raise ValueError("give exactly one of max_tokens (packed) and micro_batch_size (padded)")
+    plan: Plan = []
+    for lengths in lengths_by_rank:
+        if micro_batch_size is not None:
+            if micro_batch_size < 1:
+                raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
+            plan.append([list(range(s, min(s + micro_batch_size, len(lengths))))
+                         for s in range(0, len(lengths), micro_batch_size)])
+            continue
+        too_long = [(i, n) for i, n in enumerate(lengths) if n > max_tokens]
+        if too_long:
+            i, n = too_long[0]
+            raise ValueError(f"sample {i} has {n} tokens, more than the micro-batch budget of {max_tokens}. "
+                             "Raise train.logprob_max_tokens_per_gpu (or train.max_tokens_per_gpu).")
+        bins = _first_fit_decreasing(range(len(lengths)), lengths, max_tokens)
+        plan.append([sorted(b) for b in bins])
+    num_mb = max(1, max(len(bins) for bins in plan))
+    for bins in plan:
+        bins.extend([] for _ in range(num_mb - len(bins)))
+    return plan
+
+
 def packing_stats(lengths: Sequence[int], plan: Plan, *, max_tokens: int | None = None,
                   padded: bool = False, cost_fn: Callable[[int], float] = default_cost) -> dict:
     """Efficiency figures for a plan, comparable between packed and padded layouts.

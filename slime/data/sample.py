@@ -1,11 +1,19 @@
 """The unit of work that travels from rollout to training.
 
 Token ids are the source of truth: engines are given ids and return ids, nothing is re-tokenised.
+Per-token values (logprobs, advantages, values, returns) are 1-D float32 tensors aligned with
+`response_ids`, never Python lists: a rank holds only the samples it trains on, and those fields
+are its largest part.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+import torch
+
+TOKEN_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "advantages", "values", "returns")
+"""Per-response-token tensor fields; a micro-batch concatenates the ones its samples carry."""
 
 
 @dataclasses.dataclass
@@ -16,7 +24,7 @@ class Sample:
     """Generated token ids, including the stop token when generation stopped on one."""
     response_mask: list[int] | None = None
     """1 for response tokens that carry loss; 0 for tool/observation tokens. None means all 1."""
-    rollout_logprobs: list[float] | None = None
+    rollout_logprobs: torch.Tensor | None = None
     """Per-response-token logprobs reported by the rollout engine (after temperature)."""
     prompt_text: str = ""
     response_text: str = ""
@@ -24,18 +32,18 @@ class Sample:
     """Ground truth for rule-based rewards (answer string, list of answers, ...)."""
     metadata: dict = dataclasses.field(default_factory=dict)
     reward: float = 0.0
-    advantages: list[float] | None = None
+    advantages: torch.Tensor | None = None
     """Per-response-token advantages (sequence-level estimators repeat one value)."""
-    old_logprobs: list[float] | None = None
+    old_logprobs: torch.Tensor | None = None
     """Trainer-side logprobs under the weights that generated the batch (PPO's pi_old)."""
-    ref_logprobs: list[float] | None = None
-    values: list[float] | None = None
+    ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
     """Critic values at each response position (PPO/GAE)."""
-    returns: list[float] | None = None
+    returns: torch.Tensor | None = None
     group_id: int = 0
     """Samples of the same prompt share a group id (GRPO/RLOO baselines are per group)."""
     index: int = 0
-    """Position in the global rollout batch; used to restore order after packing/balancing."""
+    """Position in the step's global rollout batch (rank-major); identifies the sample across ranks."""
     finish_reason: str = ""
     """'stop' (hit a stop token), 'length' (hit max_new_tokens) or 'abort'."""
 
@@ -44,5 +52,17 @@ class Sample:
         return len(self.prompt_ids) + len(self.response_ids)
 
     @property
-    def loss_mask(self) -> list[int]:
-        return self.response_mask if self.response_mask is not None else [1] * len(self.response_ids)
+    def loss_mask(self) -> torch.Tensor:
+        """(R,) float32: 1 where a response token carries loss."""
+        if self.response_mask is None:
+            return torch.ones(len(self.response_ids), dtype=torch.float32)
+        return torch.as_tensor(self.response_mask, dtype=torch.float32)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return len(self.response_ids) if self.response_mask is None else int(sum(self.response_mask))
+
+
+def as_token_tensor(values) -> torch.Tensor:
+    """A per-token field as a detached 1-D float32 CPU tensor."""
+    return torch.as_tensor(values, dtype=torch.float32).detach().reshape(-1).cpu()

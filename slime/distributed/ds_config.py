@@ -1,4 +1,8 @@
-"""Build a DeepSpeed config dict from a JSON file in ds_configs/, filling "auto" fields from the run config."""
+"""Build a DeepSpeed config dict from a JSON file in ds_configs/, filling "auto" fields from the run config.
+
+Settings that depend on the parallel layout (expert parallel, sequence parallel) are not read from
+the JSON: `parallelize` derives them from `parallel.*`, so each is set in one place only.
+"""
 from __future__ import annotations
 
 import json
@@ -6,22 +10,28 @@ from pathlib import Path
 
 import torch
 
-from slime.config import Config
+from slime.config import TrainConfig
+
+# Keys owned by the parallelize step; a DeepSpeed JSON that sets them would be a second place to set one thing.
+LAYOUT_KEYS = {"expert_parallel": "parallel.ep", "sequence_parallel_size": "parallel.sp"}
 
 
-def build_ds_config(cfg: Config, path: str | Path | None = None, *, bf16: bool) -> dict:
-    path = Path(path or cfg.train.ds_config)
+def build_ds_config(train: TrainConfig, path: str | Path | None = None, *, bf16: bool) -> dict:
+    path = Path(path or train.ds_config)
     if not path.is_absolute() and not path.exists():
         path = Path(__file__).resolve().parents[2] / path  # relative to the repo when run elsewhere
     if not path.is_file():
         raise FileNotFoundError(f"train.ds_config: {path} does not exist")
     ds = json.loads(path.read_text())
+    for key, setting in LAYOUT_KEYS.items():
+        if key in ds:
+            raise ValueError(f"{path}: remove '{key}'; it is derived from the run config's {setting}")
     auto = {
-        "gradient_clipping": cfg.train.grad_clip,
+        "gradient_clipping": train.grad_clip,
         "bf16.enabled": bf16,
-        "optimizer.params.lr": cfg.train.lr,
-        "optimizer.params.betas": list(cfg.train.betas),
-        "optimizer.params.weight_decay": cfg.train.weight_decay,
+        "optimizer.params.lr": train.lr,
+        "optimizer.params.betas": list(train.betas),
+        "optimizer.params.weight_decay": train.weight_decay,
         # DeepSpeed's fused Adam needs CUDA; on CPU fall back to torch's AdamW.
         "optimizer.params.torch_adam": not torch.cuda.is_available(),
     }

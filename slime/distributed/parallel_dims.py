@@ -2,7 +2,8 @@
 
 world = dp * sp. Expert parallelism (AutoEP) folds over dp, so `ep` divides dp and needs no
 group of its own here. Nothing else in the project creates or reads a global group: code that
-needs a collective receives the group from this object.
+needs a collective calls a method of this object or receives a group from it, the weight-update
+group shared with rollout engines included (`new_external_group`).
 """
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ import dataclasses
 import datetime
 import logging
 import os
+import pickle
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from slime.utils.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -29,17 +34,18 @@ class ParallelDims:
     sp_group: dist.ProcessGroup | None = None
 
     @classmethod
-    def build(cls, *, sp: int = 1, ep: int = 1, backend: str | None = None) -> "ParallelDims":
+    def build(cls, *, sp: int = 1, ep: int = 1, backend: str | None = None,
+              timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> "ParallelDims":
         """Initialise torch.distributed from the launcher's env (deepspeed/torchrun) and build groups."""
         import deepspeed
 
         if "RANK" not in os.environ:  # plain `python run.py`: a world of one
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not dist.is_initialized():
-            deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(minutes=30))
+            deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
         world, rank = dist.get_world_size(), dist.get_rank()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if world % sp:
@@ -75,8 +81,20 @@ class ParallelDims:
         return self.rank == 0
 
     @property
+    def world_group(self) -> dist.ProcessGroup:
+        """Every rank (engines are shared across dp and sp alike)."""
+        return dist.group.WORLD
+
+    @property
     def device(self) -> torch.device:
         return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+    @property
+    def comm_device(self) -> torch.device:
+        """Where tensors must live for a collective of the default backend (nccl: GPU, gloo: CPU)."""
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    # -- collectives ------------------------------------------------------------------------------
 
     def all_gather_objects(self, obj, group=None) -> list:
         """Gather a picklable object from every rank of `group` (default: dp)."""
@@ -86,17 +104,69 @@ class ParallelDims:
         return out
 
     def all_reduce_sum(self, values: list[float], group=None) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device if dist.get_backend() == "nccl" else "cpu")
+        t = torch.tensor(values, dtype=torch.float64, device=self.comm_device)
         dist.all_reduce(t, group=group or self.dp_group)
         return t.tolist()
+
+    def all_reduce_tensors(self, values: dict[str, torch.Tensor], group=None, op=dist.ReduceOp.SUM) -> dict[str, float]:
+        """Reduce a dict of scalar tensors (the same keys on every rank) in ONE collective; floats out."""
+        keys = sorted(values)
+        if not keys:
+            return {}
+        t = torch.stack([values[k].detach().to(self.comm_device, torch.float64).reshape(()) for k in keys])
+        dist.all_reduce(t, op=op, group=group or self.dp_group)
+        return dict(zip(keys, t.tolist()))
+
+    def all_reduce_max(self, value: int, group=None) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.comm_device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group or self.dp_group)
+        return int(t.item())
+
+    def exchange_objects(self, outgoing: dict[int, Any], group=None) -> dict[int, Any]:
+        """Send `outgoing[r]` to dp rank r (any picklable object) and return what each rank sent here.
+
+        Point-to-point in effect: one all-to-all of pickled bytes, so each object travels once, to its
+        destination only (unlike an all-gather, which hands every rank everything).
+        """
+        group = group or self.dp_group
+        n = dist.get_world_size(group)
+        blobs = [pickle.dumps(outgoing[r]) if r in outgoing else b"" for r in range(n)]
+        send_sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64, device=self.comm_device)
+        recv_sizes = torch.empty_like(send_sizes)
+        dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+        send = torch.frombuffer(bytearray(b"".join(blobs)) or bytearray(1), dtype=torch.uint8)[:int(send_sizes.sum())]
+        recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8, device=self.comm_device)
+        dist.all_to_all_single(recv, send.to(self.comm_device), output_split_sizes=recv_sizes.tolist(),
+                               input_split_sizes=send_sizes.tolist(), group=group)
+        data, out, offset = recv.cpu().numpy().tobytes(), {}, 0
+        for r, size in enumerate(recv_sizes.tolist()):
+            if size:
+                out[r] = pickle.loads(data[offset:offset + size])
+            offset += size
+        return out
 
     def barrier(self) -> None:
         dist.barrier()
 
+    # -- groups shared with processes outside the world --------------------------------------
 
-def _free_port() -> int:
-    import socket
+    def new_external_group(self, *, host: str, port: int, world_size: int, group_name: str, backend: str,
+                           timeout_s: float) -> dist.ProcessGroup:
+        """Become rank 0 of a group with processes outside our world (rollout engines join from their side).
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        Mirrors SGLang's `init_custom_process_group` (a PrefixStore named after the group, identity rank
+        mapping) but hosts the TCPStore itself: under torchrun, `rendezvous("tcp://...")` would connect
+        to the launcher's store (TORCHELASTIC_USE_AGENT_STORE) instead of serving the engines. torch has
+        no public call for a group outside the default world, hence the c10d internals, kept here only.
+        """
+        from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        pg, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), PrefixStore(group_name, store),
+                                          group_name=group_name, backend_options=None, timeout=timeout)
+        _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+        return pg
+
+    def destroy_group(self, group: dist.ProcessGroup) -> None:
+        dist.destroy_process_group(group)

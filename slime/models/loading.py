@@ -1,12 +1,13 @@
-"""Load HF models and tokenizers from a local directory (optionally a GGUF file)."""
+"""Load HF models (through their family's adapter) and tokenizers from a local directory."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from slime.config import ModelConfig
+from slime.models.adapters import ModelAdapter, adapter_for
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -30,8 +31,11 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     return tok
 
 
-def load_causal_lm(cfg: ModelConfig, *, attn_implementation: str, dtype: torch.dtype | None = None) -> PreTrainedModel:
+def load_model(cfg: ModelConfig, *, attn_implementation: str, dtype: torch.dtype | None = None,
+               backbone_only: bool = False) -> tuple[PreTrainedModel, ModelAdapter]:
+    """The model and its family's adapter (which also checks the weight names against the checkpoint)."""
     check_model_path(cfg)
-    return AutoModelForCausalLM.from_pretrained(
-        cfg.path, gguf_file=cfg.gguf_file, dtype=dtype or resolve_dtype(cfg.dtype),
-        attn_implementation=attn_implementation, trust_remote_code=cfg.trust_remote_code)
+    adapter = adapter_for(cfg)
+    model = adapter.load(cfg, attn_implementation=attn_implementation, dtype=dtype or resolve_dtype(cfg.dtype),
+                         backbone_only=backbone_only)
+    return model, adapter

@@ -1,4 +1,6 @@
-"""The module DeepSpeed wraps: an HF causal LM whose forward returns per-token logprobs.
+"""The module DeepSpeed wraps: an HF model whose forward returns per-token logprobs (actor, reference)
+or per-token values (critic). One forward serves all three roles, packed and padded layouts alike,
+so attention, position-id and multimodal changes land in one place.
 
 Logprobs are computed only at response positions and in chunks, so full-vocabulary logits never
 exist for the whole micro-batch at once; with grad, each chunk is recomputed in backward
@@ -51,23 +53,41 @@ class LogprobHead(nn.Module):
 
 
 class PolicyModel(nn.Module):
-    def __init__(self, hf_model: nn.Module):
+    """`hf` is a causal LM (head "logprobs") or a backbone without LM head (head "value").
+
+    The value head starts at zero, so a fresh critic predicts V = 0 and the first advantages are
+    the raw returns.
+    """
+
+    def __init__(self, hf_model: nn.Module, *, head: str = "logprobs"):
         super().__init__()
-        self.hf = hf_model
-        self.logprob_head = LogprobHead(hf_model.get_output_embeddings())
+        self.hf, self.head = hf_model, head
+        if head == "logprobs":
+            self.logprob_head = LogprobHead(hf_model.get_output_embeddings())
+        elif head == "value":
+            self.value_head = nn.Linear(hf_model.config.get_text_config().hidden_size, 1,
+                                        dtype=next(hf_model.parameters()).dtype)
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
+        else:
+            raise ValueError(f"unknown head {head!r}; use 'logprobs' or 'value'")
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                pred_index: torch.Tensor, *, max_len: int, temperature: float = 1.0,
-                chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids/position_ids (T,) packed or (B, L) right-padded; pred_index (N,) positions of the
-        flattened tokens whose NEXT token is scored.
+                pred_index: torch.Tensor, *, max_len: int, temperature: float = 1.0, chunk_size: int = 1024,
+                **extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        """input_ids (T,) packed or (B, L) right-padded; position_ids of the same shape, or with a leading
+        axis of rope rows (mrope); pred_index (N,) positions of the flattened tokens whose NEXT token is
+        scored; `extra`: the adapter's extra inputs (image tensors).
 
-        Returns logprobs (N,) and entropies (N,) of input_ids[pred_index + 1] at `temperature`.
+        Returns logprobs (N,) and entropies (N,) of input_ids[pred_index + 1] at `temperature`, or
+        values (N,) of the states at pred_index (the state before each response token).
         """
         if input_ids.dim() == 1:
-            input_ids, position_ids = input_ids[None], position_ids[None]
+            input_ids, position_ids = input_ids[None], position_ids[..., None, :]
         kwargs = packed_attention_kwargs(cu_seqlens, max_len) if cu_seqlens is not None else {}
-        out = self.hf.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs)
+        out = self.hf.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs, **extra)
         hidden = out.last_hidden_state.flatten(0, 1)[pred_index]  # (N, H)
+        if self.head == "value":
+            return self.value_head(hidden).squeeze(-1).float()
         targets = input_ids.flatten()[pred_index + 1]  # (N,)
         return self.logprob_head(hidden, targets, temperature=temperature, chunk_size=chunk_size)

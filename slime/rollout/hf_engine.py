@@ -11,7 +11,7 @@ from typing import Iterable
 import torch
 from transformers import GenerationConfig
 
-from slime.models.loading import load_causal_lm, resolve_dtype
+from slime.models.loading import load_model, resolve_dtype
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -19,12 +19,13 @@ logger = logging.getLogger(__name__)
 
 class HFEngine:
     def __init__(self, model_cfg, tokenizer, *, device: torch.device, batch_size: int = 64):
-        self.model = load_causal_lm(model_cfg, attn_implementation="sdpa", dtype=resolve_dtype(model_cfg.dtype))
+        self.model, self.adapter = load_model(model_cfg, attn_implementation="sdpa", dtype=resolve_dtype(model_cfg.dtype))
         self.model.to(device).eval()
         self.device, self.batch_size = device, batch_size
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
         self._params = dict(self.model.named_parameters())
+        self._load_plan = self.adapter.load_plan(self.model)  # checkpoint name -> where it goes in memory
         self._version = 0
 
     @property
@@ -72,16 +73,23 @@ class HFEngine:
         return [gens[k * params.n:(k + 1) * params.n] for k in range(len(prompts))]
 
     def update_weights(self, buckets: Iterable[NamedTensors], version: int) -> None:
+        """Load checkpoint-named tensors (as SGLang would) into the in-memory parameters."""
         seen = set()
         for bucket in buckets:
             for name, tensor in bucket:
-                if name not in self._params:
+                if name not in self._load_plan:
                     raise KeyError(f"weight '{name}' from the trainer has no counterpart in the hf engine's model")
-                self._params[name].data.copy_(tensor.to(self._params[name].device, self._params[name].dtype))
+                target, positions = self._load_plan[name]
+                param = self._params[target].data
+                tensor = tensor.to(param.device, param.dtype)
+                if positions is None:
+                    param.copy_(tensor)
+                else:
+                    param.view(-1)[positions.to(param.device)] = tensor.reshape(-1)
                 seen.add(name)
-        missing = set(self._params) - seen
+        missing = set(self._load_plan) - seen
         if missing:
-            raise RuntimeError(f"weight update {version} left {len(missing)} parameters stale, e.g. {sorted(missing)[:3]}")
+            raise RuntimeError(f"weight update {version} left {len(missing)} tensors stale, e.g. {sorted(missing)[:3]}")
         self._version = version
 
     def sleep(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:

@@ -1,8 +1,9 @@
 """Rollout on this rank's share: prompts -> n responses each -> rewards (+ DAPO shaping and filtering).
 
-Dynamic sampling (DAPO) runs in lockstep on every rank: each attempt draws prompts, generates,
-drops groups whose rewards are all equal, and all ranks agree (all-reduce) whether the global
-batch is full. The kept groups are then gathered and cut to exactly rollout.batch_size groups.
+Samples stay on the rank that generated them; only counts are exchanged. Dynamic sampling (DAPO)
+runs in lockstep on every rank: each attempt draws prompts, generates, drops groups whose rewards
+are all equal, and all ranks agree (all-reduce) whether the global batch is full. The kept groups
+are then cut to exactly rollout.batch_size groups, lower ranks first, from gathered counts.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import math
 
 from slime.config import RolloutConfig
 from slime.data.prompts import Prompt, PromptSource
-from slime.data.sample import Sample
+from slime.data.sample import Sample, as_token_tensor
 from slime.distributed.parallel_dims import ParallelDims
 from slime.rollout.engine import RolloutEngine, SamplingParams
 
@@ -24,17 +25,19 @@ def sampling_params(cfg: RolloutConfig) -> SamplingParams:
 
 
 def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: SamplingParams, tokenizer, reward_fn,
-                     *, first_group_id: int) -> list[Sample]:
-    """Generate `params.n` responses per prompt and score them. Group ids start at first_group_id."""
+                     *, first_group_id: int, first_index: int = 0) -> list[Sample]:
+    """Generate `params.n` responses per prompt and score them. Group ids start at first_group_id,
+    sample indices (positions in the global batch, named in reward logs) at first_index."""
     outputs = engine.generate([p.prompt_ids for p in prompts], params)
     samples = []
     for g, (prompt, gens) in enumerate(zip(prompts, outputs)):
         for gen in gens:
             samples.append(Sample(
-                prompt_ids=list(prompt.prompt_ids), response_ids=gen.response_ids, rollout_logprobs=gen.logprobs,
-                prompt_text=prompt.prompt_text, response_text=tokenizer.decode(gen.response_ids, skip_special_tokens=True),
+                prompt_ids=list(prompt.prompt_ids), response_ids=gen.response_ids,
+                rollout_logprobs=as_token_tensor(gen.logprobs), prompt_text=prompt.prompt_text,
+                response_text=tokenizer.decode(gen.response_ids, skip_special_tokens=True),
                 label=prompt.label, metadata=dict(prompt.metadata), group_id=first_group_id + g,
-                finish_reason=gen.finish_reason))
+                index=first_index + len(samples), finish_reason=gen.finish_reason))
     for sample, reward in zip(samples, reward_fn.score(samples)):
         sample.reward = float(reward)
     return samples
@@ -59,7 +62,7 @@ def groups_with_signal(samples: list[Sample]) -> list[list[Sample]]:
 
 def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfig, tokenizer, reward_fn,
                     dims: ParallelDims, *, step: int) -> tuple[list[Sample], dict]:
-    """The step's GLOBAL batch (identical on every rank) and rollout metrics."""
+    """This rank's share of the step's batch (its own generations) and global rollout metrics."""
     params = sampling_params(cfg)
     kept: list[Sample] = []  # this rank's kept samples
     generated: list[Sample] = []
@@ -70,7 +73,8 @@ def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfi
         n_prompts = math.ceil(need * cfg.over_sample_factor / dims.dp) * dims.dp if cfg.dynamic_sampling else None
         prompts = data.next_batch(n_prompts)
         first = (step * cfg.max_sampling_attempts + attempts) * 10**6 + dims.dp_rank * len(prompts)
-        samples = generate_rollout(engine, prompts, params, tokenizer, reward_fn, first_group_id=first)
+        samples = generate_rollout(engine, prompts, params, tokenizer, reward_fn, first_group_id=first,
+                                   first_index=dims.dp_rank * len(prompts) * params.n)
         if cfg.overlong_penalty.max_len:
             op = cfg.overlong_penalty
             for s in samples:
@@ -87,18 +91,27 @@ def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfi
         if n_kept_groups >= cfg.batch_size or attempts >= cfg.max_sampling_attempts:
             break
     engine.sleep()
-    batch = [s for part in dims.all_gather_objects(kept) for s in part]
     if cfg.dynamic_sampling:
-        group_order = list(dict.fromkeys(s.group_id for s in batch))[:cfg.batch_size]
-        chosen = set(group_order)
-        batch = [s for s in batch if s.group_id in chosen]
-        if len(group_order) < cfg.batch_size:
+        kept = _cut_to_batch_size(kept, cfg.batch_size, dims)
+        n_kept_groups = min(n_kept_groups, cfg.batch_size)
+        if n_kept_groups < cfg.batch_size:
             logger.warning("dynamic sampling kept %d of %d groups after %d attempts (rollout.max_sampling_attempts)",
-                           len(group_order), cfg.batch_size, attempts)
+                           n_kept_groups, cfg.batch_size, attempts)
+    else:
+        n_kept_groups = cfg.batch_size
     metrics = rollout_metrics(generated, dims)
-    metrics.update({"rollout/sampling_attempts": attempts, "rollout/kept_groups": len(set(s.group_id for s in batch)),
-                    "rollout/kept_samples": len(batch)})
-    return batch, metrics
+    metrics.update({"rollout/sampling_attempts": attempts, "rollout/kept_groups": n_kept_groups,
+                    "rollout/kept_samples": int(dims.all_reduce_sum([len(kept)])[0])})
+    return kept, metrics
+
+
+def _cut_to_batch_size(kept: list[Sample], batch_size: int, dims: ParallelDims) -> list[Sample]:
+    """Keep exactly `batch_size` groups over all ranks (or all there are): rank 0's first, then rank 1's..."""
+    group_order = list(dict.fromkeys(s.group_id for s in kept))
+    counts = dims.all_gather_objects(len(group_order))
+    allowed = max(0, batch_size - sum(counts[:dims.dp_rank]))
+    chosen = set(group_order[:allowed])
+    return [s for s in kept if s.group_id in chosen]
 
 
 def rollout_metrics(samples: list[Sample], dims: ParallelDims) -> dict:

@@ -32,8 +32,9 @@ import torch
 
 from slime.config import SGLangConfig
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
-from slime.rollout.sglang_server import SGLangClient, SGLangServer, SGLangServerError, free_port
-from slime.rollout.sglang_weights import dtype_name, new_update_group, serialize_flat_bucket, split_by_dtype
+from slime.rollout.sglang_server import HOST, SGLangClient, SGLangServer, SGLangServerError
+from slime.rollout.sglang_weights import dtype_name, serialize_flat_bucket, split_by_dtype
+from slime.utils.net import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +131,8 @@ class SGLangEngine:
         merged = {e: ep for part, _ in gathered for e, ep in part.items()}
         own = {s.url: s for s in self._servers}
         self.clients = [SGLangClient(merged[e][0], timeout=cfg.request_timeout, max_retries=cfg.max_retries,
-                                     server=own.get(merged[e][0]), log_path=merged[e][1])
+                                     server=own.get(merged[e][0]), log_path=merged[e][1],
+                                     pool_size=cfg.max_concurrency)
                         for e in range(self.plan.num_engines)]
         self.client = self.clients[self.plan.engine_of_rank[dims.rank]]
         self.owned = [c for c, owner in zip(self.clients, self.plan.owner_of_engine) if owner == dims.rank]
@@ -309,10 +311,10 @@ class SGLangEngine:
         world = 1 + len(self.owned) * tp
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         calls = [self._pool.submit(c.post, "/init_weights_update_group", {
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1 + e * tp, "world_size": world,
+            "master_address": HOST, "master_port": port, "rank_offset": 1 + e * tp, "world_size": world,
             "group_name": GROUP_NAME, "backend": backend}, retries=0) for e, c in enumerate(self.owned)]
-        self._group = new_update_group(port, world, group_name=GROUP_NAME, backend=backend,
-                                       timeout_s=self.cfg.request_timeout)
+        self._group = self.dims.new_external_group(host=HOST, port=port, world_size=world, group_name=GROUP_NAME,
+                                                   backend=backend, timeout_s=self.cfg.request_timeout)
         if backend == "nccl":
             self._group_device = torch.device("cuda", torch.cuda.current_device())
         for call in calls:
@@ -345,7 +347,7 @@ class SGLangEngine:
 
     def _all_gather(self, obj) -> list:
         """Over every rank (engines are shared across dp and sp alike)."""
-        return self.dims.all_gather_objects(obj, group=torch.distributed.group.WORLD)
+        return self.dims.all_gather_objects(obj, group=self.dims.world_group)
 
     def _kill_servers(self) -> None:
         for server in self._servers:
@@ -356,8 +358,10 @@ class SGLangEngine:
         if self._group is not None:
             for client in self.owned:
                 _attempt(client.post, "/destroy_weights_update_group", {"group_name": GROUP_NAME})
-            torch.distributed.destroy_process_group(self._group)
+            self.dims.destroy_group(self._group)
             self._group = None
+        for client in getattr(self, "clients", []):
+            client.close()
         self._kill_servers()
         self._servers = []
 

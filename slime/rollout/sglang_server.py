@@ -18,18 +18,17 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger(__name__)
+import requests
 
-HOST = "127.0.0.1"
+from slime.utils.net import HOST, free_port  # noqa: F401  (free_port is part of this module's API)
+
+logger = logging.getLogger(__name__)
 
 
 _LAUNCHER_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -39,12 +38,6 @@ _LAUNCHER_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
 
 class SGLangServerError(RuntimeError):
     """A server died, did not start, or refused a request."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def log_tail(path: str | Path | None, lines: int = 40) -> str:
@@ -110,12 +103,8 @@ class SGLangServer:
         while time.monotonic() < deadline:
             if not self.alive:
                 raise SGLangServerError(self.death_report())
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
+            if _health(self.url, timeout=5):
+                return
             time.sleep(1.0)
         self.kill()
         raise SGLangServerError(f"SGLang server {self.url} not ready after {timeout:.0f}s "
@@ -137,6 +126,13 @@ class SGLangServer:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             logger.error("SGLang server pid %d survived SIGKILL", self.proc.pid)
+
+
+def _health(url: str, *, timeout: float) -> bool:
+    try:
+        return requests.get(url + "/health", timeout=timeout).status_code == 200
+    except requests.RequestException:
+        return False
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -185,12 +181,18 @@ def _install_cleanup() -> None:
 
 
 class SGLangClient:
-    """Calls one server. `server` is set on the rank that launched it (to read its exit code)."""
+    """Calls one server over a pooled HTTP session. `server` is set on the rank that launched it (to read
+    its exit code). Failed requests are retried only while the server still answers /health."""
 
     def __init__(self, url: str, *, timeout: float, max_retries: int, server: SGLangServer | None = None,
-                 log_path: str | None = None):
+                 log_path: str | None = None, pool_size: int = 64):
         self.url, self.timeout, self.max_retries = url.rstrip("/"), timeout, max_retries
         self.server, self.log_path = server, log_path or (str(server.log_path) if server else None)
+        self.session = requests.Session()
+        # One keep-alive connection per concurrent request thread instead of a new TCP connection per call.
+        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=pool_size, max_retries=0)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
 
     def post(self, path: str, body: dict | None = None, *, timeout: float | None = None,
              retries: int | None = None) -> Any:
@@ -201,21 +203,17 @@ class SGLangClient:
 
     def _call(self, method: str, path: str, body: dict | None, timeout: float | None, retries: int | None) -> Any:
         retries = self.max_retries if retries is None else retries
-        data = None if body is None else json.dumps(body).encode()
         for attempt in range(retries + 1):
-            req = urllib.request.Request(self.url + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
-                    raw = r.read()
-                    return json.loads(raw) if r.headers.get_content_type() == "application/json" else raw.decode()
-            except urllib.error.HTTPError as e:
-                detail = e.read().decode(errors="replace")[:2000]
-                if e.code < 500:  # the server understood and refused: retrying cannot help
-                    raise SGLangServerError(f"{self.url}{path} answered {e.code}: {detail}") from None
-                error = f"HTTP {e.code}: {detail}"
-            except (urllib.error.URLError, OSError) as e:  # refused, reset, timed out
-                error = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
+                r = self.session.request(method, self.url + path, json=body, timeout=timeout or self.timeout)
+                if r.status_code < 400:
+                    return r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
+                detail = r.text[:2000]
+                if r.status_code < 500:  # the server understood and refused: retrying cannot help
+                    raise SGLangServerError(f"{self.url}{path} answered {r.status_code}: {detail}")
+                error = f"HTTP {r.status_code}: {detail}"
+            except requests.RequestException as e:  # refused, reset, timed out
+                error = f"{type(e).__name__}: {e}"
             if not self.is_alive():
                 raise SGLangServerError(self.death_report(f"{method} {path} failed ({error})")) from None
             if attempt < retries:
@@ -227,11 +225,10 @@ class SGLangClient:
     def is_alive(self) -> bool:
         if self.server is not None:
             return self.server.alive
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=10) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return _health(self.url, timeout=10)
+
+    def close(self) -> None:
+        self.session.close()
 
     def death_report(self, what: str) -> str:
         if self.server is not None:

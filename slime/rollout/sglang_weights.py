@@ -18,7 +18,6 @@ back in the order of `names`. Buckets are split by dtype so every slice stays al
 from __future__ import annotations
 
 import base64
-import datetime
 import io
 import os
 import sys
@@ -26,7 +25,6 @@ import types
 from multiprocessing.reduction import ForkingPickler
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing  # registers torch's tensor reductions with ForkingPickler
 from torch.multiprocessing import reductions
 
@@ -124,22 +122,3 @@ def _start_shm_manager_detached() -> None:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def new_update_group(master_port: int, world_size: int, *, group_name: str, backend: str,
-                     timeout_s: float) -> dist.ProcessGroup:
-    """Rank 0 of a group outside the default world (the engines join it from their side).
-
-    Mirrors SGLang's `init_custom_process_group` (a PrefixStore named after the group, identity rank
-    mapping) but hosts the TCPStore itself: under torchrun, `rendezvous("tcp://...")` would connect
-    to the launcher's store (TORCHELASTIC_USE_AGENT_STORE) instead of serving the engines.
-    """
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", master_port, world_size, is_master=True, timeout=timeout,
-                          wait_for_workers=False)
-    pg, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), PrefixStore(group_name, store),
-                                      group_name=group_name, backend_options=None, timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg

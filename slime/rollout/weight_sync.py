@@ -1,31 +1,38 @@
-"""Gather ZeRO-3 partitioned parameters in size-bounded buckets, named as in the HF model.
+"""Gather ZeRO-3 partitioned parameters in size-bounded buckets, named as in the checkpoint.
 
-Every rank must iterate the same buckets (the gather is a collective). Each yielded bucket is a
-list of (hf_name, full tensor) copies, safe to keep after the gather context exits.
+Every rank must iterate the same buckets (the gather is a collective), so bucket boundaries depend
+only on parameter sizes, never on the rank. Each yielded bucket is a list of (checkpoint name, full
+tensor) copies, safe to keep after the gather context exits; `to_checkpoint` (the model adapter)
+renames and reshapes them, e.g. a fused MoE expert tensor into one tensor per expert.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import deepspeed
-import torch.nn as nn
+import torch
 
 from slime.rollout.engine import NamedTensors
 
 
-def iter_gathered_buckets(module: nn.Module, *, bucket_bytes: int, prefix: str = "hf.") -> Iterator[NamedTensors]:
+def iter_gathered_buckets(named_params: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int,
+                          to_checkpoint: Callable[[NamedTensors], NamedTensors] | None = None
+                          ) -> Iterator[NamedTensors]:
+    """Buckets of at least `bucket_bytes` (the last may be smaller); a bucket closes after the parameter
+    that makes it reach the size, so no bucket exceeds it by more than its last parameter."""
     bucket, size = [], 0
-    for name, p in module.named_parameters():
-        bucket.append((name.removeprefix(prefix), p))
+    for name, p in named_params:
+        bucket.append((name, p))
         size += getattr(p, "ds_numel", p.numel()) * p.element_size()
         if size >= bucket_bytes:
-            yield _gather(bucket)
+            yield _gather(bucket, to_checkpoint)
             bucket, size = [], 0
     if bucket:
-        yield _gather(bucket)
+        yield _gather(bucket, to_checkpoint)
 
 
-def _gather(bucket: list) -> NamedTensors:
+def _gather(bucket: list, to_checkpoint) -> NamedTensors:
     params = [p for _, p in bucket]
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        return [(name, p.data.detach().clone()) for name, p in bucket]
+        named = [(name, p.data.detach().clone()) for name, p in bucket]
+    return to_checkpoint(named) if to_checkpoint is not None else named

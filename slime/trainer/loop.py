@@ -4,6 +4,7 @@ With algo.policy_loss=sft the rollout is replaced by the prompts' labels as resp
 """
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -19,10 +20,11 @@ from slime.models.loading import load_tokenizer
 from slime.rollout.engine import make_engine
 from slime.rollout.rewards import make_reward_fn
 from slime.rollout.rollout import collect_rollout
-from slime.trainer.actor import Actor, Reference
 from slime.trainer.advantages import compute_advantages
-from slime.trainer.critic import Critic
 from slime.trainer.checkpoint import load_checkpoint, save_checkpoint
+from slime.trainer.layout import RankBatch, distribute
+from slime.trainer.losses import actor_loss, critic_loss
+from slime.trainer.policy_engine import PolicyEngine
 from slime.trainer.evaluate import evaluate, load_eval_prompts
 from slime.utils.metrics import MetricsLogger
 from slime.utils.plot import plot_metrics
@@ -36,33 +38,39 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def sync_weights(actor: Actor, engine, version: int) -> dict:
+def sync_weights(actor: PolicyEngine, engine, version: int, bucket_mb: float) -> dict:
     start = time.time()
-    engine.update_weights(actor.gathered_weight_buckets(), version=version)
+    engine.update_weights(actor.gathered_weight_buckets(bucket_mb), version=version)
     return {"time/sync": time.time() - start}
 
 
-def logprob_metrics(samples) -> dict:
-    """How far the trainer's logprobs are from the engine's (rollout/training mismatch), and KL to the reference."""
-    diffs = [abs(a - b) for s in samples for a, b in zip(s.old_logprobs, s.rollout_logprobs)]
-    out = {"rollout/train_logprob_abs_diff": sum(diffs) / max(len(diffs), 1)}
+def logprob_metrics(samples, dims: ParallelDims) -> dict:
+    """How far the trainer's logprobs are from the engine's (rollout/training mismatch), and KL to the
+    reference: token means over every rank."""
+    sums = {"diff": sum(float((s.old_logprobs - s.rollout_logprobs).abs().sum()) for s in samples),
+            "n": sum(len(s.response_ids) for s in samples)}
     if samples[0].ref_logprobs is not None:
-        kl = [a - b for s in samples for a, b in zip(s.old_logprobs, s.ref_logprobs)]
-        out["rollout/kl_ref_k1"] = sum(kl) / max(len(kl), 1)
+        sums["kl"] = sum(float((s.old_logprobs - s.ref_logprobs).sum()) for s in samples)
+    g = dict(zip(sums, dims.all_reduce_sum(list(sums.values()))))
+    n = max(g["n"], 1.0)
+    out = {"rollout/train_logprob_abs_diff": g["diff"] / n}
+    if "kl" in g:
+        out["rollout/kl_ref_k1"] = g["kl"] / n
     return out
 
 
-def score_batch(batch, cfg: Config, actor: Actor, ref: Reference | None, critic: Critic | None) -> dict:
+def score_batch(batch: RankBatch, cfg: Config, actor: PolicyEngine, ref: PolicyEngine | None,
+                critic: PolicyEngine | None, dims: ParallelDims) -> dict:
     """Everything the loss needs before the update: pi_old and reference logprobs, values, advantages."""
-    for s, lp in zip(batch, actor.compute_logprobs(batch)):
+    for s, lp in zip(batch.samples, actor.score(batch)):
         s.old_logprobs = lp
     if ref is not None:
-        for s, lp in zip(batch, ref.compute_logprobs(batch)):
+        for s, lp in zip(batch.samples, ref.score(batch)):
             s.ref_logprobs = lp
     if critic is not None:
-        for s, v in zip(batch, critic.compute_values(batch)):
+        for s, v in zip(batch.samples, critic.score(batch)):
             s.values = v
-    return {**compute_advantages(batch, cfg.algo), **logprob_metrics(batch)}
+    return {**compute_advantages(batch.samples, cfg.algo, dims), **logprob_metrics(batch.samples, dims)}
 
 
 def run(cfg: Config) -> dict:
@@ -82,9 +90,9 @@ def run(cfg: Config) -> dict:
     colocate = engine is not None and cfg.rollout.engine == "sglang" and cfg.rollout.sglang.mode == "colocated"
     if colocate:
         engine.sleep()
-    actor = Actor(cfg, dims)
-    ref = Reference(cfg, dims) if cfg.algo.needs_reference and not sft else None
-    critic = Critic(cfg, dims) if cfg.algo.advantage_estimator == "gae" and not sft else None
+    actor = PolicyEngine.actor(cfg, dims)
+    ref = PolicyEngine.reference(cfg, dims) if cfg.algo.needs_reference and not sft else None
+    critic = PolicyEngine.critic(cfg, dims) if cfg.algo.advantage_estimator == "gae" and not sft else None
     reward_fn = make_reward_fn(cfg.rollout.reward.fn, granularity=cfg.rollout.reward.granularity)
 
     start_step = 0
@@ -95,8 +103,9 @@ def run(cfg: Config) -> dict:
         if state is not None:
             start_step = state["step"]
             data.load_state_dict(state["data"])
+    bucket_mb = cfg.rollout.sync_bucket_mb
     if engine is not None:
-        sync_weights(actor, engine, version=start_step)  # the engine starts from the trainer's weights
+        sync_weights(actor, engine, version=start_step, bucket_mb=bucket_mb)  # the engine starts from the trainer's weights
 
     if start_step >= cfg.train.num_steps:
         logger.warning("%s already holds a run finished at step %d: nothing to do (raise train.num_steps, "
@@ -116,23 +125,24 @@ def run(cfg: Config) -> dict:
     for step in range(start_step, cfg.train.num_steps):
         t0 = time.time()
         if sft:
-            batch = [s for part in dims.all_gather_objects(sft_samples(data.next_batch(), tokenizer)) for s in part]
-            metrics = {}
+            local, metrics = sft_samples(data.next_batch(), tokenizer), {}
         else:
             if colocate:
                 actor.offload()  # every state, parameters included, off the GPU while the engine is awake
-            batch, metrics = collect_rollout(engine, data, cfg.rollout, tokenizer, reward_fn, dims, step=step)
+            local, metrics = collect_rollout(engine, data, cfg.rollout, tokenizer, reward_fn, dims, step=step)
             if colocate:
                 actor.reload()
             metrics["time/rollout"] = time.time() - t0
 
         t1 = time.time()
+        batch = distribute(local, dims, actor.train_layout, num_mini_batches=cfg.train.num_mini_batches)
+        metrics["train/moved_sample_frac"] = batch.moved / batch.num_samples
         if not sft:
-            metrics.update(score_batch(batch, cfg, actor, ref, critic))
+            metrics.update(score_batch(batch, cfg, actor, ref, critic, dims))
         if critic is not None:
-            metrics.update(critic.train(batch))
+            metrics.update(critic.train_step(batch, functools.partial(critic_loss, cfg.algo.critic)))
         if critic is None or step >= cfg.algo.critic.warmup_steps:
-            metrics.update(actor.train(batch))
+            metrics.update(actor.train_step(batch, functools.partial(actor_loss, cfg.algo)))
         t_train = time.time() - t1
 
         done = step + 1
@@ -140,7 +150,7 @@ def run(cfg: Config) -> dict:
                                                                  done == cfg.train.num_steps))):
             if colocate:
                 actor.offload(params=False)  # the gather below still needs the ZeRO-3 partitions
-            metrics.update(sync_weights(actor, engine, version=done))
+            metrics.update(sync_weights(actor, engine, version=done, bucket_mb=bucket_mb))
             metrics.update(engine.metrics())
         metrics.update({"time/train": t_train, "time/step": time.time() - t0})
         if "train/tokens" in metrics:
@@ -155,7 +165,7 @@ def run(cfg: Config) -> dict:
             if critic is not None:
                 critic.engine.save_checkpoint(str(ckpt_dir / "critic"), tag=f"step_{done}")
     if cfg.checkpoint.export_hf and start_step < cfg.train.num_steps:
-        actor.export_hf(str(run_dir / "hf"), tokenizer)
+        actor.export_hf(str(run_dir / "hf"), tokenizer, bucket_mb=bucket_mb)
     log.close()
     if dims.is_main and (run_dir / "metrics.jsonl").is_file():
         plot = plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")

@@ -2,10 +2,13 @@
 
     torchrun --standalone --nproc_per_node 2 tests/dist/actor_checks.py MODEL_DIR OUT_DIR [overrides]
 
-For each loss aggregation mode: saves the full weights before the step, the full gradients after
-forward_backward (gathered from the ZeRO-3 partitions) and the global loss, then steps. Then
-pushes the weights into an hf engine and exports an HF directory.
+Each rank starts with a contiguous share of one fixed global batch (as after rollout) and the
+layout moves samples between ranks. For each loss aggregation mode: saves the full weights before
+the step, the full gradients after forward_backward (gathered from the ZeRO-3 partitions) and the
+global loss, then steps. Then pushes the weights into an hf engine and exports an HF directory.
 """
+import dataclasses
+import functools
 import json
 import sys
 from pathlib import Path
@@ -14,11 +17,12 @@ import torch
 from deepspeed.utils import safe_get_full_grad
 
 from slime.config import load_config
-from slime.data.sample import Sample
+from slime.data.sample import Sample, as_token_tensor
 from slime.distributed.parallel_dims import ParallelDims
 from slime.rollout.hf_engine import HFEngine
-from slime.rollout.weight_sync import iter_gathered_buckets
-from slime.trainer.actor import Actor, Reference
+from slime.trainer.layout import distribute
+from slime.trainer.losses import actor_loss
+from slime.trainer.policy_engine import PolicyEngine
 
 
 def fixed_batch(n: int = 12, seed: int = 0) -> list[Sample]:
@@ -29,65 +33,74 @@ def fixed_batch(n: int = 12, seed: int = 0) -> list[Sample]:
         mask = (torch.rand(r, generator=g) > 0.2).long().tolist()
         mask[0] = 1
         samples.append(Sample(prompt_ids=torch.randint(5, 250, (p,), generator=g).tolist(),
-                              response_ids=torch.randint(5, 250, (r,), generator=g).tolist(),
-                              response_mask=mask, advantages=[float(torch.randn(1, generator=g))] * r, group_id=i // 4))
+                              response_ids=torch.randint(5, 250, (r,), generator=g).tolist(), response_mask=mask,
+                              advantages=as_token_tensor([float(torch.randn(1, generator=g))] * r), group_id=i // 4))
     return samples
 
 
-def full_state(actor: Actor) -> dict:
-    return {n: t.cpu() for bucket in actor.gathered_weight_buckets() for n, t in bucket}
+def local_share(samples: list[Sample], dims: ParallelDims) -> list[Sample]:
+    """Rank r's contiguous share, so that global indices equal positions in `samples`."""
+    n = len(samples)
+    return samples[dims.dp_rank * n // dims.dp:(dims.dp_rank + 1) * n // dims.dp]
+
+
+def gather_by_index(batch, values, dims) -> list:
+    """Per-sample values of every rank, in global-index order."""
+    parts = dims.all_gather_objects([(s.index, v) for s, v in zip(batch.samples, values)])
+    return [v for _, v in sorted((pair for part in parts for pair in part), key=lambda p: p[0])]
+
+
+def full_state(engine: PolicyEngine) -> dict:
+    return {n: t.cpu() for bucket in engine.gathered_weight_buckets(0.05) for n, t in bucket}
 
 
 def main() -> None:
     model_dir, out = sys.argv[1], Path(sys.argv[2])
     cfg = load_config(None, [f"model.path={model_dir}", "data.path=unused.jsonl", "train.lr=1e-2",
                              "train.max_tokens_per_gpu=48", "train.logprob_max_tokens_per_gpu=64",
-                             "train.logits_chunk_size=16", "rollout.sync_bucket_mb=0.05", *sys.argv[3:]])
+                             "train.logits_chunk_size=16", *sys.argv[3:]])
     dims = ParallelDims.build()
-    actor = Actor(cfg, dims)
-    ref = Reference(cfg, dims)
-    samples = fixed_batch()
-    ref_before = ref.compute_logprobs(samples)
-    result = {"world": dims.world_size, "modes": {}}
+    actor = PolicyEngine.actor(cfg, dims)
+    ref = PolicyEngine.reference(cfg, dims)
+    batch = distribute(local_share(fixed_batch(), dims), dims, actor.train_layout)
+    ref_before = gather_by_index(batch, ref.score(batch), dims)
+    result = {"world": dims.world_size, "modes": {}, "moved": batch.moved}
     first_state = full_state(actor)
     for mode in ("token_mean", "seq_mean_token_mean"):
-        actor.cfg.algo.loss_agg = mode
         before = full_state(actor)
-        old = actor.compute_logprobs(samples)
-        for s, lp in zip(samples, old):
+        old = actor.score(batch)
+        for s, lp in zip(batch.samples, old):
             s.old_logprobs = lp
-        sums = actor.forward_backward(samples)
-        grads = {n.removeprefix("hf."): safe_get_full_grad(p).clone() for n, p in actor.engine.module.named_parameters()}
-        loss, ppo_kl, micro = dims.all_reduce_sum([sums["loss"], sums["ppo_kl"], sums["micro_batches"]])
+        loss_fn = functools.partial(actor_loss, dataclasses.replace(cfg.algo, loss_agg=mode))
+        sums = actor.forward_backward(batch, batch.mini_batches[0], loss_fn)
+        grads = {n: safe_get_full_grad(p).clone() for n, p in actor.engine.module.hf.named_parameters()}
+        g = dims.all_reduce_tensors({k: sums[k] for k in ("loss", "ppo_kl")})
+        micro = dims.all_reduce_sum([len(batch.mini_batches[0].micro)])[0]
         actor.optimizer_step()
+        old_all = gather_by_index(batch, old, dims)
         if dims.is_main:
-            torch.save({"before": before, "grads": grads, "old_logprobs": old}, out / f"{mode}.pt")
-        result["modes"][mode] = {"loss": loss, "ppo_kl_sum": ppo_kl, "micro_batches": micro}
+            torch.save({"before": before, "grads": grads, "old_logprobs": old_all}, out / f"{mode}.pt")
+        result["modes"][mode] = {"loss": g["loss"], "ppo_kl_sum": g["ppo_kl"], "micro_batches": micro}
 
-    ref_after = ref.compute_logprobs(samples)
-    ref_state = {n: t for b in iter_gathered_buckets(ref.engine.module, bucket_bytes=2**20) for n, t in b}
-    result["ref_logprobs_unchanged"] = ref_before == ref_after
+    ref_after = gather_by_index(batch, ref.score(batch), dims)
+    ref_state = full_state(ref)
+    result["ref_logprobs_unchanged"] = all(torch.equal(a, b) for a, b in zip(ref_before, ref_after))
     result["ref_equals_initial"] = all(torch.equal(ref_state[n], t) for n, t in first_state.items())
     result["actor_moved"] = any(not torch.equal(ref_state[n], t) for n, t in full_state(actor).items())
     engine = HFEngine(cfg.model, tokenizer=type("T", (), {"pad_token_id": 0, "eos_token_id": 1})(),
                       device=dims.device)
     initial = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
-    engine.update_weights(actor.gathered_weight_buckets(), version=7)
+    engine.update_weights(actor.gathered_weight_buckets(0.05), version=7)
     trainer = full_state(actor)
     eng = dict(engine.model.named_parameters())
     result["sync_max_diff"] = max((eng[n].detach() - t).abs().max().item() for n, t in trainer.items())
     result["sync_changed"] = max((eng[n].detach() - initial[n]).abs().max().item() for n in trainer)
     result["sync_names_equal"] = sorted(trainer) == sorted(eng)
     result["engine_version"] = engine.weight_version
-    actor.export_hf(str(out / "hf"), tokenizer=_NoTokenizer())
+    actor.export_hf(str(out / "hf"))
     if dims.is_main:
         torch.save(trainer, out / "final_state.pt")
-        (out / f"result.json").write_text(json.dumps(result))
-
-
-class _NoTokenizer:
-    def save_pretrained(self, path):
-        pass
+        (out / "result.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -8,19 +8,20 @@ each push both ranks generate greedily on the server; the reference is an hf eng
 same gathered weights. Records the server's weight version and the colocated engine's call order.
 """
 import copy
+import functools
 import json
 import sys
 from pathlib import Path
 
-import torch
-
-from dist.actor_checks import fixed_batch
+from dist.actor_checks import fixed_batch, local_share
 from slime.config import load_config
 from slime.distributed.parallel_dims import ParallelDims
 from slime.models.loading import load_tokenizer
 from slime.rollout.engine import SamplingParams, make_engine
 from slime.rollout.hf_engine import HFEngine
-from slime.trainer.actor import Actor
+from slime.trainer.layout import distribute
+from slime.trainer.losses import actor_loss
+from slime.trainer.policy_engine import PolicyEngine
 
 PROMPTS = ["12+7=", "what is 3*4?", "hello", "9-5"]
 
@@ -32,11 +33,11 @@ def chat_ids(tokenizer, question: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def train_step(actor: Actor) -> None:
-    samples = fixed_batch()
-    for s, lp in zip(samples, actor.compute_logprobs(samples)):
+def train_step(actor: PolicyEngine, cfg, dims) -> None:
+    batch = distribute(local_share(fixed_batch(), dims), dims, actor.train_layout)
+    for s, lp in zip(batch.samples, actor.score(batch)):
         s.old_logprobs = lp
-    actor.train(samples)
+    actor.train_step(batch, functools.partial(actor_loss, cfg.algo))
 
 
 def main() -> None:
@@ -46,7 +47,7 @@ def main() -> None:
                              f"rollout.sglang.urls=[{url}]", "rollout.sglang.ranks_per_engine=2"])
     dims = ParallelDims.build()
     tokenizer = load_tokenizer(cfg.model)
-    actor = Actor(cfg, dims)
+    actor = PolicyEngine.actor(cfg, dims)
     colocated = make_engine(cfg.rollout, cfg.model, tokenizer, dims)
     dis_cfg = copy.deepcopy(cfg.rollout)
     dis_cfg.sglang.mode = "disaggregated"
@@ -57,8 +58,8 @@ def main() -> None:
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
 
     def check(engine, version: int) -> dict:
-        engine.update_weights(actor.gathered_weight_buckets(), version=version)
-        reference.update_weights(actor.gathered_weight_buckets(), version=version)
+        engine.update_weights(actor.gathered_weight_buckets(cfg.rollout.sync_bucket_mb), version=version)
+        reference.update_weights(actor.gathered_weight_buckets(cfg.rollout.sync_bucket_mb), version=version)
         engine.wake()  # the loop's order: wake, generate, sleep
         ours = [g[0] for g in engine.generate(prompts, greedy)]
         engine.sleep()
@@ -70,15 +71,15 @@ def main() -> None:
                 "served_version": served, "engine_version": engine.weight_version}
 
     result = {"initial": check(colocated, 1)}
-    train_step(actor)
+    train_step(actor, cfg, dims)
     result["tensor"] = check(colocated, 2)
-    train_step(actor)
+    train_step(actor, cfg, dims)
     colocated.wake()  # hand the server back fully resident before the other engine drives it
     result["distributed"] = check(disaggregated, 3)
     result["colocated_events"] = [list(e) for e in colocated.events]
     result["disaggregated_events"] = [list(e) for e in disaggregated.events]
     result["metrics"] = colocated.metrics()
-    per_rank = dims.all_gather_objects(result, group=torch.distributed.group.WORLD)
+    per_rank = dims.all_gather_objects(result, group=dims.world_group)
     disaggregated.shutdown()
     colocated.shutdown()
     if dims.is_main:

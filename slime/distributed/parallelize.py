@@ -1,0 +1,46 @@
+"""The parallelize step (torchtitan's idea): (model, ParallelDims, run config) -> DeepSpeed engine.
+
+Everything that depends on the parallel layout is derived here, once: the DeepSpeed config fields
+(from `parallel.*`, never from the JSON), the process groups DeepSpeed uses (from ParallelDims),
+parameter offload for frozen models, and the optimizer/scheduler of trainable ones.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import deepspeed
+import torch
+
+from slime.config import TrainConfig
+from slime.distributed.ds_config import build_ds_config
+from slime.distributed.parallel_dims import ParallelDims
+
+
+def layout_settings(dims: ParallelDims) -> dict:
+    """DeepSpeed config fields implied by the parallel sizes (empty while sp = ep = 1)."""
+    if dims.sp > 1 or dims.ep > 1:
+        raise NotImplementedError("sequence and expert parallelism are not wired into the DeepSpeed engine yet")
+    return {}
+
+
+def parallelize(model: torch.nn.Module, dims: ParallelDims, train: TrainConfig, *, lr: float | None,
+                lr_lambda: Callable[[int], float] | None = None, offload_params: bool = False):
+    """A ZeRO-3 engine over dp; with lr None an inference-only engine (no optimizer, parameters still
+    sharded). `offload_params` keeps the parameter partitions in CPU memory (a frozen reference)."""
+    bf16 = next(model.parameters()).dtype == torch.bfloat16
+    ds_config = build_ds_config(train, bf16=bf16)
+    ds_config.update(layout_settings(dims))
+    if offload_params:
+        ds_config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if lr is None:
+        ds_config.pop("optimizer", None)
+        ds_config.pop("gradient_clipping", None)
+        model.requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+        engine.eval()
+        return engine
+    ds_config["optimizer"]["params"]["lr"] = lr
+    sched = (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)) if lr_lambda else None
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=ds_config, lr_scheduler=sched)
+    return engine

@@ -1,0 +1,159 @@
+"""Model adapters: the one place that knows how a model family loads, how its in-memory weights are
+named in checkpoints, which position ids it takes and which extra inputs it needs.
+
+transformers 5 keeps some families in memory under other names and shapes than their checkpoints:
+Qwen3-MoE fuses each layer's experts into `experts.gate_up_proj` (E, 2I, H) while checkpoints (and
+SGLang's `load_weights`) hold `experts.{e}.gate_proj.weight`; Qwen2-VL lives under
+`model.language_model.*` but is saved as `model.*` and `visual.*`. Weight sync, HF export and the
+hf engine all go through `to_checkpoint`, which uses transformers' own conversion mapping (what
+`save_pretrained` uses), so the names we push are the names a checkpoint has. SGLang drops names it
+does not know without a word, so every load also checks the adapter's names and shapes against the
+checkpoint on disk (`check_checkpoint`) and fails on the first key that does not match.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import AutoConfig, PreTrainedModel
+from transformers.core_model_loading import revert_weight_conversion
+
+from slime.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelAdapter:
+    family: str
+    """config.model_type."""
+    auto_class: Literal["AutoModelForCausalLM", "AutoModelForImageTextToText"] = "AutoModelForCausalLM"
+    positions: Literal["1d", "mrope"] = "1d"
+    """1-D position ids, or the (3, T) temporal/height/width rows of Qwen-VL's multimodal rope."""
+    extra_inputs: tuple[str, ...] = ()
+    """Inputs besides token and position ids that the backbone takes (image tensors for VL models)."""
+    convert: bool = True
+    """Name tensors through transformers' conversion mapping; False keeps in-memory names (unknown families)."""
+
+    @property
+    def multimodal(self) -> bool:
+        return bool(self.extra_inputs)
+
+    def load(self, cfg: ModelConfig, *, attn_implementation: str, dtype: torch.dtype,
+             backbone_only: bool = False) -> PreTrainedModel:
+        """The HF model with its LM head, or only its backbone (`AutoModel`: the critic needs no vocabulary)."""
+        import transformers
+
+        auto = getattr(transformers, "AutoModel" if backbone_only else self.auto_class)
+        if self.multimodal:  # the vision tower attends within each image itself; packing is a text-side concern
+            attn_implementation = {"text_config": attn_implementation, "vision_config": "sdpa"}
+        model = auto.from_pretrained(cfg.path, gguf_file=cfg.gguf_file, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
+                                     attn_implementation=attn_implementation)
+        if cfg.gguf_file is None and not backbone_only:  # a backbone's weights never leave the trainer
+            self.check_checkpoint(model, cfg.path)
+        return model
+
+    def to_checkpoint(self, model: PreTrainedModel, named: NamedTensors) -> NamedTensors:
+        """In-memory (name, tensor) pairs of `model` -> the checkpoint's (name, tensor) pairs.
+
+        Works on any subset that holds whole parameters (each fused tensor converts on its own).
+        """
+        if not self.convert or not named:
+            return list(named)
+        return list(revert_weight_conversion(model, dict(named)).items())
+
+    def load_plan(self, model: PreTrainedModel) -> dict[str, tuple[str, torch.Tensor | None]]:
+        """Checkpoint name -> (in-memory parameter, flat positions in it that the tensor fills; None when
+        the tensor is the parameter as it is). The inverse of `to_checkpoint`, found by converting each
+        parameter's position indices, so any split, chunk or transpose of the conversion is undone exactly.
+        """
+        plan = {}
+        for name, p in model.named_parameters():
+            meta = self.to_checkpoint(model, [(name, torch.empty(p.shape, device="meta"))])
+            if len(meta) == 1 and meta[0][0] == name and meta[0][1].shape == p.shape:
+                plan[name] = (name, None)
+                continue
+            positions = torch.arange(p.numel()).view(p.shape)
+            for ckpt_name, idx in self.to_checkpoint(model, [(name, positions)]):
+                plan[ckpt_name] = (name, idx.reshape(-1))
+        return plan
+
+    def checkpoint_shapes(self, model: PreTrainedModel) -> dict[str, tuple[int, ...]]:
+        """Checkpoint name -> shape for the whole model, computed on the meta device (no copies)."""
+        meta = [(name, torch.empty(_full_shape(p), device="meta", dtype=p.dtype))
+                for name, p in model.named_parameters()]
+        return {name: tuple(t.shape) for name, t in self.to_checkpoint(model, meta)}
+
+    def check_checkpoint(self, model: PreTrainedModel, path: str | Path) -> None:
+        """Fail when a tensor we would push or export is not in the checkpoint at `path` with that shape."""
+        on_disk = read_checkpoint_shapes(path)
+        if on_disk is None:
+            logger.info("%s: no safetensors checkpoint to check the %s adapter's names against", path, self.family)
+            return
+        ours = self.checkpoint_shapes(model)
+        for name, shape in sorted(ours.items()):
+            if name not in on_disk:
+                close = [k for k in on_disk if k.split(".")[-2:] == name.split(".")[-2:]][:1]
+                raise ValueError(
+                    f"model.path={path}: weight '{name}' (as the {self.family!r} adapter names it) is not in the "
+                    f"checkpoint{f'; the checkpoint has e.g. {close[0]!r}' if close else ''}. Engines would drop it "
+                    "silently. Add or fix the family's entry in slime/models/adapters.py")
+            if tuple(on_disk[name]) != shape:
+                raise ValueError(f"model.path={path}: weight '{name}' has shape {list(shape)} in memory after "
+                                 f"conversion but {list(on_disk[name])} in the checkpoint (slime/models/adapters.py)")
+        extra = sorted(set(on_disk) - set(ours))
+        if extra:
+            # Tied heads and old rotary buffers are saved by some exporters and are harmless.
+            logger.info("%s: %d checkpoint tensors have no in-memory counterpart (e.g. %s)", path, len(extra), extra[0])
+
+
+def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
+    return tuple(getattr(p, "ds_shape", p.shape))  # a ZeRO-3 partition knows its full shape
+
+
+TEXT = dict(auto_class="AutoModelForCausalLM")
+VL = dict(auto_class="AutoModelForImageTextToText", positions="mrope", extra_inputs=("pixel_values", "image_grid_thw"))
+FAMILIES: dict[str, dict] = {
+    "llama": TEXT, "qwen2": TEXT, "qwen3": TEXT,
+    "qwen2_moe": TEXT, "qwen3_moe": TEXT, "mixtral": TEXT,
+    "qwen2_vl": VL, "qwen2_5_vl": VL,
+}
+
+
+def get_adapter(model_type: str) -> ModelAdapter:
+    """The family's adapter; unknown families get identity names (checked against the checkpoint at load)."""
+    if model_type in FAMILIES:
+        return ModelAdapter(family=model_type, **FAMILIES[model_type])
+    logger.warning("model type %r has no adapter: weights keep their in-memory names (checked against the "
+                   "checkpoint at load); known families: %s", model_type, ", ".join(FAMILIES))
+    return ModelAdapter(family=model_type, convert=False)
+
+
+def adapter_for(cfg: ModelConfig) -> ModelAdapter:
+    config = AutoConfig.from_pretrained(cfg.path, gguf_file=cfg.gguf_file, trust_remote_code=cfg.trust_remote_code)
+    return get_adapter(config.model_type)
+
+
+def read_checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]] | None:
+    """Tensor name -> shape from the safetensors headers of an HF directory (no tensor is read)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        return None
+    shapes = {}
+    for file in files:
+        with safe_open(str(path / file), "pt") as f:
+            shapes.update((k, tuple(f.get_slice(k).get_shape())) for k in f.keys())
+    return shapes

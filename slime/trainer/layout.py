@@ -1,0 +1,133 @@
+"""From this rank's rollout samples to the micro-batches it runs.
+
+Each dp rank keeps only the samples it trains on. Balancing needs only every sample's length, so
+ranks all-gather (length, loss-token count) pairs, every rank computes the same deterministic plan
+(packing.plan_micro_batches), and the samples whose planned rank differs from the rank that
+generated them move once, point to point (ParallelDims.exchange_objects). Whole samples never pass
+through an all-gather.
+
+Layouts: packed micro-batches under a token budget (balanced over dp by compute), or the padded
+fixed-size baseline (`train.packing=false`). No-grad passes (old/reference logprobs, values) repack
+each rank's samples where they are under the larger no-grad budget.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+from slime.config import TrainConfig
+from slime.data.batch import MicroBatch, build_micro_batch, build_padded_micro_batch
+from slime.data.packing import Plan, pack_each_rank, packing_stats, padded_fixed_batches, plan_micro_batches
+from slime.data.sample import Sample
+from slime.distributed.parallel_dims import ParallelDims
+
+
+class Layout:
+    """How samples become micro-batches: packed under a token budget, or padded fixed-size."""
+
+    def __init__(self, *, packing: bool, max_tokens: int, micro_batch_size: int):
+        self.packing, self.max_tokens, self.micro_batch_size = packing, max_tokens, micro_batch_size
+
+    @classmethod
+    def for_training(cls, train: TrainConfig) -> "Layout":
+        return cls(packing=train.packing, max_tokens=train.max_tokens_per_gpu, micro_batch_size=train.micro_batch_size)
+
+    @classmethod
+    def for_nograd(cls, train: TrainConfig) -> "Layout":
+        """No-grad passes keep no activations for backward, so they get a larger budget."""
+        return cls(packing=train.packing, max_tokens=train.logprob_max_tokens_per_gpu or 2 * train.max_tokens_per_gpu,
+                   micro_batch_size=train.micro_batch_size)
+
+    def plan(self, lengths: Sequence[int], dp: int) -> Plan:
+        """Balanced over dp ranks; samples may change rank."""
+        if self.packing:
+            return plan_micro_batches(lengths, max_tokens=self.max_tokens, dp_size=dp)
+        return padded_fixed_batches(lengths, micro_batch_size=self.micro_batch_size, dp_size=dp)
+
+    def pack_in_place(self, lengths_by_rank: Sequence[Sequence[int]]) -> Plan:
+        """Every rank's samples stay where they are; equal micro-batch counts (empty ones are dummies)."""
+        if self.packing:
+            return pack_each_rank(lengths_by_rank, max_tokens=self.max_tokens)
+        return pack_each_rank(lengths_by_rank, micro_batch_size=self.micro_batch_size)
+
+    def build(self, samples: Sequence[Sample], idx: list[int]) -> MicroBatch:
+        return build_micro_batch(samples, idx) if self.packing else build_padded_micro_batch(samples, idx)
+
+    def stats(self, lengths: Sequence[int], plan: Plan) -> dict:
+        st = packing_stats(lengths, plan, max_tokens=self.max_tokens if self.packing else None,
+                           padded=not self.packing)
+        return {"real_token_fraction": st["real_token_fraction"], "dp_imbalance": st["compute_imbalance"]}
+
+
+@dataclasses.dataclass
+class MiniBatch:
+    """One optimizer step's share of this rank."""
+    micro: list[list[int]]
+    """This rank's micro-batches: positions into RankBatch.samples."""
+    num_loss_tokens: int
+    """Loss tokens of the mini-batch over every rank: the global normaliser of token_mean."""
+    num_seqs: int
+    stats: dict
+    """Packing figures of the whole plan (the same on every rank)."""
+
+
+@dataclasses.dataclass
+class RankBatch:
+    samples: list[Sample]
+    """This rank's samples, in global-index order."""
+    num_samples: int
+    """Over every dp rank."""
+    lengths_by_rank: list[list[int]]
+    """Every dp rank's sample lengths (in its order), so any rank can plan in-place passes for all."""
+    mini_batches: list[MiniBatch]
+    moved: int
+    """Samples that changed rank (over every rank)."""
+
+
+def distribute(local: list[Sample], dims: ParallelDims, layout: Layout, *, num_mini_batches: int = 1) -> RankBatch:
+    """Collective over dp: plan the step's global batch from gathered lengths, move the samples that
+    change rank, and return this rank's share with its micro-batch plan per mini-batch.
+
+    The global batch is every rank's `local` list, rank after rank; `Sample.index` is set to the
+    position in it. Mini-batch m is the contiguous index range [round(m N / n), round((m+1) N / n)).
+    """
+    meta = dims.all_gather_objects([(s.total_len, s.num_loss_tokens) for s in local])
+    offset = sum(len(m) for m in meta[:dims.dp_rank])
+    for i, s in enumerate(local):
+        s.index = offset + i
+    lengths = [length for part in meta for length, _ in part]
+    loss_tokens = [n for part in meta for _, n in part]
+    n = len(lengths)
+    if n < num_mini_batches * dims.dp:
+        raise ValueError(f"{n} samples cannot fill train.num_mini_batches={num_mini_batches} x dp={dims.dp}")
+    bounds = [round(m * n / num_mini_batches) for m in range(num_mini_batches + 1)]
+    dest = [0] * n
+    plans = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        plan = layout.plan(lengths[a:b], dims.dp)
+        for rank, mbs in enumerate(plan):
+            for mb in mbs:
+                for i in mb:
+                    dest[a + i] = rank
+        plans.append(plan)
+
+    me = dims.dp_rank
+    outgoing: dict[int, list[Sample]] = {}
+    for s in local:
+        if dest[s.index] != me:
+            outgoing.setdefault(dest[s.index], []).append(s)
+    received = dims.exchange_objects(outgoing)
+    mine = sorted([s for s in local if dest[s.index] == me] + [s for part in received.values() for s in part],
+                  key=lambda s: s.index)
+    position = {s.index: k for k, s in enumerate(mine)}
+    minis = []
+    for (a, b), plan in zip(zip(bounds[:-1], bounds[1:]), plans):
+        minis.append(MiniBatch(micro=[[position[a + i] for i in mb] for mb in plan[me]],
+                               num_loss_tokens=sum(loss_tokens[a:b]), num_seqs=b - a,
+                               stats=layout.stats(lengths[a:b], plan)))
+    by_rank: list[list[int]] = [[] for _ in range(dims.dp)]
+    for i in range(n):
+        by_rank[dest[i]].append(lengths[i])
+    source = [r for r, part in enumerate(meta) for _ in part]
+    moved = sum(d != s for d, s in zip(dest, source))
+    return RankBatch(samples=mine, num_samples=n, lengths_by_rank=by_rank, mini_batches=minis, moved=moved)

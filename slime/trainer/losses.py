@@ -1,0 +1,78 @@
+"""Per-micro-batch losses of the actor and the critic, from the pure functions in slime/algorithms.
+
+Each returns the micro-batch's additive share of the optimizer step's loss (global normalisers
+`num_tokens` / `num_seqs` of the mini-batch over every rank) and metric SUMS as detached tensors
+(token-weighted where they are means), which the engine adds up and reduces once per step.
+"""
+from __future__ import annotations
+
+import torch
+
+from slime.algorithms.importance import rollout_correction
+from slime.algorithms.kl import kl_estimate
+from slime.algorithms.policy_loss import aggregate_loss, cispo_policy_loss, gspo_policy_loss, ppo_policy_loss
+from slime.algorithms.value_loss import clipped_value_loss
+from slime.config import AlgoConfig, CriticConfig
+from slime.data.batch import MicroBatch
+
+Sums = dict[str, torch.Tensor]
+
+
+def policy_token_loss(algo: AlgoConfig, logp, old, adv, mask, seq_ids):
+    """Per-token policy loss of the configured kind, and its metrics."""
+    if algo.policy_loss == "ppo":
+        return ppo_policy_loss(logp, old, adv, mask, clip_low=algo.clip_low, clip_high=algo.clip_high,
+                               dual_clip=algo.dual_clip)
+    if algo.policy_loss == "gspo":
+        return gspo_policy_loss(logp, old, adv, mask, seq_ids, clip_low=algo.clip_low, clip_high=algo.clip_high)
+    if algo.policy_loss == "cispo":
+        return cispo_policy_loss(logp, old, adv, mask, clip_high=algo.clip_high, clip_low=algo.clip_low)
+    raise ValueError(f"algo.policy_loss={algo.policy_loss!r} is not a policy-gradient loss")
+
+
+def actor_loss(algo: AlgoConfig, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor, *,
+               num_tokens: int, num_seqs: int) -> tuple[torch.Tensor, Sums]:
+    """Policy loss (+ entropy bonus, + KL loss, x TIS weights), or cross-entropy for SFT."""
+    mask, seq_ids = mb.loss_mask, mb.seq_ids
+    agg = dict(mode=algo.loss_agg, num_tokens=max(num_tokens, 1), num_seqs=max(num_seqs, 1),
+               constant=algo.loss_agg_constant)
+    n_local = mask.sum()
+    sums: Sums = {"entropy": (entropy.detach() * mask).sum(), "loss_tokens": n_local}
+    if algo.policy_loss == "sft":
+        loss = aggregate_loss(-logp, mask, seq_ids, **agg)
+        sums["loss"] = loss.detach()
+        return loss, sums
+    old = mb.field("old_logprobs")
+    per_token, m = policy_token_loss(algo, logp, old, mb.field("advantages"), mask, seq_ids)
+    sums.update(pg_clipfrac=m["clip_frac"] * n_local, ppo_kl=m["ppo_kl"] * n_local)
+    rollout = mb.field("rollout_logprobs")
+    if rollout is not None:
+        tis = algo.tis
+        weights, tm = rollout_correction(old, rollout, mask, seq_ids, level=tis.level, mode=tis.mode,
+                                         low=tis.low, high=tis.high)
+        per_token = per_token * weights
+        sums.update({k: v * n_local for k, v in tm.items()})
+    pg_loss = aggregate_loss(per_token, mask, seq_ids, **agg)
+    loss = pg_loss
+    if algo.entropy_coef:
+        loss = loss - algo.entropy_coef * aggregate_loss(entropy, mask, seq_ids, **agg)
+    ref = mb.field("ref_logprobs")
+    if ref is not None:
+        kl = kl_estimate(logp, ref, kind=algo.kl_estimator)
+        if algo.use_kl_loss:
+            loss = loss + algo.kl_coef * aggregate_loss(kl, mask, seq_ids, **agg)
+        sums["kl_ref"] = (kl.detach() * mask).sum()
+    sums.update(loss=loss.detach(), pg_loss=pg_loss.detach())
+    return loss, sums
+
+
+def critic_loss(critic: CriticConfig, mb: MicroBatch, values: torch.Tensor, *, num_tokens: int,
+                num_seqs: int) -> tuple[torch.Tensor, Sums]:
+    """Clipped value loss against the GAE returns, token-mean over the mini-batch."""
+    mask = mb.loss_mask
+    per_token, m = clipped_value_loss(values, mb.field("values"), mb.field("returns"), mask, clip=critic.value_clip)
+    loss = critic.value_loss_coef * aggregate_loss(per_token, mask, mb.seq_ids, mode="token_mean",
+                                                   num_tokens=max(num_tokens, 1), num_seqs=max(num_seqs, 1))
+    n_local = mask.sum()
+    return loss, {"value_loss": loss.detach(), "value_clipfrac": m["value_clip_frac"] * n_local,
+                  "loss_tokens": n_local}

@@ -1,0 +1,200 @@
+"""One policy-engine class in three roles: the trainable actor, the frozen reference, the critic.
+
+Each is an HF model (loaded through its family's adapter) wrapped in `PolicyModel` and handed to the
+parallelize step, which returns the DeepSpeed ZeRO-3 engine. The forward, the micro-batch loop and
+gradient accumulation are written once here, so attention, position-id, multimodal and sequence-
+parallel changes land in one place.
+
+Loss normalisation is explicit: every micro-batch contributes its additive share of the global
+loss (normalisers are global token/sequence counts of the mini-batch); the share is scaled by dp
+because DeepSpeed averages gradients over data-parallel ranks. So the gradient does not depend on
+how samples were split over ranks and micro-batches.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Callable, Literal
+
+import torch
+
+from slime.config import Config, ModelConfig, TrainConfig
+from slime.data.batch import MicroBatch
+from slime.distributed.parallel_dims import ParallelDims
+from slime.distributed.parallelize import parallelize
+from slime.models.attention import resolve_attn_implementation
+from slime.models.export import save_hf_dir
+from slime.models.loading import load_model, resolve_dtype
+from slime.models.policy import PolicyModel
+from slime.rollout.weight_sync import iter_gathered_buckets
+from slime.trainer.layout import Layout, MiniBatch, RankBatch
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["actor", "reference", "critic"]
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def lr_lambda(train: TrainConfig, total_steps: int):
+    """Linear warmup, then constant or cosine decay to min_lr (as a multiplier of the peak lr)."""
+    warmup, floor = train.warmup_steps, train.min_lr / train.lr if train.lr > 0 else 0.0
+
+    def fn(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if train.lr_schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return fn
+
+
+class PolicyEngine:
+    def __init__(self, role: Role, *, model: ModelConfig, train: TrainConfig, dims: ParallelDims,
+                 temperature: float = 1.0, lr: float | None = None, offload_params: bool = False):
+        self.role, self.dims, self.train_cfg, self.temperature = role, dims, train, temperature
+        dtype = resolve_dtype(model.dtype)
+        hf, self.adapter = load_model(model, attn_implementation=resolve_attn_implementation(model.attn_implementation),
+                                      dtype=dtype, backbone_only=role == "critic")
+        hf.config.use_cache = False
+        if role != "reference" and model.gradient_checkpointing:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        module = PolicyModel(hf, head="value" if role == "critic" else "logprobs")
+        total = train.num_steps * train.num_mini_batches
+        self.engine = parallelize(module, dims, train, lr=None if role == "reference" else lr,
+                                  lr_lambda=lr_lambda(train, total) if role == "actor" else None,
+                                  offload_params=offload_params)
+        self.train_layout, self.nograd_layout = Layout.for_training(train), Layout.for_nograd(train)
+
+    # Builders from the run config: which sub-configs each role reads.
+    @classmethod
+    def actor(cls, cfg: Config, dims: ParallelDims) -> "PolicyEngine":
+        return cls("actor", model=cfg.model, train=cfg.train, dims=dims, temperature=cfg.rollout.temperature,
+                   lr=cfg.train.lr)
+
+    @classmethod
+    def reference(cls, cfg: Config, dims: ParallelDims) -> "PolicyEngine":
+        return cls("reference", model=cfg.model, train=cfg.train, dims=dims, temperature=cfg.rollout.temperature,
+                   offload_params=cfg.algo.ref_offload)
+
+    @classmethod
+    def critic(cls, cfg: Config, dims: ParallelDims) -> "PolicyEngine":
+        model = dataclasses.replace(cfg.model, path=cfg.algo.critic.path or cfg.model.path)
+        return cls("critic", model=model, train=cfg.train, dims=dims, lr=cfg.algo.critic.lr)
+
+    # -- forward ----------------------------------------------------------------------------------
+
+    def forward(self, mb: MicroBatch):
+        """(logprobs (N,), entropies (N,)) for the policy roles, values (N,) for the critic."""
+        mb = mb.to(self.dims.device)
+        return self.engine(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len,
+                           temperature=self.temperature, chunk_size=self.train_cfg.logits_chunk_size)
+
+    @torch.no_grad()
+    def score(self, batch: RankBatch) -> list[torch.Tensor]:
+        """Per-sample response logprobs (policy roles) or values (critic) of this rank's samples, in order."""
+        layout = self.nograd_layout
+        plan = layout.pack_in_place(batch.lengths_by_rank)[self.dims.dp_rank]
+        out: dict[int, torch.Tensor] = {}
+        for idx in plan:
+            mb = layout.build(batch.samples, idx)
+            result = self.forward(mb)
+            out.update(zip(mb.indices, mb.split(result if self.role == "critic" else result[0])))
+        return [out[i] for i in range(len(batch.samples))]
+
+    # -- training ---------------------------------------------------------------------------------
+
+    def forward_backward(self, batch: RankBatch, mini: MiniBatch, loss_fn: LossFn) -> dict[str, torch.Tensor]:
+        """Accumulate the gradients of one mini-batch over this rank's micro-batches; local metric sums.
+
+        `loss_fn(mb, *outputs, num_tokens=, num_seqs=)` returns the micro-batch's share of the mini-batch
+        loss (global normalisers) and metric sums. The last backward is the accumulation boundary.
+        """
+        sums: dict[str, torch.Tensor] = {}
+        for k, idx in enumerate(mini.micro):
+            mb = self.train_layout.build(batch.samples, idx).to(self.dims.device)
+            self.engine.set_gradient_accumulation_boundary(k == len(mini.micro) - 1)
+            outputs = self.forward(mb)
+            loss, metrics = loss_fn(mb, *(outputs if isinstance(outputs, tuple) else (outputs,)),
+                                    num_tokens=mini.num_loss_tokens, num_seqs=mini.num_seqs)
+            self.engine.backward(loss * self.dims.dp)
+            metrics["train_tokens"] = torch.tensor(float(mb.num_tokens))
+            metrics["real_tokens"] = torch.tensor(float(sum(batch.samples[i].total_len for i in idx)))
+            for key, value in metrics.items():
+                value = value.detach().float().cpu()
+                sums[key] = sums[key] + value if key in sums else value
+        return sums
+
+    def optimizer_step(self) -> float:
+        """Apply the accumulated gradients; the global gradient norm before clipping."""
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def train_step(self, batch: RankBatch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step per mini-batch. Metrics are reduced over dp ONCE for the whole batch:
+        loss shares summed per mini-batch, token sums divided by the loss-token count, packing figures."""
+        sums: dict[str, torch.Tensor] = {}
+        grad_norms = []
+        for mini in batch.mini_batches:
+            for key, value in self.forward_backward(batch, mini, loss_fn).items():
+                sums[key] = sums[key] + value if key in sums else value
+            grad_norms.append(self.optimizer_step())
+        g = self.dims.all_reduce_tensors(sums)
+        n_mini = len(batch.mini_batches)
+        ntok = max(g.pop("loss_tokens"), 1.0)
+        prefix = "critic" if self.role == "critic" else "train"
+        out = {f"{prefix}/grad_norm": sum(grad_norms) / n_mini, f"{prefix}/lr": self.engine.get_lr()[0]}
+        for key in ("loss", "pg_loss", "value_loss"):  # additive shares of each mini-batch's loss
+            if key in g:
+                out[f"{prefix}/{key}"] = g.pop(key) / n_mini
+        tokens, real = g.pop("train_tokens"), g.pop("real_tokens")
+        if self.role == "actor":
+            out.update({
+                "train/tokens": tokens, "train/real_tokens": real,
+                "train/micro_batches_per_rank": sum(len(m.micro) for m in batch.mini_batches) / n_mini,
+                "train/real_token_fraction": sum(m.stats["real_token_fraction"] for m in batch.mini_batches) / n_mini,
+                "train/dp_imbalance": sum(m.stats["dp_imbalance"] for m in batch.mini_batches) / n_mini,
+            })
+        out.update({f"{prefix}/{k}": v / ntok for k, v in g.items()})  # the rest are token sums
+        return out
+
+    # -- colocation -------------------------------------------------------------------------------
+
+    def offload(self, *, params: bool = True) -> None:
+        """Move DeepSpeed states to host while a colocated engine uses the GPU (no-op on CPU).
+
+        params=False keeps the parameter partitions, which the weight gather for the engine needs.
+        """
+        if self.dims.device.type != "cuda":
+            return
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+        include = [t for t in OffloadStateTypeEnum if params or t != OffloadStateTypeEnum.lp_params]
+        self.engine.offload_states(include=include)
+        torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        if self.dims.device.type == "cuda":
+            self.engine.reload_states()
+
+    # -- weights out ------------------------------------------------------------------------------
+
+    def gathered_weight_buckets(self, bucket_mb: float = 64.0):
+        """Full checkpoint-named tensors in buckets of `bucket_mb` (collective: call on every rank)."""
+        hf = self.engine.module.hf
+        return iter_gathered_buckets(hf.named_parameters(), bucket_bytes=int(bucket_mb * 2**20),
+                                     to_checkpoint=lambda named: self.adapter.to_checkpoint(hf, named))
+
+    def export_hf(self, out_dir: str, *savers, bucket_mb: float = 64.0) -> None:
+        """Write an HF model directory that `from_pretrained` and SGLang load (collective; rank 0 writes).
+        `savers`: objects with save_pretrained (tokenizer, processor)."""
+        state = {}
+        for bucket in self.gathered_weight_buckets(bucket_mb):
+            if self.dims.is_main:
+                state.update((name, t.cpu()) for name, t in bucket)
+        if self.dims.is_main:
+            save_hf_dir(out_dir, state, model=self.engine.module.hf, extra_savers=savers)
+        self.dims.barrier()

@@ -1,0 +1,109 @@
+"""Model adapters: what weight sync pushes and export_hf writes is exactly what a checkpoint holds.
+
+For every family (tiny random configs built offline), the reference is the unwrapped model's own
+`save_pretrained`: its safetensors keys and shapes. The trainer side runs on 2 ZeRO-3 ranks.
+"""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+from conftest import REPO, run_ranks
+from data_tools.make_tiny_model import VL_ARCHS, make_tiny_model
+from dist.actor_checks import fixed_batch
+from slime.models.adapters import ModelAdapter, get_adapter, read_checkpoint_shapes
+
+FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "qwen2_vl", "qwen2_5_vl"]
+SCORED = {"llama", "qwen2", "qwen3", "qwen3_moe"}  # export -> from_pretrained -> the trainer's logprobs
+
+
+def auto_class(arch):
+    return AutoModelForImageTextToText if arch in VL_ARCHS else AutoModelForCausalLM
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {arch: make_tiny_model(root / arch, arch=arch, seed=1) for arch in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def checks(models, tmp_path_factory):
+    out = tmp_path_factory.mktemp("adapter_checks")
+    specs = [f"{arch}={path}" + (":score" if arch in SCORED else "") for arch, path in models.items()]
+    run_ranks([str(REPO / "tests/dist/adapter_checks.py"), str(out), *specs], timeout=1200)
+    return out
+
+
+def saved_keys(model, tmp_path):
+    """The reference: keys and shapes of the unwrapped model's own save_pretrained."""
+    model.save_pretrained(tmp_path)
+    return read_checkpoint_shapes(tmp_path)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_sync_and_export_names_equal_save_pretrained(arch, models, checks, tmp_path):
+    model = auto_class(arch).from_pretrained(models[arch])
+    expected = saved_keys(model, tmp_path / "ref")
+    synced = {k: tuple(v) for k, v in json.loads((checks / arch / "sync.json").read_text()).items()}
+    assert synced == expected
+    assert read_checkpoint_shapes(checks / arch / "hf") == expected
+    if arch in ("qwen3_moe", "qwen2_vl"):  # the families whose memory layout differs from the checkpoint
+        assert set(expected) != {n for n, _ in model.named_parameters()}
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_export_reloads_with_the_trainer_weights(arch, models, checks):
+    exported = auto_class(arch).from_pretrained(checks / arch / "hf")
+    original = auto_class(arch).from_pretrained(models[arch])  # no step was taken: the weights are the initial ones
+    ref = dict(original.named_parameters())
+    for name, p in exported.named_parameters():
+        torch.testing.assert_close(p, ref[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_hf_engine_loads_checkpoint_named_buckets(arch, models, checks):
+    """The engine started from zeros and received only checkpoint-named tensors (fused experts split)."""
+    state = torch.load(checks / arch / "engine_state.pt")
+    original = dict(auto_class(arch).from_pretrained(models[arch]).named_parameters())
+    assert set(state) == set(original)
+    for name, t in state.items():
+        torch.testing.assert_close(t, original[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("arch", sorted(SCORED))
+def test_exported_model_gives_the_trainer_logprobs(arch, checks):
+    model = AutoModelForCausalLM.from_pretrained(checks / arch / "hf", attn_implementation="sdpa")
+    trainer = torch.load(checks / arch / "logprobs.pt")
+    for s, got in zip(fixed_batch(), trainer):
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].float()
+        p = len(s.prompt_ids)
+        want = torch.log_softmax(logits, -1)[p - 1:-1].gather(-1, ids[0, p:, None]).squeeze(-1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_identity_names_for_a_converted_family_fail_at_load_naming_the_key(models):
+    """What an unknown family gets (in-memory names), applied where they are wrong, fails loudly."""
+    model = AutoModelForCausalLM.from_pretrained(models["qwen3_moe"])
+    wrong = ModelAdapter(family="qwen3_moe", convert=False)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.down_proj' .* not in the checkpoint"):
+        wrong.check_checkpoint(model, models["qwen3_moe"])
+    get_adapter("qwen3_moe").check_checkpoint(model, models["qwen3_moe"])  # the real adapter passes
+
+
+def test_unknown_family_gets_identity_names():
+    adapter = get_adapter("some_new_arch")
+    assert not adapter.convert and adapter.positions == "1d"
+    t = torch.zeros(2)
+    assert adapter.to_checkpoint(None, [("a.weight", t)]) == [("a.weight", t)]
+
+
+def test_vl_adapter_declares_mrope_and_image_inputs():
+    for arch in VL_ARCHS:
+        adapter = get_adapter(arch)
+        assert adapter.positions == "mrope" and adapter.multimodal
+        assert adapter.extra_inputs == ("pixel_values", "image_grid_thw")
