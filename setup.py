@@ -4,7 +4,10 @@ setup(
     name="slime-ds",
     version="0.1.0",
     description="SPMD RL post-training for LLMs and VLMs on DeepSpeed ZeRO-3",
-    packages=find_packages(include=["slime", "slime.*", "multimodal", "multimodal.*", "data_tools", "data_tools.*"]),
+    # data_tools/ and multimodal/ stay at the top of the repo but install inside the project's namespace
+    # (slime.data_tools, slime.multimodal), so they cannot collide with other distributions' packages.
+    packages=find_packages(include=["slime", "slime.*"]) + ["slime.data_tools", "slime.multimodal"],
+    package_dir={"slime.data_tools": "data_tools", "slime.multimodal": "multimodal"},
     python_requires=">=3.10",
     install_requires=[
         # torch is pinned: an unpinned torch pulls a multi-GB CUDA build on CPU-only machines.
@@ -21,6 +24,7 @@ setup(
         "tqdm",
         "matplotlib",
         "pillow",
+        "requests",
         "wandb",
     ],
     extras_require={

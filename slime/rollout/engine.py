@@ -19,6 +19,7 @@ class SamplingParams:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, tests); no stop token ends a response
 
 
 @dataclasses.dataclass

@@ -47,7 +47,7 @@ class HFEngine:
         for row, p in enumerate(prompts):  # left padding: generation continues from the right edge
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
-        stops = [self.eos_id, *params.stop_token_ids]
+        stops = [] if params.ignore_eos else [self.eos_id, *params.stop_token_ids]
         greedy = params.temperature == 0
         # A fresh GenerationConfig: the model's own defaults (top_k=50, repetition penalty, ...)
         # would change the sampling distribution away from the logprobs we report.
@@ -55,7 +55,7 @@ class HFEngine:
             do_sample=not greedy, temperature=None if greedy else params.temperature,
             top_p=None if greedy or params.top_p >= 1 else params.top_p, top_k=None,
             max_new_tokens=params.max_new_tokens, num_return_sequences=params.n,
-            eos_token_id=stops, pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True)
+            eos_token_id=stops or None, pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True)
         res = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                   generation_config=gen_cfg)
         new = res.sequences[:, width:].cpu()  # (B*n, L)

@@ -157,9 +157,9 @@ class SGLangEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
         self._aborting = False
-        stops = sorted({t for t in (self.eos_id, *params.stop_token_ids) if t is not None})
+        stops = [] if params.ignore_eos else sorted({t for t in (self.eos_id, *params.stop_token_ids) if t is not None})
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
-                    "top_p": params.top_p, "stop_token_ids": stops, "n": 1}
+                    "top_p": params.top_p, "stop_token_ids": stops, "ignore_eos": params.ignore_eos, "n": 1}
         start = time.monotonic()
         jobs = [self._pool.submit(self._generate_one, list(p), sampling) for p in prompts for _ in range(params.n)]
         try:

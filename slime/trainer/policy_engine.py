@@ -120,10 +120,10 @@ class PolicyEngine:
             loss, metrics = loss_fn(mb, *(outputs if isinstance(outputs, tuple) else (outputs,)),
                                     num_tokens=mini.num_loss_tokens, num_seqs=mini.num_seqs)
             self.engine.backward(loss * self.dims.dp)
-            metrics["train_tokens"] = torch.tensor(float(mb.num_tokens))
-            metrics["real_tokens"] = torch.tensor(float(sum(batch.samples[i].total_len for i in idx)))
-            for key, value in metrics.items():
-                value = value.detach().float().cpu()
+            metrics["train_tokens"] = torch.tensor(float(mb.num_tokens), device=loss.device)
+            metrics["real_tokens"] = torch.tensor(float(sum(batch.samples[i].total_len for i in idx)), device=loss.device)
+            for key, value in metrics.items():  # on the device: no host sync per micro-batch
+                value = value.detach().float()
                 sums[key] = sums[key] + value if key in sums else value
         return sums
 
