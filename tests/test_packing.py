@@ -51,8 +51,14 @@ def _instance(seed: int) -> dict:
         else:  # ragged, as left after per-sample filtering
             groups = [rng.randrange(n // size) for _ in range(n)]
     cost_fn = rng.choice([default_cost, lambda n: float(n), lambda n: float(n * n)])
+    owners = None
+    if groups is None and rng.random() < 0.5:  # rank-local batches: where each sample was generated
+        if rng.random() < 0.5:
+            owners = [i * dp // n for i in range(n)]  # equal contiguous shares, as after rollout
+        else:
+            owners = [rng.randrange(dp) for _ in range(n)]  # ragged, as after dynamic sampling
     return dict(lengths=_lengths(rng, n, max_tokens, kind), max_tokens=max_tokens, dp_size=dp,
-                groups=groups, min_micro_batches=rng.choice([1, 1, 2, 5]), cost_fn=cost_fn)
+                groups=groups, min_micro_batches=rng.choice([1, 1, 2, 5]), cost_fn=cost_fn, owners=owners)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -126,6 +132,27 @@ def test_compute_balanced_on_large_lognormal_batches(cost_fn):
                                   cost_fn=cost_fn)
         stats = packing_stats(lengths, plan, max_tokens=16384, cost_fn=cost_fn)
         assert stats["compute_imbalance"] <= 1.02, (seed, stats)
+
+
+@pytest.mark.parametrize("dp", [2, 8])
+def test_owners_keep_samples_in_place_and_balance_as_well(dp):
+    """Starting from where rollout left the samples moves few of them and balances as well as KK."""
+    for seed in range(20):
+        rng = random.Random(seed)
+        lengths = [rng.randint(50, 300) + min(4096, int(rng.lognormvariate(6.0, 1.0))) for _ in range(512)]
+        owners = [i * dp // len(lengths) for i in range(len(lengths))]
+        plan = plan_micro_batches(lengths, max_tokens=16384, dp_size=dp, owners=owners)
+        stats = packing_stats(lengths, plan, max_tokens=16384)
+        assert stats["compute_imbalance"] <= 1.01, (seed, stats)
+        moved = sum(owners[i] != r for r, rank in enumerate(plan) for mb in rank for i in mb)
+        free = plan_micro_batches(lengths, max_tokens=16384, dp_size=dp)
+        moved_free = sum(owners[i] != r for r, rank in enumerate(free) for mb in rank for i in mb)
+        assert moved <= 0.1 * len(lengths) < moved_free, (seed, moved, moved_free)
+
+
+def test_owners_are_checked():
+    with pytest.raises(ValueError, match="owners"):
+        plan_micro_batches([5, 5], max_tokens=10, dp_size=2, owners=[0, 2])
 
 
 def test_compute_balanced_over_many_ranks_with_a_long_tail():

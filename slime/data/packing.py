@@ -49,9 +49,15 @@ def plan_micro_batches(
     groups: Sequence[Hashable] | None = None,
     min_micro_batches: int = 1,
     cost_fn: Callable[[int], float] = default_cost,
+    owners: Sequence[int] | None = None,
 ) -> Plan:
     """Assign samples to `dp_size` ranks (balanced compute) and pack each rank's share into
     the same number of non-empty micro-batches of at most `max_tokens` tokens.
+
+    `owners` (no groups): the rank that holds each sample now. Balancing then starts from that
+    assignment and swaps (or moves) samples between the heaviest and lightest ranks only while
+    that narrows their gap, so rank-local batches exchange few samples; if that assignment
+    cannot be packed, the plan is made as without owners.
 
     Steps: Karmarkar-Karp largest differencing over units (samples, or whole groups) into
     `dp_size` parts with equal unit counts, refined by swaps between the heaviest and lightest
@@ -67,11 +73,15 @@ def plan_micro_batches(
     """
     _check_inputs(lengths, max_tokens=max_tokens, dp_size=dp_size, groups=groups,
                   min_micro_batches=min_micro_batches)
+    if owners is not None and (groups is not None or len(owners) != len(lengths)
+                               or any(not 0 <= r < dp_size for r in owners)):
+        raise ValueError("owners needs one rank in [0, dp_size) per sample and no groups")
     sample_cost = [float(cost_fn(length)) for length in lengths]
     args = (lengths, sample_cost, max_tokens, dp_size, min_micro_batches)
     if groups is None:
         singles = [[i] for i in range(len(lengths))]
-        plan = _pack_per_rank(singles, sample_cost, *args) or _pack_globally(*args)
+        plan = ((owners is not None and _pack_per_rank(singles, sample_cost, *args, start=owners))
+                or _pack_per_rank(singles, sample_cost, *args) or _pack_globally(*args))
     else:
         by_group: dict[Hashable, list[int]] = {}
         for i, g in enumerate(groups):
@@ -104,9 +114,16 @@ def plan_micro_batches(
 
 def _pack_per_rank(units: list[list[int]], weights: Sequence[float], lengths: Sequence[int],
                    sample_cost: Sequence[float], max_tokens: int, dp_size: int, min_mb: int, *,
-                   equal_count: bool = True) -> Plan | None:
-    """Balance unit weights over ranks, then pack each rank; None if a rank is short of samples."""
-    parts = _karmarkar_karp(weights, dp_size, equal_count=equal_count)
+                   equal_count: bool = True, start: Sequence[int] | None = None) -> Plan | None:
+    """Balance unit weights over ranks (from scratch, or from the assignment `start`), then pack
+    each rank; None if a rank is short of samples."""
+    if start is None:
+        parts = _karmarkar_karp(weights, dp_size, equal_count=equal_count)
+    else:
+        parts = [[] for _ in range(dp_size)]
+        for u, rank in enumerate(start):
+            parts[rank].append(u)
+        equal_count = len({len(p) for p in parts}) == 1  # keep equal counts equal: swap, don't move
     _even_out(parts, weights, allow_moves=not equal_count)
     ranks = [[i for u in part for i in units[u]] for part in parts]
     packed = [_first_fit_decreasing(idx, lengths, max_tokens) for idx in ranks]

@@ -2,9 +2,9 @@
 
 Each dp rank keeps only the samples it trains on. Balancing needs only every sample's length, so
 ranks all-gather (length, loss-token count) pairs, every rank computes the same deterministic plan
-(packing.plan_micro_batches), and the samples whose planned rank differs from the rank that
-generated them move once, point to point (ParallelDims.exchange_objects). Whole samples never pass
-through an all-gather.
+(packing.plan_micro_batches, starting from where each sample is), and the samples whose planned
+rank differs from the rank that generated them move once, point to point
+(ParallelDims.exchange_objects). Whole samples never pass through an all-gather.
 
 Layouts: packed micro-batches under a token budget (balanced over dp by compute), or the padded
 fixed-size baseline (`train.packing=false`). No-grad passes (old/reference logprobs, values) repack
@@ -38,10 +38,10 @@ class Layout:
         return cls(packing=train.packing, max_tokens=train.logprob_max_tokens_per_gpu or 2 * train.max_tokens_per_gpu,
                    micro_batch_size=train.micro_batch_size)
 
-    def plan(self, lengths: Sequence[int], dp: int) -> Plan:
-        """Balanced over dp ranks; samples may change rank."""
+    def plan(self, lengths: Sequence[int], dp: int, owners: Sequence[int] | None = None) -> Plan:
+        """Balanced over dp ranks; samples may change rank (as few as balance allows, given `owners`)."""
         if self.packing:
-            return plan_micro_batches(lengths, max_tokens=self.max_tokens, dp_size=dp)
+            return plan_micro_batches(lengths, max_tokens=self.max_tokens, dp_size=dp, owners=owners)
         return padded_fixed_batches(lengths, micro_batch_size=self.micro_batch_size, dp_size=dp)
 
     def pack_in_place(self, lengths_by_rank: Sequence[Sequence[int]]) -> Plan:
@@ -97,6 +97,7 @@ def distribute(local: list[Sample], dims: ParallelDims, layout: Layout, *, num_m
         s.index = offset + i
     lengths = [length for part in meta for length, _ in part]
     loss_tokens = [n for part in meta for _, n in part]
+    source = [r for r, part in enumerate(meta) for _ in part]
     n = len(lengths)
     if n < num_mini_batches * dims.dp:
         raise ValueError(f"{n} samples cannot fill train.num_mini_batches={num_mini_batches} x dp={dims.dp}")
@@ -104,7 +105,7 @@ def distribute(local: list[Sample], dims: ParallelDims, layout: Layout, *, num_m
     dest = [0] * n
     plans = []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        plan = layout.plan(lengths[a:b], dims.dp)
+        plan = layout.plan(lengths[a:b], dims.dp, owners=source[a:b])
         for rank, mbs in enumerate(plan):
             for mb in mbs:
                 for i in mb:
@@ -128,6 +129,5 @@ def distribute(local: list[Sample], dims: ParallelDims, layout: Layout, *, num_m
     by_rank: list[list[int]] = [[] for _ in range(dims.dp)]
     for i in range(n):
         by_rank[dest[i]].append(lengths[i])
-    source = [r for r, part in enumerate(meta) for _ in part]
     moved = sum(d != s for d, s in zip(dest, source))
     return RankBatch(samples=mine, num_samples=n, lengths_by_rank=by_rank, mini_batches=minis, moved=moved)
