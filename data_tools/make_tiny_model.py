@@ -66,12 +66,12 @@ def tiny_config(arch: str, vocab_size: int, *, hidden: int = 64, layers: int = 2
         half = hidden // heads // 2  # rotary frequencies per head, split over the temporal/height/width rows
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
                                    "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]}
-        vision = dict(depth=1, hidden_size=32, num_heads=2, patch_size=14, spatial_merge_size=2,
-                      temporal_patch_size=2, in_channels=3, out_hidden_size=hidden)
-        if arch == "qwen2_vl":
-            vision.update(embed_dim=32, mlp_ratio=2)
+        vision = dict(depth=1, num_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+        if arch == "qwen2_vl":  # embed_dim: the tower's width; hidden_size: the merger's output (the LM's width)
+            vision.update(embed_dim=32, hidden_size=hidden, mlp_ratio=2)
         else:
-            vision.update(intermediate_size=64, fullatt_block_indexes=[0], window_size=56)
+            vision.update(hidden_size=32, out_hidden_size=hidden, intermediate_size=64, fullatt_block_indexes=[0],
+                          window_size=56)
         ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in (
             ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
             ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"))}
