@@ -28,6 +28,19 @@ CHAT_TEMPLATE = (
     "{% elif m['role'] == 'assistant' %}<assistant>{{ m['content'] }}<eos>{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
 )
+# Image-text models: user content may be a list of parts; an image part renders as Qwen-VL's placeholder.
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}<system>{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}<user>"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% elif m['role'] == 'assistant' %}<assistant>{{ m['content'] }}<eos>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+# Small images: 28x28-pixel tiles (2x2 patches of 14 merge into one token), 1 to 16 tokens per image.
+VL_MIN_PIXELS, VL_MAX_PIXELS = 28 * 28, 28 * 28 * 16
 
 
 def build_tokenizer(vision: bool = False):
@@ -42,17 +55,18 @@ def build_tokenizer(vision: bool = False):
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(special)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = VL_CHAT_TEMPLATE if vision else CHAT_TEMPLATE
     return fast
 
 
 def tiny_config(arch: str, vocab_size: int, *, hidden: int = 64, layers: int = 2, heads: int = 4,
-                kv_heads: int = 2, max_pos: int = 512, tie: bool = False, experts: int = 4, tokenizer=None):
+                kv_heads: int = 2, max_pos: int = 512, tie: bool = False, experts: int = 4, tokenizer=None,
+                init_std: float = 0.02):
     import transformers
 
     text = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
-                tie_word_embeddings=tie, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+                tie_word_embeddings=tie, pad_token_id=0, eos_token_id=1, bos_token_id=None, initializer_range=init_std)
     if arch in ("qwen3", "qwen3_moe"):
         text["head_dim"] = hidden // heads
     if arch in MOE_ARCHS:
@@ -76,7 +90,7 @@ def tiny_config(arch: str, vocab_size: int, *, hidden: int = 64, layers: int = 2
             ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
             ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"))}
         cls = {"qwen2_vl": transformers.Qwen2VLConfig, "qwen2_5_vl": transformers.Qwen2_5_VLConfig}[arch]
-        return cls(text_config=text, vision_config=vision, tie_word_embeddings=tie, **ids)
+        return cls(text_config=text, vision_config=vision, tie_word_embeddings=tie, initializer_range=init_std, **ids)
     cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig,
            "qwen3_moe": transformers.Qwen3MoeConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "mixtral": transformers.MixtralConfig}[arch]
@@ -98,6 +112,11 @@ def make_tiny_model(out: str | Path, *, arch: str = "qwen2", seed: int = 0, **co
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)
     tok.save_pretrained(out)
+    if arch in VL_ARCHS:
+        from transformers import Qwen2VLImageProcessor
+
+        Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=VL_MIN_PIXELS,
+                              max_pixels=VL_MAX_PIXELS).save_pretrained(out)
     return out
 
 

@@ -32,6 +32,10 @@ class ModelConfig:
         "auto", "Attention kernel for packed micro-batches; auto = flash-attn varlen on GPU when installed, else packed sdpa.")
     gradient_checkpointing: bool = field(False, "Recompute activations in backward to save memory.")
     trust_remote_code: bool = field(False, "Allow model code from the model directory.")
+    min_pixels: int | None = field(None, "Image-text models: images are resized to at least this many pixels "
+                                         "(None = the model's image processor default).")
+    max_pixels: int | None = field(None, "Image-text models: images are resized to at most this many pixels "
+                                         "(None = the model's image processor default).")
 
 
 @dataclasses.dataclass
@@ -43,8 +47,21 @@ class DataConfig:
     metadata_key: str = field("metadata", "Optional dict field copied into Sample.metadata.")
     apply_chat_template: bool = field(True, "Wrap prompts with the tokenizer's chat template when it has one.")
     system_prompt: str | None = field(None, "System message prepended when the chat template is applied.")
-    max_prompt_len: int = field(512, "Prompts longer than this (in tokens) are dropped and counted.")
+    max_prompt_len: int = field(512, "Prompts longer than this (in tokens, image tokens included) are dropped "
+                                     "and counted.")
     shuffle: bool = field(True, "Shuffle prompts every epoch (seeded by train.seed and the epoch).")
+    images_key: str = field("images", "Image-text rows: field listing the images of a prompt with <image> "
+                                      "placeholders (or of bare image parts in messages).")
+    image_placeholder: str = field("<image>", "Image-text rows: the placeholder in the prompt field.")
+    max_image_pixels: int = field(89_478_485, "Images with more pixels are skipped unread (Pillow's "
+                                              "decompression-bomb limit by default).")
+    image_fetch_timeout: float = field(10.0, "Seconds to fetch an http(s) image.")
+    max_skipped_frac: float = field(0.1, "Stop with an error when more than this share of the rows is skipped "
+                                         "as bad (missing or corrupt image, placeholder mismatch, ...).")
+
+    def __post_init__(self):
+        if not 0 <= self.max_skipped_frac <= 1:
+            raise ValueError(f"data.max_skipped_frac={self.max_skipped_frac} must be in [0, 1]")
 
 
 @dataclasses.dataclass

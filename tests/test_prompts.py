@@ -24,7 +24,8 @@ def test_prompt_and_messages_with_chat_template(tmp_path, tok):
     path = write_jsonl(tmp_path / "p.jsonl", [
         {"prompt": "1+2=", "label": "3", "metadata": {"k": 1}},
         {"messages": [{"role": "user", "content": "2+2="}], "label": "4"}])
-    prompts, dropped = load_prompts(DataConfig(path=str(path), system_prompt="be brief"), tok)
+    prompts, report = load_prompts(DataConfig(path=str(path), system_prompt="be brief"), tok)
+    dropped = report.too_long
     assert dropped == 0
     assert prompts[0].prompt_text == "<system>be brief<user>1+2=<assistant>"
     assert tok.decode(prompts[1].prompt_ids) == "<system>be brief<user>2+2=<assistant>"
@@ -42,7 +43,8 @@ def test_no_template_and_parquet(tmp_path, tok):
 
 def test_overlong_prompts_are_dropped_and_counted(tmp_path, tok):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1" * n, "label": "x"} for n in (3, 30, 5, 40)])
-    prompts, dropped = load_prompts(DataConfig(path=str(path), max_prompt_len=20), tok)
+    prompts, report = load_prompts(DataConfig(path=str(path), max_prompt_len=20), tok)
+    dropped = report.too_long
     assert dropped == 2 and len(prompts) == 2
 
 

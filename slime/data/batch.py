@@ -17,7 +17,7 @@ with fewer micro-batches than its peers runs it so that every rank calls the mod
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -38,6 +38,8 @@ class MicroBatch:
     indices: list[int]  # the samples' positions in the caller's list (empty for a dummy batch)
     response_lens: list[int]
     fields: dict[str, torch.Tensor]  # (N,) float per-token fields that every sample carries
+    extra: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """The model's extra inputs: image pixel patches concatenated in sample order, grids stacked."""
 
     @property
     def num_tokens(self) -> int:
@@ -64,10 +66,16 @@ class MicroBatch:
             if isinstance(value, torch.Tensor):
                 moved[name] = value.to(device)
         moved["fields"] = {k: v.to(device) for k, v in self.fields.items()}
+        moved["extra"] = {k: v.to(device) for k, v in self.extra.items()}
         return MicroBatch(**moved)
 
 
-def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int]) -> MicroBatch:
+Positions = Callable[[Sample], torch.Tensor]
+"""A sample's position ids over its prompt + response: (L,), or (rows, L) for multimodal rope."""
+
+
+def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positions: Positions | None = None
+                      ) -> MicroBatch:
     rows = [samples[i] for i in indices] or [_DUMMY]
     input_ids, position_ids, cu, pred, seq, resp_lens = [], [], [0], [], [], []
     for s_pos, s in enumerate(rows):
@@ -77,7 +85,7 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int]) -> Micr
             raise ValueError(f"sample {s.index} has an empty prompt; there is no token to predict its first "
                              "response token")
         input_ids.extend(tokens)
-        position_ids.extend(range(len(tokens)))
+        position_ids.append(positions(s) if positions is not None else torch.arange(len(tokens)))
         cu.append(start + len(tokens))
         pred.extend(range(start + p - 1, start + p + r - 1))
         seq.extend([s_pos] * r)
@@ -91,9 +99,12 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int]) -> Micr
         values = [getattr(s, name) for s in rows]
         if all(v is not None for v in values):
             fields[name] = torch.cat(values).float()
+    images = [s.mm for s in rows if s.mm is not None]
+    extra = {"pixel_values": torch.cat([m.pixel_values for m in images]),
+             "image_grid_thw": torch.cat([m.image_grid_thw for m in images])} if images else {}
     return MicroBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
-        position_ids=torch.tensor(position_ids, dtype=torch.long),
+        position_ids=torch.cat(position_ids, dim=-1).long(),
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         max_len=max(b - a for a, b in zip(cu[:-1], cu[1:])),
         pred_index=torch.tensor(pred, dtype=torch.long),
@@ -102,18 +113,24 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int]) -> Micr
         indices=list(indices),
         response_lens=resp_lens,
         fields=fields,
+        extra=extra,
     )
 
 
-def build_padded_micro_batch(samples: Sequence[Sample], indices: Sequence[int], pad_id: int = 0) -> MicroBatch:
-    packed = build_micro_batch(samples, indices)
+def build_padded_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positions: Positions | None = None,
+                             pad_id: int = 0) -> MicroBatch:
+    packed = build_micro_batch(samples, indices, positions)
     rows = [samples[i] for i in indices] or [_DUMMY]
     width = packed.max_len
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    # Padding continues each row's positions (causal attention never lets a real token see it).
+    pos = torch.zeros(*packed.position_ids.shape[:-1], len(rows), width, dtype=torch.long)
     pred, starts = [], packed.cu_seqlens.tolist()
     for row, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
         ids[row, :end - start] = packed.input_ids[start:end]
+        pos[..., row, :end - start] = packed.position_ids[..., start:end]
+        pos[..., row, end - start:] = packed.position_ids[..., end - 1:end] + torch.arange(1, width - (end - start) + 1)
         first = row * width + len(rows[row].prompt_ids) - 1
         pred.extend(range(first, first + len(rows[row].response_ids)))
-    return dataclasses.replace(packed, input_ids=ids, position_ids=torch.arange(width).expand(len(rows), -1).clone(),
-                               cu_seqlens=None, pred_index=torch.tensor(pred, dtype=torch.long))
+    return dataclasses.replace(packed, input_ids=ids, position_ids=pos, cu_seqlens=None,
+                               pred_index=torch.tensor(pred, dtype=torch.long))

@@ -50,6 +50,7 @@ def plan_micro_batches(
     min_micro_batches: int = 1,
     cost_fn: Callable[[int], float] = default_cost,
     owners: Sequence[int] | None = None,
+    extra_cost: Sequence[float] | None = None,
 ) -> Plan:
     """Assign samples to `dp_size` ranks (balanced compute) and pack each rank's share into
     the same number of non-empty micro-batches of at most `max_tokens` tokens.
@@ -58,6 +59,9 @@ def plan_micro_batches(
     assignment and swaps (or moves) samples between the heaviest and lightest ranks only while
     that narrows their gap, so rank-local batches exchange few samples; if that assignment
     cannot be packed, the plan is made as without owners.
+
+    `extra_cost`: per-sample cost on top of cost_fn(length), e.g. a vision tower's work on the
+    sample's image patches (the patches' tokens are already in the length).
 
     Steps: Karmarkar-Karp largest differencing over units (samples, or whole groups) into
     `dp_size` parts with equal unit counts, refined by swaps between the heaviest and lightest
@@ -77,6 +81,10 @@ def plan_micro_batches(
                                or any(not 0 <= r < dp_size for r in owners)):
         raise ValueError("owners needs one rank in [0, dp_size) per sample and no groups")
     sample_cost = [float(cost_fn(length)) for length in lengths]
+    if extra_cost is not None:
+        if len(extra_cost) != len(lengths):
+            raise ValueError(f"extra_cost has {len(extra_cost)} entries for {len(lengths)} samples")
+        sample_cost = [c + float(e) for c, e in zip(sample_cost, extra_cost)]
     args = (lengths, sample_cost, max_tokens, dp_size, min_micro_batches)
     if groups is None:
         singles = [[i] for i in range(len(lengths))]

@@ -1,12 +1,19 @@
-"""Prompt source: jsonl/parquet through `datasets`, tokenised once, sharded over dp, resumable.
+"""Prompt source: .jsonl (read line by line, so errors name file:line), .json and .parquet (through
+`datasets`), text or image-text rows, tokenised once, sharded over dp, resumable.
 
 Every rank holds the same filtered, tokenised list and the same shuffled order (seeded by
 train.seed and the epoch); rank r takes positions r, r+dp, ... of each global batch. The state is
 (epoch, offset) into that order, so resuming continues with exactly the next batch.
+
+Image-text rows (see slime/multimodal/schema.py) are checked at load: every image is decoded once
+and its processed size fixes the prompt's image tokens; bad rows are skipped and counted. Pixels are
+made only when a prompt is drawn, on the rank that uses it.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 import logging
 import random
 from pathlib import Path
@@ -14,6 +21,9 @@ from typing import Any
 
 from slime.config import DataConfig
 from slime.data.sample import Sample
+from slime.multimodal.images import ImageError, read_image
+from slime.multimodal.processor import MultimodalInputs, VLProcessor
+from slime.multimodal.schema import parse_row
 
 logger = logging.getLogger(__name__)
 
@@ -25,16 +35,47 @@ class Prompt:
     label: Any
     metadata: dict
     index: int  # row in the source file
+    images: list | None = None
+    """Image-text rows: the image references (checked at load; decoded again when drawn)."""
+    mm: MultimodalInputs | None = None
+    """Pixel patches and grids, filled when the prompt is drawn on the rank that uses it."""
 
 
-def load_rows(path: str) -> list[dict]:
-    """Rows of a .jsonl/.json or .parquet file, loaded with `datasets` (no network, no cache dir clutter)."""
+@dataclasses.dataclass
+class LoadReport:
+    too_long: int = 0
+    skipped: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """Bad rows by reason (missing_image, corrupt_image, placeholder_mismatch, ...)."""
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Rows of a JSON-lines file; a malformed line is an error naming file:line (blank lines are skipped)."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{n}: each line must be a JSON object, got {type(row).__name__}")
+            rows.append((n, row))
+    return rows
+
+
+def load_rows(path: str) -> list[tuple[int, dict]]:
+    """(line or row number, row) of a .jsonl, .json or .parquet file (the latter two through `datasets`,
+    which decodes Image features)."""
     import datasets
 
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"data.path={path} does not exist")
-    kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(p.suffix)
+    if p.suffix == ".jsonl":
+        return read_jsonl(p)
+    kind = {".json": "json", ".parquet": "parquet"}.get(p.suffix)
     if kind is None:
         raise ValueError(f"data.path={path}: unsupported extension '{p.suffix}'; use .jsonl, .json or .parquet")
     datasets.disable_progress_bars()
@@ -42,11 +83,17 @@ def load_rows(path: str) -> list[dict]:
         ds = datasets.load_dataset(kind, data_files=str(p), split="train")
     except Exception as e:  # datasets wraps JSON decode errors deep inside; surface the file name
         raise ValueError(f"data.path={path}: could not be read as {kind}: {e}") from e
-    return ds.to_list()
+    return list(enumerate(ds.to_list(), 1))
+
+
+def _render(messages: list[dict], cfg: DataConfig, tokenizer) -> str:
+    if cfg.system_prompt and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": cfg.system_prompt}] + list(messages)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 def encode_prompt(row: dict, line: int, cfg: DataConfig, tokenizer, path: str) -> tuple[str, list[int]]:
-    """Apply the chat template (when asked and available) and tokenise one row."""
+    """Apply the chat template (when asked and available) and tokenise one text row."""
     use_template = cfg.apply_chat_template and tokenizer.chat_template is not None
     if row.get(cfg.prompt_key) is not None:
         content = row[cfg.prompt_key]
@@ -63,41 +110,114 @@ def encode_prompt(row: dict, line: int, cfg: DataConfig, tokenizer, path: str) -
                          "data.prompt_key / data.messages_key to the field holding the prompt")
     if not use_template:
         return content, tokenizer(content, add_special_tokens=False).input_ids
-    if cfg.system_prompt and messages[0].get("role") != "system":
-        messages = [{"role": "system", "content": cfg.system_prompt}] + list(messages)
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = _render(messages, cfg, tokenizer)
     return text, tokenizer(text, add_special_tokens=False).input_ids
 
 
-def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None) -> tuple[list[Prompt], int]:
-    """All prompts of the file that fit `max_prompt_len`, and the number dropped for length."""
+def encode_image_prompt(messages: list[dict], refs: list, cfg: DataConfig, processor: VLProcessor,
+                        base_dir: Path) -> tuple[str, list[int], list]:
+    """Check every image (decoded once, then dropped) and tokenise the prompt with its image tokens.
+    Returns the text, the ids, and the references to keep (in-memory images stay as they are)."""
+    sizes = [read_image(ref, base_dir, max_pixels=cfg.max_image_pixels, timeout=cfg.image_fetch_timeout).size
+             for ref in refs]
+    text = _render(messages, cfg, processor.tokenizer)
+    try:
+        ids = processor.prompt_ids(text, sizes)
+    except ValueError as e:
+        raise ImageError("placeholder_mismatch", str(e)) from None
+    return text, ids, refs
+
+
+def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None,
+                 processor: VLProcessor | None = None) -> tuple[list[Prompt], LoadReport]:
+    """All usable prompts of the file. Over-long prompts are dropped and counted; image-text rows with a
+    bad image (or placeholders that do not match the images) are skipped, logged with file:line and
+    counted by reason, and more than data.max_skipped_frac of them is an error."""
     path = path or cfg.path
-    prompts, too_long = [], 0
-    for i, row in enumerate(load_rows(path)):
-        text, ids = encode_prompt(row, i + 1, cfg, tokenizer, path)
+    base_dir = Path(path).resolve().parent
+    prompts, report, logged = [], LoadReport(), 0
+    rows = load_rows(path)
+    for line, row in rows:
+        try:
+            try:
+                parsed = parse_row(row, prompt_key=cfg.prompt_key, messages_key=cfg.messages_key,
+                                   images_key=cfg.images_key, placeholder=cfg.image_placeholder)
+            except TypeError as e:
+                raise TypeError(f"{path}:{line}: {e}") from None
+            if parsed is None:
+                text, ids = encode_prompt(row, line, cfg, tokenizer, path)
+                refs = None
+            elif processor is None:
+                raise ValueError(f"{path}:{line}: the row has images but model.path is a text-only model")
+            else:
+                text, ids, refs = encode_image_prompt(*parsed, cfg, processor, base_dir)
+        except ImageError as e:
+            report.skipped[e.reason] += 1
+            if logged < 20:
+                logger.warning("%s:%d: skipped (%s): %s", path, line, e.reason, e)
+            logged += 1
+            continue
         if len(ids) > cfg.max_prompt_len:
-            too_long += 1
+            report.too_long += 1
             continue
         meta = row.get(cfg.metadata_key) or {}
         if not isinstance(meta, dict):
-            raise TypeError(f"{path}:{i + 1}: field '{cfg.metadata_key}' must be an object, got {type(meta).__name__}")
-        prompts.append(Prompt(ids, text, row.get(cfg.label_key), meta, i))
-    if too_long:
+            raise TypeError(f"{path}:{line}: field '{cfg.metadata_key}' must be an object, got {type(meta).__name__}")
+        prompts.append(Prompt(ids, text, row.get(cfg.label_key), meta, line - 1, images=refs))
+    bad = sum(report.skipped.values())
+    if bad:
+        if logged > 20:
+            logger.warning("%s: ... and %d more skipped rows", path, logged - 20)
+        logger.warning("%s: skipped %d of %d rows: %s", path, bad, len(rows), dict(report.skipped))
+        if bad > cfg.max_skipped_frac * len(rows):
+            raise ValueError(f"{path}: {bad} of {len(rows)} rows are bad ({dict(report.skipped)}), more than "
+                             f"data.max_skipped_frac={cfg.max_skipped_frac}; fix the data (the log names each "
+                             "file:line) or raise the limit")
+    if report.too_long:
         logger.warning("%s: dropped %d of %d prompts longer than data.max_prompt_len=%d tokens",
-                       path, too_long, too_long + len(prompts), cfg.max_prompt_len)
+                       path, report.too_long, report.too_long + len(prompts), cfg.max_prompt_len)
     if not prompts:
-        raise ValueError(f"{path}: no usable prompts (dropped {too_long} as too long; raise data.max_prompt_len)")
-    return prompts, too_long
+        raise ValueError(f"{path}: no usable prompts (dropped {report.too_long} as too long, skipped {bad} bad rows; "
+                         "raise data.max_prompt_len or fix the data)")
+    return prompts, report
+
+
+def with_pixels(prompts: list[Prompt], cfg: DataConfig, processor: VLProcessor | None, path: str
+                ) -> tuple[list[Prompt], collections.Counter]:
+    """Decode the images of drawn prompts into pixel patches; a prompt whose image broke since load is
+    skipped and counted (the batch is then one prompt short on this rank)."""
+    out, skipped = [], collections.Counter()
+    base_dir = Path(path).resolve().parent
+    for p in prompts:
+        if p.images is None or processor is None:
+            out.append(p)
+            continue
+        try:
+            images = [read_image(ref, base_dir, max_pixels=cfg.max_image_pixels, timeout=cfg.image_fetch_timeout)
+                      for ref in p.images]
+        except ImageError as e:
+            logger.warning("%s:%d: skipped when drawn (%s): %s", path, p.index + 1, e.reason, e)
+            skipped[e.reason] += 1
+            continue
+        mm = processor.pixels(images)
+        tokens = int((mm.image_grid_thw.prod(-1) // processor.merge ** 2).sum())
+        assert tokens == p.prompt_ids.count(processor.image_token_id), "image tokens changed since load"
+        out.append(dataclasses.replace(p, mm=mm))
+    return out, skipped
 
 
 class PromptSource:
     """Global batches of prompts in a seeded order; each dp rank gets its slice."""
 
-    def __init__(self, cfg: DataConfig, tokenizer, *, batch_size: int, dp_rank: int, dp_size: int, seed: int):
+    def __init__(self, cfg: DataConfig, tokenizer, *, batch_size: int, dp_rank: int, dp_size: int, seed: int,
+                 processor: VLProcessor | None = None):
         if batch_size % dp_size:
             raise ValueError(f"rollout.batch_size={batch_size} must be divisible by the data-parallel size {dp_size}")
         self.cfg, self.batch_size, self.dp_rank, self.dp_size, self.seed = cfg, batch_size, dp_rank, dp_size, seed
-        self.prompts, self.num_too_long = load_prompts(cfg, tokenizer)
+        self.processor = processor
+        self.prompts, self.report = load_prompts(cfg, tokenizer, processor=processor)
+        self.num_too_long = self.report.too_long
+        self.skipped_when_drawn: collections.Counter = collections.Counter()
         if len(self.prompts) < batch_size:
             raise ValueError(f"{cfg.path} has {len(self.prompts)} usable prompts, fewer than "
                              f"rollout.batch_size={batch_size}")
@@ -111,7 +231,8 @@ class PromptSource:
         return order
 
     def next_batch(self, n: int | None = None) -> list[Prompt]:
-        """This rank's share of the next n prompts (default rollout.batch_size); epochs roll over."""
+        """This rank's share of the next n prompts (default rollout.batch_size); epochs roll over.
+        Image-text prompts come with their pixel patches."""
         n = n or self.batch_size
         if n % self.dp_size or n > len(self._order):
             raise ValueError(f"cannot draw {n} prompts over {self.dp_size} ranks from {len(self._order)}")
@@ -120,7 +241,14 @@ class PromptSource:
             self._order = self._make_order()
         ids = self._order[self.offset:self.offset + n]
         self.offset += n
-        return [self.prompts[i] for i in ids[self.dp_rank::self.dp_size]]
+        drawn, skipped = with_pixels([self.prompts[i] for i in ids[self.dp_rank::self.dp_size]], self.cfg,
+                                     self.processor, self.cfg.path)
+        self.skipped_when_drawn += skipped
+        return drawn
+
+    def skipped_metrics(self) -> dict[str, float]:
+        """`data/skipped_<reason>` counts of this rank: rows skipped at load, and prompts skipped when drawn."""
+        return {f"data/skipped_{k}": float(v) for k, v in (self.report.skipped + self.skipped_when_drawn).items()}
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset}

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from slime.multimodal.processor import MultimodalInputs
+
 TOKEN_FIELDS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "advantages", "values", "returns")
 """Per-response-token tensor fields; a micro-batch concatenates the ones its samples carry."""
 
@@ -46,6 +48,8 @@ class Sample:
     """Position in the step's global rollout batch (rank-major); identifies the sample across ranks."""
     finish_reason: str = ""
     """'stop' (hit a stop token), 'length' (hit max_new_tokens) or 'abort'."""
+    mm: MultimodalInputs | None = None
+    """Image-text samples: pixel patches and grids of the prompt's images (their tokens are in prompt_ids)."""
 
     @property
     def total_len(self) -> int:
@@ -57,6 +61,10 @@ class Sample:
         if self.response_mask is None:
             return torch.ones(len(self.response_ids), dtype=torch.float32)
         return torch.as_tensor(self.response_mask, dtype=torch.float32)
+
+    @property
+    def num_patches(self) -> int:
+        return 0 if self.mm is None else self.mm.num_patches
 
     @property
     def num_loss_tokens(self) -> int:

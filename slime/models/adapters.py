@@ -59,6 +59,68 @@ class ModelAdapter:
             self.check_checkpoint(model, cfg.path)
         return model
 
+    # -- inputs -------------------------------------------------------------------------------------
+
+    def position_ids(self, model: PreTrainedModel, input_ids: torch.Tensor,
+                     image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        """Positions of one sample's tokens (L,): (L,) for 1-D rope; (3, L) temporal/height/width rows
+        for mrope, from the model's own `get_rope_index` (text tokens get three equal rows)."""
+        if self.positions == "1d":
+            return torch.arange(input_ids.numel())
+        if image_grid_thw is None:
+            return torch.arange(input_ids.numel()).expand(3, -1).clone()
+        ids = input_ids[None]
+        image_token = model.config.image_token_id
+        pos, _ = model.base_model.get_rope_index(ids, (ids == image_token).int(), image_grid_thw=image_grid_thw)
+        return pos[:, 0]
+
+    def patch_cost(self, config) -> float:
+        """Balancing cost of one image patch, in `packing.default_cost` units at the text hidden size: the
+        vision tower's matmuls per patch over the language model's per token (attention ignored)."""
+        if not self.multimodal:
+            return 0.0
+        text, vision = config.get_text_config(), config.vision_config
+        width = getattr(vision, "embed_dim", None) or vision.hidden_size  # qwen2_vl names the tower's width embed_dim
+        return 12.0 * vision.depth * width ** 2 / (text.num_hidden_layers * text.hidden_size)
+
+    def dummy_image_inputs(self, model: PreTrainedModel, device: torch.device) -> dict[str, torch.Tensor]:
+        """The smallest image the vision tower takes (one merged token), for micro-batches without images:
+        under ZeRO-3 every rank must call the tower as often as its peers."""
+        vc = model.config.vision_config
+        merge = vc.spatial_merge_size
+        dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+        return {"pixel_values": torch.zeros(merge * merge, dim, device=device, dtype=model.dtype),
+                "image_grid_thw": torch.tensor([[1, merge, merge]], device=device)}
+
+    def hidden_states(self, model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      extra: dict[str, torch.Tensor], **attention_kwargs) -> torch.Tensor:
+        """The backbone's last hidden states (B, T, H) of a (packed or padded) batch.
+
+        Image-text models run the vision tower on EVERY call, on a dummy image when the batch has none
+        (its features then enter the graph times zero), so every rank calls every module equally often.
+        """
+        base = model.base_model
+        if not self.multimodal:
+            if extra:
+                raise ValueError(f"the {self.family} adapter takes no extra inputs, got {sorted(extra)}")
+            return base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                        **attention_kwargs).last_hidden_state
+        embeds = base.get_input_embeddings()(input_ids)  # (B, T, H)
+        images = extra if extra else self.dummy_image_inputs(model, input_ids.device)
+        feats = torch.cat(base.get_image_features(images["pixel_values"], images["image_grid_thw"]).pooler_output)
+        if extra:
+            mask = (input_ids == model.config.image_token_id)[..., None].expand_as(embeds)
+            if int(mask[..., 0].sum()) != feats.shape[0]:
+                raise ValueError(f"{int(mask[..., 0].sum())} image tokens in the batch but {feats.shape[0]} image "
+                                 "features from its pixels")
+            embeds = embeds.masked_scatter(mask, feats.to(embeds.dtype))
+        else:
+            embeds = embeds + 0.0 * feats.sum().to(embeds.dtype)
+        return base.language_model(inputs_embeds=embeds, position_ids=position_ids, use_cache=False,
+                                   **attention_kwargs).last_hidden_state
+
+    # -- names ----------------------------------------------------------------------------------------
+
     def to_checkpoint(self, model: PreTrainedModel, named: NamedTensors) -> NamedTensors:
         """In-memory (name, tensor) pairs of `model` -> the checkpoint's (name, tensor) pairs.
 

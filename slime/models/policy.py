@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
 
+from slime.models.adapters import ModelAdapter, get_adapter
 from slime.models.attention import packed_attention_kwargs
 
 
@@ -59,9 +60,10 @@ class PolicyModel(nn.Module):
     the raw returns.
     """
 
-    def __init__(self, hf_model: nn.Module, *, head: str = "logprobs"):
+    def __init__(self, hf_model: nn.Module, *, head: str = "logprobs", adapter: ModelAdapter | None = None):
         super().__init__()
         self.hf, self.head = hf_model, head
+        self.adapter = adapter or get_adapter(hf_model.config.model_type)
         if head == "logprobs":
             self.logprob_head = LogprobHead(hf_model.get_output_embeddings())
         elif head == "value":
@@ -85,8 +87,8 @@ class PolicyModel(nn.Module):
         if input_ids.dim() == 1:
             input_ids, position_ids = input_ids[None], position_ids[..., None, :]
         kwargs = packed_attention_kwargs(cu_seqlens, max_len) if cu_seqlens is not None else {}
-        out = self.hf.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **kwargs, **extra)
-        hidden = out.last_hidden_state.flatten(0, 1)[pred_index]  # (N, H)
+        hidden = self.adapter.hidden_states(self.hf, input_ids, position_ids, extra, **kwargs)
+        hidden = hidden.flatten(0, 1)[pred_index]  # (N, H)
         if self.head == "value":
             return self.value_head(hidden).squeeze(-1).float()
         targets = input_ids.flatten()[pred_index + 1]  # (N,)

@@ -13,35 +13,49 @@ each rank's samples where they are under the larger no-grad budget.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 from slime.config import TrainConfig
-from slime.data.batch import MicroBatch, build_micro_batch, build_padded_micro_batch
-from slime.data.packing import Plan, pack_each_rank, packing_stats, padded_fixed_batches, plan_micro_batches
+from slime.data.batch import MicroBatch, Positions, build_micro_batch, build_padded_micro_batch
+from slime.data.packing import (Plan, default_cost, pack_each_rank, packing_stats, padded_fixed_batches,
+                                plan_micro_batches)
 from slime.data.sample import Sample
 from slime.distributed.parallel_dims import ParallelDims
 
 
 class Layout:
-    """How samples become micro-batches: packed under a token budget, or padded fixed-size."""
+    """How samples become micro-batches: packed under a token budget, or padded fixed-size.
 
-    def __init__(self, *, packing: bool, max_tokens: int, micro_batch_size: int):
+    The balancing cost of a sample is `default_cost` at the model's hidden size plus `patch_cost` per
+    image patch (the vision tower's work); `positions` gives a sample's position ids (mrope rows for
+    image-text models).
+    """
+
+    def __init__(self, *, packing: bool, max_tokens: int, micro_batch_size: int, hidden_size: int = 4096,
+                 patch_cost: float = 0.0, positions: Positions | None = None):
         self.packing, self.max_tokens, self.micro_batch_size = packing, max_tokens, micro_batch_size
+        self.cost_fn = functools.partial(default_cost, hidden_size=hidden_size)
+        self.patch_cost, self.positions = patch_cost, positions
 
     @classmethod
-    def for_training(cls, train: TrainConfig) -> "Layout":
-        return cls(packing=train.packing, max_tokens=train.max_tokens_per_gpu, micro_batch_size=train.micro_batch_size)
+    def for_training(cls, train: TrainConfig, **model_terms) -> "Layout":
+        return cls(packing=train.packing, max_tokens=train.max_tokens_per_gpu, micro_batch_size=train.micro_batch_size,
+                   **model_terms)
 
     @classmethod
-    def for_nograd(cls, train: TrainConfig) -> "Layout":
+    def for_nograd(cls, train: TrainConfig, **model_terms) -> "Layout":
         """No-grad passes keep no activations for backward, so they get a larger budget."""
         return cls(packing=train.packing, max_tokens=train.logprob_max_tokens_per_gpu or 2 * train.max_tokens_per_gpu,
-                   micro_batch_size=train.micro_batch_size)
+                   micro_batch_size=train.micro_batch_size, **model_terms)
 
-    def plan(self, lengths: Sequence[int], dp: int, owners: Sequence[int] | None = None) -> Plan:
+    def plan(self, lengths: Sequence[int], dp: int, owners: Sequence[int] | None = None,
+             patches: Sequence[int] | None = None) -> Plan:
         """Balanced over dp ranks; samples may change rank (as few as balance allows, given `owners`)."""
         if self.packing:
-            return plan_micro_batches(lengths, max_tokens=self.max_tokens, dp_size=dp, owners=owners)
+            extra = [self.patch_cost * n for n in patches] if patches is not None and self.patch_cost else None
+            return plan_micro_batches(lengths, max_tokens=self.max_tokens, dp_size=dp, owners=owners,
+                                      cost_fn=self.cost_fn, extra_cost=extra)
         return padded_fixed_batches(lengths, micro_batch_size=self.micro_batch_size, dp_size=dp)
 
     def pack_in_place(self, lengths_by_rank: Sequence[Sequence[int]]) -> Plan:
@@ -51,11 +65,13 @@ class Layout:
         return pack_each_rank(lengths_by_rank, micro_batch_size=self.micro_batch_size)
 
     def build(self, samples: Sequence[Sample], idx: list[int]) -> MicroBatch:
-        return build_micro_batch(samples, idx) if self.packing else build_padded_micro_batch(samples, idx)
+        if self.packing:
+            return build_micro_batch(samples, idx, self.positions)
+        return build_padded_micro_batch(samples, idx, self.positions)
 
     def stats(self, lengths: Sequence[int], plan: Plan) -> dict:
         st = packing_stats(lengths, plan, max_tokens=self.max_tokens if self.packing else None,
-                           padded=not self.packing)
+                           padded=not self.packing, cost_fn=self.cost_fn)
         return {"real_token_fraction": st["real_token_fraction"], "dp_imbalance": st["compute_imbalance"]}
 
 
@@ -91,12 +107,13 @@ def distribute(local: list[Sample], dims: ParallelDims, layout: Layout, *, num_m
     The global batch is every rank's `local` list, rank after rank; `Sample.index` is set to the
     position in it. Mini-batch m is the contiguous index range [round(m N / n), round((m+1) N / n)).
     """
-    meta = dims.all_gather_objects([(s.total_len, s.num_loss_tokens) for s in local])
+    meta = dims.all_gather_objects([(s.total_len, s.num_loss_tokens, s.num_patches) for s in local])
     offset = sum(len(m) for m in meta[:dims.dp_rank])
     for i, s in enumerate(local):
         s.index = offset + i
-    lengths = [length for part in meta for length, _ in part]
-    loss_tokens = [n for part in meta for _, n in part]
+    lengths = [length for part in meta for length, _, _ in part]
+    loss_tokens = [n for part in meta for _, n, _ in part]
+    patches = [n for part in meta for _, _, n in part]
     source = [r for r, part in enumerate(meta) for _ in part]
     n = len(lengths)
     if n < num_mini_batches * dims.dp:
@@ -105,7 +122,7 @@ def distribute(local: list[Sample], dims: ParallelDims, layout: Layout, *, num_m
     dest = [0] * n
     plans = []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        plan = layout.plan(lengths[a:b], dims.dp, owners=source[a:b])
+        plan = layout.plan(lengths[a:b], dims.dp, owners=source[a:b], patches=patches[a:b])
         for rank, mbs in enumerate(plan):
             for mb in mbs:
                 for i in mb:

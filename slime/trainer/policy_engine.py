@@ -61,12 +61,16 @@ class PolicyEngine:
         hf.config.use_cache = False
         if role != "reference" and model.gradient_checkpointing:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        module = PolicyModel(hf, head="value" if role == "critic" else "logprobs")
+        module = PolicyModel(hf, head="value" if role == "critic" else "logprobs", adapter=self.adapter)
         total = train.num_steps * train.num_mini_batches
         self.engine = parallelize(module, dims, train, lr=None if role == "reference" else lr,
                                   lr_lambda=lr_lambda(train, total) if role == "actor" else None,
                                   offload_params=offload_params)
-        self.train_layout, self.nograd_layout = Layout.for_training(train), Layout.for_nograd(train)
+        terms = dict(hidden_size=hf.config.get_text_config().hidden_size, patch_cost=self.adapter.patch_cost(hf.config))
+        if self.adapter.positions != "1d":  # get_rope_index reads only the config: fine on the sharded model
+            terms["positions"] = lambda s: self.adapter.position_ids(
+                hf, torch.tensor(s.prompt_ids + s.response_ids), None if s.mm is None else s.mm.image_grid_thw)
+        self.train_layout, self.nograd_layout = Layout.for_training(train, **terms), Layout.for_nograd(train, **terms)
 
     # Builders from the run config: which sub-configs each role reads.
     @classmethod
@@ -90,7 +94,7 @@ class PolicyEngine:
         """(logprobs (N,), entropies (N,)) for the policy roles, values (N,) for the critic."""
         mb = mb.to(self.dims.device)
         return self.engine(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len,
-                           temperature=self.temperature, chunk_size=self.train_cfg.logits_chunk_size)
+                           temperature=self.temperature, chunk_size=self.train_cfg.logits_chunk_size, **mb.extra)
 
     @torch.no_grad()
     def score(self, batch: RankBatch) -> list[torch.Tensor]:

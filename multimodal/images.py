@@ -1,0 +1,112 @@
+"""Image references in image-text rows: resolve, fetch, decode and check them with Pillow.
+
+A reference is a path (relative paths resolve against the data file's folder), a `file://` URL, an
+`http(s)://` URL, a `data:image/...;base64,...` URI, a PIL image (a `datasets` Image feature,
+decoded) or `{"bytes": ..., "path": ...}` (the same feature, undecoded). Whatever goes wrong becomes
+an `ImageError` whose `reason` is the metric key (`data/skipped_<reason>`), so a bad row is skipped
+and counted instead of failing deep inside the image processor.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import warnings
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+# Modes Pillow converts to RGB faithfully. 16-bit and float modes ("I;16", "I", "F") would be clipped.
+SUPPORTED_MODES = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "RGBa", "CMYK", "YCbCr", "La"}
+REASONS = ("missing_image", "corrupt_image", "unsupported_mode", "too_large", "fetch_failed", "placeholder_mismatch",
+           "bad_reference")
+
+
+class ImageError(ValueError):
+    def __init__(self, reason: str, message: str):
+        assert reason in REASONS, reason
+        super().__init__(message)
+        self.reason = reason
+
+
+def describe(ref: Any) -> str:
+    """A short printable name for a reference (data URIs and raw bytes are not printed whole)."""
+    if isinstance(ref, str):
+        return ref if len(ref) <= 80 else ref[:60] + "..."
+    if isinstance(ref, Image.Image):
+        return f"<in-memory {ref.format or 'PIL'} image {ref.size[0]}x{ref.size[1]}>"
+    if isinstance(ref, dict):
+        return str(ref.get("path") or "<image bytes>")
+    return type(ref).__name__
+
+
+def _source(ref: Any, base_dir: Path, timeout: float):
+    """A file path or a bytes buffer Pillow can open."""
+    if isinstance(ref, dict):
+        if ref.get("bytes") is not None:
+            return io.BytesIO(ref["bytes"])
+        ref = ref.get("path")
+    if not isinstance(ref, str) or not ref:
+        raise ImageError("bad_reference", f"image reference {ref!r} is not a path, URL, data URI or image")
+    if ref.startswith("data:"):
+        head, _, payload = ref.partition(",")
+        if not head.startswith("data:image/") or ";base64" not in head:
+            raise ImageError("bad_reference", f"data URI must look like data:image/png;base64,... (got {head[:40]!r})")
+        try:
+            return io.BytesIO(base64.b64decode(payload, validate=True))
+        except (binascii.Error, ValueError) as e:
+            raise ImageError("corrupt_image", f"data URI is not valid base64: {e}") from None
+    scheme = urlparse(ref).scheme
+    if scheme in ("http", "https"):
+        import requests
+
+        try:
+            r = requests.get(ref, timeout=timeout)
+            r.raise_for_status()
+        except requests.RequestException as e:
+            raise ImageError("fetch_failed", f"could not fetch {ref}: {e}") from None
+        return io.BytesIO(r.content)
+    path = Path(unquote(urlparse(ref).path)) if scheme == "file" else Path(ref)
+    if not path.is_absolute():
+        path = base_dir / path
+    if not path.is_file():
+        raise ImageError("missing_image", f"image file {path} does not exist")
+    return path
+
+
+def read_image(ref: Any, base_dir: str | Path, *, max_pixels: int, timeout: float = 10.0) -> Image.Image:
+    """The fully decoded image as RGB, EXIF orientation applied. `max_pixels` guards decoding: a larger
+    image (a decompression bomb, or just too big) is refused from its header, before any decoding."""
+    if isinstance(ref, Image.Image):
+        img = ref
+    else:
+        try:
+            img = Image.open(_source(ref, Path(base_dir), timeout))
+        except (UnidentifiedImageError, OSError) as e:
+            raise ImageError("corrupt_image", f"{describe(ref)} is not a readable image: {e}") from None
+        except Image.DecompressionBombError as e:
+            raise ImageError("too_large", f"{describe(ref)}: {e}") from None
+    width, height = img.size
+    if width * height > max_pixels:
+        raise ImageError("too_large", f"{describe(ref)} has {width}x{height} = {width * height} pixels, more than "
+                                      f"data.max_image_pixels={max_pixels}")
+    if img.mode not in SUPPORTED_MODES:
+        raise ImageError("unsupported_mode", f"{describe(ref)} has mode {img.mode!r}; supported: "
+                                             f"{', '.join(sorted(SUPPORTED_MODES))}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img.load()  # a truncated file fails here, not later inside the processor
+            img = ImageOps.exif_transpose(img)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning) as e:
+        raise ImageError("corrupt_image", f"{describe(ref)} could not be decoded: {e}") from None
+    return img.convert("RGB")
+
+
+def to_png_base64(img: Image.Image) -> str:
+    """What SGLang's `image_data` takes: the image as base64 PNG (lossless, so it sees our pixels)."""
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()

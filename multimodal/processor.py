@@ -1,0 +1,82 @@
+"""Qwen2-VL / Qwen2.5-VL prompt processing: images -> pixel patches, and each image placeholder in the
+prompt expanded to the number of tokens its patches merge into.
+
+This is what the models' `AutoProcessor` does for images, built from the two parts that load without
+torchvision: the image processor (Pillow backend) and the tokenizer (whose chat template renders
+image parts as `<|vision_start|><|image_pad|><|vision_end|>`). The full AutoProcessor also builds a
+video processor, which needs torchvision; a CPU install has none.
+
+Sizes: every image is resized to a multiple of patch_size x merge_size with its pixel count within
+[model.min_pixels, model.max_pixels] (`smart_resize`), so the token count of an image is known from
+its width and height alone; `prompt_len` uses that to filter prompts before decoding any pixels.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from PIL import Image
+
+
+@dataclasses.dataclass
+class MultimodalInputs:
+    """The image inputs of one prompt, travelling with its samples (never all-gathered)."""
+    pixel_values: torch.Tensor  # (patches, channels * temporal_patch * patch * patch)
+    image_grid_thw: torch.Tensor  # (images, 3) long: temporal, height, width in patches
+    images: list[Image.Image] | None = None
+    """The images at their processed size, for engines that run the processor themselves (SGLang)."""
+
+    @property
+    def num_patches(self) -> int:
+        return int(self.pixel_values.shape[0])
+
+    def without_images(self) -> "MultimodalInputs":
+        return dataclasses.replace(self, images=None)
+
+
+class VLProcessor:
+    def __init__(self, model_path: str, tokenizer, *, min_pixels: int | None = None, max_pixels: int | None = None):
+        from transformers import AutoConfig, AutoImageProcessor
+
+        kwargs = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+        self.image_processor = AutoImageProcessor.from_pretrained(model_path, backend="pil", **kwargs)
+        self.tokenizer = tokenizer
+        config = AutoConfig.from_pretrained(model_path)
+        self.image_token_id = config.image_token_id
+        self.image_token = tokenizer.convert_ids_to_tokens(self.image_token_id)
+        ip = self.image_processor
+        self.merge = ip.merge_size
+        self.factor = ip.patch_size * ip.merge_size
+        self.min_pixels, self.max_pixels = ip.size["shortest_edge"], ip.size["longest_edge"]
+
+    def processed_size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) the image processor resizes an image to."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        h, w = smart_resize(height, width, factor=self.factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        return w, h
+
+    def image_tokens(self, width: int, height: int) -> int:
+        w, h = self.processed_size(width, height)
+        return (w // self.factor) * (h // self.factor)
+
+    def expand(self, text: str, sizes: list[tuple[int, int]]) -> str:
+        """Repeat the i-th image placeholder once per token of image i (of size `sizes[i]`)."""
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != len(sizes):
+            raise ValueError(f"the prompt renders {len(pieces) - 1} image placeholder(s) for {len(sizes)} image(s); "
+                             "does the tokenizer's chat template render image parts?")
+        out = [pieces[0]]
+        for size, piece in zip(sizes, pieces[1:]):
+            out.append(self.image_token * self.image_tokens(*size) + piece)
+        return "".join(out)
+
+    def prompt_ids(self, text: str, sizes: list[tuple[int, int]]) -> list[int]:
+        return self.tokenizer(self.expand(text, sizes), add_special_tokens=False).input_ids
+
+    def pixels(self, images: list[Image.Image]) -> MultimodalInputs:
+        """Patches of RGB images (in prompt order), and the images at their processed size."""
+        out = self.image_processor(images=images, return_tensors="pt")
+        resized = [img.resize(self.processed_size(*img.size), Image.BICUBIC) for img in images]
+        return MultimodalInputs(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"].long(),
+                                images=resized)

@@ -1,0 +1,79 @@
+"""The two image-text row forms, turned into chat messages plus image references in order.
+
+(a) chat messages whose content is a list of parts:
+    {"messages": [{"role": "user", "content": [{"type": "image", "image": "cat.png"},
+                                                {"type": "text", "text": "What animal is this?"}]}],
+     "label": "cat"}
+(b) the flat form: a prompt with `<image>` placeholders and a list of images:
+    {"prompt": "<image>What animal is this?", "images": ["cat.png"], "label": "cat"}
+
+Image parts come out as {"type": "image"} (the chat template renders the vision placeholders); the
+references come out separately, in the order the images appear.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .images import ImageError
+
+IMAGE_KEYS = ("image", "image_url", "url", "path")
+
+
+def _image_ref(part: dict) -> Any:
+    for key in IMAGE_KEYS:
+        value = part.get(key)
+        if isinstance(value, dict) and key == "image_url":  # OpenAI style {"image_url": {"url": ...}}
+            value = value.get("url")
+        if value is not None:
+            return value
+    raise ImageError("bad_reference", f"image part {sorted(part)} has none of the keys {', '.join(IMAGE_KEYS)}")
+
+
+def parse_row(row: dict, *, prompt_key: str, messages_key: str, images_key: str,
+              placeholder: str = "<image>") -> tuple[list[dict], list[Any]] | None:
+    """(messages, image references) of an image-text row, or None for a text-only row."""
+    images = row.get(images_key)
+    prompt = row.get(prompt_key)
+    if prompt is not None and (images or (isinstance(prompt, str) and placeholder in prompt)):
+        if not isinstance(prompt, str):
+            raise TypeError(f"field '{prompt_key}' must be a string, got {type(prompt).__name__}")
+        images = list(images or [])
+        pieces = prompt.split(placeholder)
+        if len(pieces) - 1 != len(images):
+            raise ImageError("placeholder_mismatch", f"'{prompt_key}' has {len(pieces) - 1} {placeholder} "
+                                                     f"placeholder(s) but '{images_key}' lists {len(images)} image(s)")
+        content: list[dict] = []
+        for k, piece in enumerate(pieces):
+            if k:
+                content.append({"type": "image"})
+            if piece:
+                content.append({"type": "text", "text": piece})
+        return [{"role": "user", "content": content}], images
+    messages = row.get(messages_key)
+    if prompt is None and isinstance(messages, list):
+        refs, bare, out = [], 0, []
+        for m in messages:
+            content = m.get("content")
+            if not isinstance(content, list):
+                out.append(m)
+                continue
+            parts = []
+            for part in content:
+                if part.get("type") == "image":
+                    if any(part.get(key) is not None for key in IMAGE_KEYS):
+                        refs.append(_image_ref(part))
+                    else:
+                        bare += 1
+                    parts.append({"type": "image"})
+                else:
+                    parts.append(part)
+            out.append({**m, "content": parts})
+        if bare or images:  # bare {"type": "image"} parts take their images from the image list, in order
+            images = list(images or [])
+            if refs or bare != len(images):
+                raise ImageError("placeholder_mismatch", f"'{messages_key}' has {bare + len(refs)} image part(s) "
+                                                         f"({len(refs)} with a reference) but '{images_key}' lists "
+                                                         f"{len(images)} image(s); give every image once")
+            refs = images
+        return (out, refs) if refs else None
+    return None

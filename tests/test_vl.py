@@ -1,0 +1,145 @@
+"""Image-text samples: packed micro-batches with images equal each sample's own unpacked forward."""
+import dataclasses
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+from data_tools.make_tiny_model import make_tiny_model
+from slime.data.batch import build_micro_batch
+from slime.data.sample import Sample
+from slime.models.adapters import get_adapter
+from slime.models.attention import PACKED_SDPA
+from slime.models.policy import PolicyModel
+from slime.multimodal.processor import VLProcessor
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def vl_model(request, tmp_path_factory):
+    # A larger init than the default makes attention position-sensitive, so wrong rope rows show (see the control).
+    return make_tiny_model(tmp_path_factory.mktemp(request.param) / "m", arch=request.param, seed=1, init_std=0.1)
+
+
+def image(w, h, seed):
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy())
+
+
+def vl_samples(model_dir, sizes=((60, 50), (120, 90), (40, 110)), text_only=1, seed=0):
+    """Image-text samples with one image each of the given sizes, then text-only samples."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    proc = VLProcessor(str(model_dir), tok)
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for k, size in enumerate(sizes):
+        img = image(*size, seed + k)
+        text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                     {"type": "text", "text": f"q{k}"}]}],
+                                       add_generation_prompt=True, tokenize=False)
+        ids = proc.prompt_ids(text, [img.size])
+        mm = proc.pixels([img]).without_images()
+        samples.append(Sample(prompt_ids=ids, response_ids=torch.randint(20, 250, (3 + k,), generator=g).tolist(),
+                              mm=mm))
+    for k in range(text_only):
+        samples.append(Sample(prompt_ids=tok("<user>hello<assistant>", add_special_tokens=False).input_ids,
+                              response_ids=torch.randint(20, 250, (4,), generator=g).tolist()))
+    return samples
+
+
+def alone_logprobs(model, s):
+    """The reference: the plain HF model on one sample, positions from its own get_rope_index."""
+    ids = torch.tensor([s.prompt_ids + s.response_ids])
+    kwargs = {}
+    if s.mm is not None:
+        mm_types = (ids == model.config.image_token_id).int()
+        pos, _ = model.model.get_rope_index(ids, mm_types, image_grid_thw=s.mm.image_grid_thw)
+        kwargs = dict(pixel_values=s.mm.pixel_values, image_grid_thw=s.mm.image_grid_thw, position_ids=pos,
+                      mm_token_type_ids=mm_types)
+    logits = model(input_ids=ids, **kwargs).logits[0].float()
+    p = len(s.prompt_ids)
+    return torch.log_softmax(logits, -1)[p - 1:-1].gather(-1, ids[0, p:, None]).squeeze(-1)
+
+
+def packed(model_dir):
+    model = AutoModelForImageTextToText.from_pretrained(
+        model_dir, attn_implementation={"text_config": PACKED_SDPA, "vision_config": "sdpa"})
+    adapter = get_adapter(model.config.model_type)
+
+    def positions(s):
+        return adapter.position_ids(model, torch.tensor(s.prompt_ids + s.response_ids),
+                                    None if s.mm is None else s.mm.image_grid_thw)
+    return PolicyModel(model, adapter=adapter), positions
+
+
+def run(policy, mb, chunk=5):
+    return policy(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len, chunk_size=chunk,
+                  **mb.extra)
+
+
+def test_packed_image_text_batch_equals_each_sample_alone(vl_model):
+    policy, positions = packed(vl_model)
+    alone = AutoModelForImageTextToText.from_pretrained(vl_model, attn_implementation="sdpa")
+    samples = vl_samples(vl_model)
+    grids = [tuple(s.mm.image_grid_thw[0].tolist()) for s in samples if s.mm is not None]
+    assert len(set(grids)) == 3  # three different image sizes
+    # Mixed order: a text-only sample between image-text ones.
+    order = [0, 3, 1, 2]
+    mb = build_micro_batch(samples, order, positions)
+    assert mb.position_ids.shape == (3, mb.input_ids.numel()) and mb.extra["image_grid_thw"].shape == (3, 3)
+    with torch.no_grad():
+        logp, _ = run(policy, mb)
+        for i, got in zip(order, mb.split(logp)):
+            torch.testing.assert_close(got, alone_logprobs(alone, samples[i]), rtol=1e-5, atol=1e-5)
+
+
+def test_controls_wrong_positions_or_a_shared_row_would_show(vl_model):
+    """The equality above is a real check: 1-D positions instead of the mrope rows, or one attention span
+    over the whole packed row, give clearly different logprobs."""
+    policy, positions = packed(vl_model)
+    alone = AutoModelForImageTextToText.from_pretrained(vl_model, attn_implementation="sdpa")
+    samples = vl_samples(vl_model)
+    mb = build_micro_batch(samples, [0, 3, 1, 2], positions)
+    one_d = dataclasses.replace(mb, position_ids=mb.position_ids[0])
+    leak = dataclasses.replace(mb, cu_seqlens=torch.tensor([0, mb.input_ids.numel()], dtype=torch.int32))
+    with torch.no_grad():
+        for wrong in (one_d, leak):
+            logp, _ = run(policy, wrong)
+            err = max((got - alone_logprobs(alone, samples[i])).abs().max().item()
+                      for i, got in zip([0, 3, 1, 2], wrong.split(logp)))
+            assert err > 1e-3
+
+
+def test_packed_image_text_gradients_equal_per_sample(vl_model):
+    policy, positions = packed(vl_model)
+    alone = AutoModelForImageTextToText.from_pretrained(vl_model, attn_implementation="sdpa")
+    samples = vl_samples(vl_model, seed=3)
+    mb = build_micro_batch(samples, range(len(samples)), positions)
+    logp, _ = run(policy, mb, chunk=4)
+    logp.sum().backward()
+    sum(alone_logprobs(alone, s).sum() for s in samples).backward()
+    ref = dict(alone.named_parameters())
+    for name, p in policy.hf.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_text_only_batch_still_runs_the_vision_tower(vl_model):
+    """ZeRO-3 lockstep: the tower runs (on a dummy image) and gets a zero gradient, so its hooks fire."""
+    policy, positions = packed(vl_model)
+    samples = vl_samples(vl_model, sizes=(), text_only=2)
+    mb = build_micro_batch(samples, [0, 1], positions)
+    assert not mb.extra
+    calls = []
+    handle = policy.hf.model.visual.register_forward_hook(lambda *a: calls.append(1))
+    logp, _ = run(policy, mb)
+    logp.sum().backward()
+    handle.remove()
+    assert calls == [1]
+    grads = [p.grad for p in policy.hf.model.visual.parameters()]
+    assert all(g is not None and torch.count_nonzero(g) == 0 for g in grads)
+    # and the text-only logprobs are those of the model without any image
+    alone = AutoModelForImageTextToText.from_pretrained(vl_model, attn_implementation="sdpa")
+    with torch.no_grad():
+        for s, got in zip(samples, mb.split(logp)):
+            torch.testing.assert_close(got, alone_logprobs(alone, s), rtol=1e-5, atol=1e-5)
