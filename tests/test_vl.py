@@ -121,7 +121,8 @@ def test_packed_image_text_gradients_equal_per_sample(vl_model):
     ref = dict(alone.named_parameters())
     for name, p in policy.hf.named_parameters():
         assert p.grad is not None, name
-        torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        # fp32 sums in another order; the larger init makes these gradients ~10x those of test_packed_logprobs
+        torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
 
 
 def test_text_only_batch_still_runs_the_vision_tower(vl_model):
