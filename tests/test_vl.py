@@ -1,11 +1,13 @@
 """Image-text samples: packed micro-batches with images equal each sample's own unpacked forward."""
 import dataclasses
+import json
 
 import pytest
 import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
+from conftest import REPO, run_ranks
 from data_tools.make_tiny_model import make_tiny_model
 from slime.data.batch import build_micro_batch
 from slime.data.sample import Sample
@@ -144,3 +146,20 @@ def test_text_only_batch_still_runs_the_vision_tower(vl_model):
     with torch.no_grad():
         for s, got in zip(samples, mb.split(logp)):
             torch.testing.assert_close(got, alone_logprobs(alone, s), rtol=1e-5, atol=1e-5)
+
+
+def test_two_rank_zero3_step_with_a_text_only_rank_matches_one_process(vl_model, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks([str(REPO / "tests/dist/vl_checks.py"), str(vl_model), str(out)], timeout=600)
+    result = json.loads((out / "result.json").read_text())
+    assert result["tower_calls"] == [2, 2]  # one vision-tower call per micro-batch on both ranks
+    alone = AutoModelForImageTextToText.from_pretrained(vl_model, attn_implementation="sdpa")
+    samples = vl_samples(vl_model, text_only=3)
+    n_tokens = sum(len(s.response_ids) for s in samples)
+    loss = -sum(alone_logprobs(alone, s).sum() for s in samples) / n_tokens
+    loss.backward()
+    assert result["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    grads = torch.load(out / "grads.pt")
+    for name, p in alone.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

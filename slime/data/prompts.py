@@ -21,7 +21,7 @@ from typing import Any
 
 from slime.config import DataConfig
 from slime.data.sample import Sample
-from slime.multimodal.images import ImageError, read_image
+from slime.multimodal.images import REASONS, ImageError, read_image
 from slime.multimodal.processor import MultimodalInputs, VLProcessor
 from slime.multimodal.schema import parse_row
 
@@ -246,9 +246,12 @@ class PromptSource:
         self.skipped_when_drawn += skipped
         return drawn
 
-    def skipped_metrics(self) -> dict[str, float]:
-        """`data/skipped_<reason>` counts of this rank: rows skipped at load, and prompts skipped when drawn."""
-        return {f"data/skipped_{k}": float(v) for k, v in (self.report.skipped + self.skipped_when_drawn).items()}
+    def skipped_metrics(self, reduce_sum) -> dict[str, float]:
+        """`data/skipped_<reason>`: rows skipped at load (every rank read the same file) plus prompts skipped
+        when drawn, summed over ranks by `reduce_sum` (a collective: call on every rank). Only reasons seen."""
+        drawn = reduce_sum([float(self.skipped_when_drawn[r]) for r in REASONS])
+        return {f"data/skipped_{r}": self.report.skipped[r] + d for r, d in zip(REASONS, drawn)
+                if self.report.skipped[r] + d}
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset}
@@ -274,5 +277,6 @@ def sft_samples(prompts: list[Prompt], tokenizer) -> list[Sample]:
         target = tokenizer(str(p.label), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         samples.append(Sample(prompt_ids=list(p.prompt_ids), response_ids=target, prompt_text=p.prompt_text,
                               response_text=str(p.label), label=p.label, metadata=dict(p.metadata),
-                              group_id=p.index, finish_reason="stop"))
+                              group_id=p.index, finish_reason="stop",
+                              mm=None if p.mm is None else p.mm.without_images()))
     return samples

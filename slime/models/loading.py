@@ -39,3 +39,12 @@ def load_model(cfg: ModelConfig, *, attn_implementation: str, dtype: torch.dtype
     model = adapter.load(cfg, attn_implementation=attn_implementation, dtype=dtype or resolve_dtype(cfg.dtype),
                          backbone_only=backbone_only)
     return model, adapter
+
+
+def load_processor(cfg: ModelConfig, tokenizer):
+    """The image-text processor of a multimodal model (None for a text model)."""
+    if not adapter_for(cfg).multimodal:
+        return None
+    from slime.multimodal.processor import VLProcessor
+
+    return VLProcessor(cfg.path, tokenizer, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)

@@ -33,8 +33,9 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 class RolloutEngine(Protocol):
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
-        """For each prompt, `params.n` generations."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 mm: list | None = None) -> list[list[Generation]]:
+        """For each prompt, `params.n` generations. `mm[i]`: prompt i's MultimodalInputs (image-text), or None."""
 
     def sleep(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None: ...
 

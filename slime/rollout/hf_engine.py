@@ -12,6 +12,7 @@ import torch
 from transformers import GenerationConfig
 
 from slime.models.loading import load_model, resolve_dtype
+from slime.multimodal.processor import MultimodalInputs
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -33,20 +34,35 @@ class HFEngine:
         return self._version
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 mm: list[MultimodalInputs | None] | None = None) -> list[list[Generation]]:
         out: list[list[Generation]] = []
         per_call = max(1, self.batch_size // params.n)
+        mm = mm or [None] * len(prompts)
         for i in range(0, len(prompts), per_call):
-            out.extend(self._generate_batch(prompts[i:i + per_call], params))
+            out.extend(self._generate_batch(prompts[i:i + per_call], params, mm[i:i + per_call]))
         return out
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams,
+                        mm: list[MultimodalInputs | None]) -> list[list[Generation]]:
+        extra, n_return = {}, params.n
+        if any(m is not None for m in mm):
+            # Image inputs follow their rows, so each prompt is repeated n times here rather than expanded
+            # by generate (which does not repeat pixel patches along with the rows).
+            prompts = [p for p in prompts for _ in range(params.n)]
+            mm = [m for m in mm for _ in range(params.n)]
+            images = [m for m in mm if m is not None]
+            extra = {"pixel_values": torch.cat([m.pixel_values for m in images]).to(self.device, self.model.dtype),
+                     "image_grid_thw": torch.cat([m.image_grid_thw for m in images]).to(self.device)}
+            n_return = 1
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, p in enumerate(prompts):  # left padding: generation continues from the right edge
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
+        if extra:
+            extra["mm_token_type_ids"] = (ids == self.model.config.image_token_id).int().to(self.device)
         stops = [] if params.ignore_eos else [self.eos_id, *params.stop_token_ids]
         greedy = params.temperature == 0
         # A fresh GenerationConfig: the model's own defaults (top_k=50, repetition penalty, ...)
@@ -54,10 +70,10 @@ class HFEngine:
         gen_cfg = GenerationConfig(
             do_sample=not greedy, temperature=None if greedy else params.temperature,
             top_p=None if greedy or params.top_p >= 1 else params.top_p, top_k=None,
-            max_new_tokens=params.max_new_tokens, num_return_sequences=params.n,
+            max_new_tokens=params.max_new_tokens, num_return_sequences=n_return,
             eos_token_id=stops or None, pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True)
         res = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                  generation_config=gen_cfg)
+                                  generation_config=gen_cfg, **extra)
         new = res.sequences[:, width:].cpu()  # (B*n, L)
         logits = torch.stack(res.logits, dim=1).float().cpu()  # (B*n, L, V) raw logits
         logps = torch.log_softmax(logits / (1.0 if greedy else params.temperature), dim=-1)
@@ -70,7 +86,7 @@ class HFEngine:
             reason = "stop" if end is not None else "length"
             end = end or len(toks)
             gens.append(Generation(toks[:end], token_logps[row, :end].tolist(), reason))
-        return [gens[k * params.n:(k + 1) * params.n] for k in range(len(prompts))]
+        return [gens[k:k + params.n] for k in range(0, len(gens), params.n)]  # n generations per prompt, in order
 
     def update_weights(self, buckets: Iterable[NamedTensors], version: int) -> None:
         """Load checkpoint-named tensors (as SGLang would) into the in-memory parameters."""

@@ -28,7 +28,8 @@ def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: Sampl
                      *, first_group_id: int, first_index: int = 0) -> list[Sample]:
     """Generate `params.n` responses per prompt and score them. Group ids start at first_group_id,
     sample indices (positions in the global batch, named in reward logs) at first_index."""
-    outputs = engine.generate([p.prompt_ids for p in prompts], params)
+    mm = [p.mm for p in prompts] if any(p.mm is not None for p in prompts) else None
+    outputs = engine.generate([p.prompt_ids for p in prompts], params, mm=mm)
     samples = []
     for g, (prompt, gens) in enumerate(zip(prompts, outputs)):
         for gen in gens:
@@ -37,7 +38,8 @@ def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: Sampl
                 rollout_logprobs=as_token_tensor(gen.logprobs), prompt_text=prompt.prompt_text,
                 response_text=tokenizer.decode(gen.response_ids, skip_special_tokens=True),
                 label=prompt.label, metadata=dict(prompt.metadata), group_id=first_group_id + g,
-                index=first_index + len(samples), finish_reason=gen.finish_reason))
+                index=first_index + len(samples), finish_reason=gen.finish_reason,
+                mm=None if prompt.mm is None else prompt.mm.without_images()))
     for sample, reward in zip(samples, reward_fn.score(samples)):
         sample.reward = float(reward)
     return samples

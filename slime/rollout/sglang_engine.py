@@ -31,6 +31,8 @@ from typing import Iterable
 import torch
 
 from slime.config import SGLangConfig
+from slime.multimodal.images import to_png_base64
+from slime.multimodal.processor import MultimodalInputs
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
 from slime.rollout.sglang_server import HOST, SGLangClient, SGLangServer, SGLangServerError
 from slime.rollout.sglang_weights import dtype_name, serialize_flat_bucket, split_by_dtype
@@ -155,13 +157,16 @@ class SGLangEngine:
     def weight_version(self) -> int:
         return self._version
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Generation]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 mm: list[MultimodalInputs | None] | None = None) -> list[list[Generation]]:
         self._aborting = False
         stops = [] if params.ignore_eos else sorted({t for t in (self.eos_id, *params.stop_token_ids) if t is not None})
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                     "top_p": params.top_p, "stop_token_ids": stops, "ignore_eos": params.ignore_eos, "n": 1}
+        images = [_image_data(m) for m in (mm or [None] * len(prompts))]
         start = time.monotonic()
-        jobs = [self._pool.submit(self._generate_one, list(p), sampling) for p in prompts for _ in range(params.n)]
+        jobs = [self._pool.submit(self._generate_one, list(p), sampling, data)
+                for p, data in zip(prompts, images) for _ in range(params.n)]
         try:
             flat = [job.result() for job in jobs]
         except BaseException:
@@ -174,18 +179,27 @@ class SGLangEngine:
         self.events.append(("generate", len(flat)))
         return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
-    def _generate_one(self, prompt: list[int], sampling: dict) -> Generation:
+    def _generate_one(self, prompt: list[int], sampling: dict, image_data: list[str] | None = None) -> Generation:
         if self._aborting:
             return Generation([], [], "abort")
         rid = f"slime-r{self.dims.rank}-{next(self._rid)}"
+        body = {"rid": rid, "input_ids": prompt, "sampling_params": sampling, "return_logprob": True}
+        if image_data:
+            body["image_data"] = image_data
         with self._lock:
             self._inflight[rid] = self.client
         try:
-            out = self.client.post("/generate", {"rid": rid, "input_ids": prompt, "sampling_params": sampling,
-                                                 "return_logprob": True})
+            out = self.client.post("/generate", body)
         finally:
             with self._lock:
                 self._inflight.pop(rid, None)
+        served = out["meta_info"].get("prompt_tokens")
+        if image_data and served is not None and served != len(prompt):
+            # SGLang re-runs the image processor on image_data; other sizes would shift every position.
+            raise SGLangServerError(
+                f"{self.client.url} expanded request {rid} (a prompt of {len(prompt)} tokens with {len(image_data)} "
+                f"image(s)) to {served} prompt tokens: its image processor sizes the images differently. Use the "
+                "same model.min_pixels / model.max_pixels as the server's preprocessor_config.json")
         ids = list(out["output_ids"])
         logprobs = [lp for lp, _tok, _text in out["meta_info"]["output_token_logprobs"]]
         if len(logprobs) != len(ids):
@@ -364,6 +378,15 @@ class SGLangEngine:
             client.close()
         self._kill_servers()
         self._servers = []
+
+
+def _image_data(mm: MultimodalInputs | None) -> list[str] | None:
+    """A prompt's images as PNG data URIs, at the size our processor gave them (so SGLang's keeps it)."""
+    if mm is None:
+        return None
+    if mm.images is None:
+        raise ValueError("image-text prompt without its images: SGLang needs them (MultimodalInputs.images)")
+    return [f"data:image/png;base64,{to_png_base64(img)}" for img in mm.images]
 
 
 def _attempt(fn, *args) -> Exception | None:

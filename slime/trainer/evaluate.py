@@ -5,18 +5,19 @@ import dataclasses
 import time
 
 from slime.config import Config
-from slime.data.prompts import Prompt, load_prompts
+from slime.data.prompts import Prompt, load_prompts, with_pixels
 from slime.distributed.parallel_dims import ParallelDims
 from slime.rollout.engine import SamplingParams
 from slime.rollout.rollout import generate_rollout
 
 
-def load_eval_prompts(cfg: Config, tokenizer, dims: ParallelDims) -> list[Prompt]:
-    """This rank's slice of the eval file (the first eval.max_prompts prompts, split over dp)."""
-    prompts, _ = load_prompts(cfg.data, tokenizer, path=cfg.eval.path)
+def load_eval_prompts(cfg: Config, tokenizer, dims: ParallelDims, processor=None) -> list[Prompt]:
+    """This rank's slice of the eval file (the first eval.max_prompts prompts, split over dp), with pixels."""
+    prompts, _ = load_prompts(cfg.data, tokenizer, path=cfg.eval.path, processor=processor)
     if cfg.eval.max_prompts:
         prompts = prompts[:cfg.eval.max_prompts]
-    return prompts[dims.dp_rank::dims.dp]
+    mine, _ = with_pixels(prompts[dims.dp_rank::dims.dp], cfg.data, processor, cfg.eval.path)
+    return mine
 
 
 def evaluate(engine, prompts: list[Prompt], cfg: Config, tokenizer, reward_fn, dims: ParallelDims) -> dict:

@@ -16,7 +16,7 @@ import torch
 from slime.config import Config
 from slime.data.prompts import PromptSource, sft_samples
 from slime.distributed.parallel_dims import ParallelDims
-from slime.models.loading import load_tokenizer
+from slime.models.loading import load_processor, load_tokenizer
 from slime.rollout.engine import make_engine
 from slime.rollout.rewards import make_reward_fn
 from slime.rollout.rollout import collect_rollout
@@ -80,9 +80,10 @@ def run(cfg: Config) -> dict:
     run_dir, sft = Path(cfg.log.run_dir), cfg.algo.policy_loss == "sft"
     ckpt_dir = run_dir / "checkpoints"
     tokenizer = load_tokenizer(cfg.model)
+    processor = load_processor(cfg.model, tokenizer)  # image-text models only
     data = PromptSource(cfg.data, tokenizer, batch_size=cfg.rollout.batch_size, dp_rank=dims.dp_rank,
-                        dp_size=dims.dp, seed=cfg.train.seed)
-    eval_prompts = load_eval_prompts(cfg, tokenizer, dims) if cfg.eval.path else None
+                        dp_size=dims.dp, seed=cfg.train.seed, processor=processor)
+    eval_prompts = load_eval_prompts(cfg, tokenizer, dims, processor) if cfg.eval.path else None
     # A colocated engine starts before the trainer and releases its memory at once, so the trainer's
     # states and the engine's cache are never on the GPU together (the trainer offloads around rollout).
     engine = make_engine(cfg.rollout, cfg.model, tokenizer, dims, run_dir=str(run_dir)) \
@@ -152,6 +153,7 @@ def run(cfg: Config) -> dict:
                 actor.offload(params=False)  # the gather below still needs the ZeRO-3 partitions
             metrics.update(sync_weights(actor, engine, version=done, bucket_mb=bucket_mb))
             metrics.update(engine.metrics())
+        metrics.update(data.skipped_metrics(dims.all_reduce_sum))
         metrics.update({"time/train": t_train, "time/step": time.time() - t0})
         if "train/tokens" in metrics:
             metrics["perf/train_tokens_per_s"] = metrics["train/real_tokens"] / t_train
