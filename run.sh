@@ -18,9 +18,15 @@ fi
 if grep -q "data/arith-chat/" "$config" && [[ ! -f data/arith-chat/train.jsonl ]]; then
   python data_tools/make_arithmetic.py --out-dir data/arith-chat --n-train 2000 --n-eval 200 --seed 0 --format chat
 fi
+if grep -q "data/tiny-vl/" "$config" && [[ ! -f data/tiny-vl/train.jsonl ]]; then
+  python data_tools/make_vl_task.py --out-dir data/tiny-vl --n-train 3000 --n-eval 300 --seed 0
+fi
 # The shipped tiny-arith model (assets/) is rebuilt only if it was deleted (a few minutes).
 if grep -qE "assets/tiny-arith([^-]|$)" "$config" && [[ ! -f assets/tiny-arith/config.json ]]; then
   python data_tools/build_tiny_arith.py
+fi
+if grep -qE "assets/tiny-vl([^-]|$)" "$config" && [[ ! -f assets/tiny-vl/config.json ]]; then
+  python data_tools/build_tiny_vl.py
 fi
 # A GGUF model is turned into an HF directory once; later runs reuse it.
 if grep -q "data/smollm2-135m-hf" "$config" && [[ ! -f data/smollm2-135m-hf/config.json ]]; then

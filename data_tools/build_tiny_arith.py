@@ -42,9 +42,10 @@ def write_data(out_dir: Path) -> None:
     write_jsonl(evals, out_dir / "eval.jsonl")
 
 
-def run_sft(*, init: Path, data_dir: Path, run_dir: Path, nproc: int, overrides: list[str]) -> None:
+def run_sft(*, init: Path, data_dir: Path, run_dir: Path, nproc: int, overrides: list[str],
+            config: str = "examples/tiny_arith_sft.yaml") -> None:
     """The SFT job through the real launcher and trainer, as `bash run.sh` would start it."""
-    cmd = ["deepspeed", "--num_gpus", str(nproc), "run.py", "--config", "examples/tiny_arith_sft.yaml",
+    cmd = ["deepspeed", "--num_gpus", str(nproc), "run.py", "--config", config,
            f"model.path={init}", f"data.path={data_dir / 'train.jsonl'}", f"eval.path={data_dir / 'eval.jsonl'}",
            f"log.run_dir={run_dir}", "checkpoint.resume=false", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

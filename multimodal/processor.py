@@ -23,6 +23,8 @@ class MultimodalInputs:
     """The image inputs of one prompt, travelling with its samples (never all-gathered)."""
     pixel_values: torch.Tensor  # (patches, channels * temporal_patch * patch * patch)
     image_grid_thw: torch.Tensor  # (images, 3) long: temporal, height, width in patches
+    token_id: int = -1
+    """The image placeholder token; the prompt's occurrences of it (never a generated one) take the features."""
     images: list[Image.Image] | None = None
     """The images at their processed size, for engines that run the processor themselves (SGLang)."""
 
@@ -79,4 +81,4 @@ class VLProcessor:
         out = self.image_processor(images=images, return_tensors="pt")
         resized = [img.resize(self.processed_size(*img.size), Image.BICUBIC) for img in images]
         return MultimodalInputs(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"].long(),
-                                images=resized)
+                                token_id=self.image_token_id, images=resized)

@@ -1,5 +1,6 @@
 """Image-text samples: packed micro-batches with images equal each sample's own unpacked forward."""
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -15,6 +16,7 @@ from slime.models.adapters import get_adapter
 from slime.models.attention import PACKED_SDPA
 from slime.models.policy import PolicyModel
 from slime.multimodal.processor import VLProcessor
+from slime.trainer.policy_engine import sample_positions
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
@@ -68,10 +70,7 @@ def packed(model_dir):
         model_dir, attn_implementation={"text_config": PACKED_SDPA, "vision_config": "sdpa"})
     adapter = get_adapter(model.config.model_type)
 
-    def positions(s):
-        return adapter.position_ids(model, torch.tensor(s.prompt_ids + s.response_ids),
-                                    None if s.mm is None else s.mm.image_grid_thw)
-    return PolicyModel(model, adapter=adapter), positions
+    return PolicyModel(model, adapter=adapter), functools.partial(sample_positions, adapter, model)
 
 
 def run(policy, mb, chunk=5):
@@ -163,3 +162,17 @@ def test_two_rank_zero3_step_with_a_text_only_rank_matches_one_process(vl_model,
     grads = torch.load(out / "grads.pt")
     for name, p in alone.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_generated_image_placeholder_is_text(vl_model):
+    """A response may contain the image placeholder token (a policy can sample it): it is an ordinary token,
+    takes no image feature, and changes nothing before it."""
+    policy, positions = packed(vl_model)
+    s = vl_samples(vl_model, sizes=((60, 50),), text_only=0)[0]
+    with_pad = dataclasses.replace(s, response_ids=s.response_ids[:2] + [s.mm.token_id] + s.response_ids[2:])
+    mb = build_micro_batch([s, with_pad], [0, 1], positions)
+    assert int(mb.extra["image_mask"].sum()) == 2 * s.prompt_ids.count(s.mm.token_id)
+    with torch.no_grad():
+        a, b = mb.split(run(policy, mb)[0])
+    torch.testing.assert_close(a[:2], b[:2], rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(b).all()

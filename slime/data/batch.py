@@ -100,8 +100,13 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positio
         if all(v is not None for v in values):
             fields[name] = torch.cat(values).float()
     images = [s.mm for s in rows if s.mm is not None]
-    extra = {"pixel_values": torch.cat([m.pixel_values for m in images]),
-             "image_grid_thw": torch.cat([m.image_grid_thw for m in images])} if images else {}
+    extra = {}
+    if images:  # image features go to the PROMPT's placeholders; a generated placeholder token is just text
+        mask = [torch.cat([torch.tensor(s.prompt_ids) == s.mm.token_id if s.mm is not None
+                           else torch.zeros(len(s.prompt_ids), dtype=torch.bool),
+                           torch.zeros(len(s.response_ids), dtype=torch.bool)]) for s in rows]
+        extra = {"pixel_values": torch.cat([m.pixel_values for m in images]),
+                 "image_grid_thw": torch.cat([m.image_grid_thw for m in images]), "image_mask": torch.cat(mask)}
     return MicroBatch(
         input_ids=torch.tensor(input_ids, dtype=torch.long),
         position_ids=torch.cat(position_ids, dim=-1).long(),
@@ -125,12 +130,16 @@ def build_padded_micro_batch(samples: Sequence[Sample], indices: Sequence[int], 
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     # Padding continues each row's positions (causal attention never lets a real token see it).
     pos = torch.zeros(*packed.position_ids.shape[:-1], len(rows), width, dtype=torch.long)
+    image_mask = torch.zeros(len(rows), width, dtype=torch.bool)
     pred, starts = [], packed.cu_seqlens.tolist()
     for row, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
         ids[row, :end - start] = packed.input_ids[start:end]
         pos[..., row, :end - start] = packed.position_ids[..., start:end]
         pos[..., row, end - start:] = packed.position_ids[..., end - 1:end] + torch.arange(1, width - (end - start) + 1)
+        if "image_mask" in packed.extra:
+            image_mask[row, :end - start] = packed.extra["image_mask"][start:end]
         first = row * width + len(rows[row].prompt_ids) - 1
         pred.extend(range(first, first + len(rows[row].response_ids)))
-    return dataclasses.replace(packed, input_ids=ids, position_ids=pos, cu_seqlens=None,
+    extra = {**packed.extra, "image_mask": image_mask} if packed.extra else {}
+    return dataclasses.replace(packed, input_ids=ids, position_ids=pos, cu_seqlens=None, extra=extra,
                                pred_index=torch.tensor(pred, dtype=torch.long))

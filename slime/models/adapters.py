@@ -61,17 +61,16 @@ class ModelAdapter:
 
     # -- inputs -------------------------------------------------------------------------------------
 
-    def position_ids(self, model: PreTrainedModel, input_ids: torch.Tensor,
-                     image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+    def position_ids(self, model: PreTrainedModel, input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None = None,
+                     image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Positions of one sample's tokens (L,): (L,) for 1-D rope; (3, L) temporal/height/width rows
-        for mrope, from the model's own `get_rope_index` (text tokens get three equal rows)."""
+        for mrope, from the model's own `get_rope_index` (text tokens get three equal rows). `image_mask`
+        (L,) marks the tokens that hold image features (the prompt's placeholders)."""
         if self.positions == "1d":
             return torch.arange(input_ids.numel())
         if image_grid_thw is None:
             return torch.arange(input_ids.numel()).expand(3, -1).clone()
-        ids = input_ids[None]
-        image_token = model.config.image_token_id
-        pos, _ = model.base_model.get_rope_index(ids, (ids == image_token).int(), image_grid_thw=image_grid_thw)
+        pos, _ = model.base_model.get_rope_index(input_ids[None], image_mask[None].int(), image_grid_thw=image_grid_thw)
         return pos[:, 0]
 
     def patch_cost(self, config) -> float:
@@ -109,7 +108,7 @@ class ModelAdapter:
         images = extra if extra else self.dummy_image_inputs(model, input_ids.device)
         feats = torch.cat(base.get_image_features(images["pixel_values"], images["image_grid_thw"]).pooler_output)
         if extra:
-            mask = (input_ids == model.config.image_token_id)[..., None].expand_as(embeds)
+            mask = extra["image_mask"].reshape(input_ids.shape)[..., None].expand_as(embeds)
             if int(mask[..., 0].sum()) != feats.shape[0]:
                 raise ValueError(f"{int(mask[..., 0].sum())} image tokens in the batch but {feats.shape[0]} image "
                                  "features from its pixels")

@@ -167,7 +167,8 @@ def run(cfg: Config) -> dict:
             if critic is not None:
                 critic.engine.save_checkpoint(str(ckpt_dir / "critic"), tag=f"step_{done}")
     if cfg.checkpoint.export_hf and start_step < cfg.train.num_steps:
-        actor.export_hf(str(run_dir / "hf"), tokenizer, bucket_mb=bucket_mb)
+        savers = [tokenizer] + ([processor.image_processor] if processor is not None else [])
+        actor.export_hf(str(run_dir / "hf"), *savers, bucket_mb=bucket_mb)
     log.close()
     if dims.is_main and (run_dir / "metrics.jsonl").is_file():
         plot = plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")

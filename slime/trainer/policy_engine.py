@@ -13,6 +13,7 @@ how samples were split over ranks and micro-batches.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from typing import Callable, Literal
@@ -21,6 +22,7 @@ import torch
 
 from slime.config import Config, ModelConfig, TrainConfig
 from slime.data.batch import MicroBatch
+from slime.data.sample import Sample
 from slime.distributed.parallel_dims import ParallelDims
 from slime.distributed.parallelize import parallelize
 from slime.models.attention import resolve_attn_implementation
@@ -51,6 +53,16 @@ def lr_lambda(train: TrainConfig, total_steps: int):
     return fn
 
 
+def sample_positions(adapter, model, s: Sample) -> torch.Tensor:
+    """Position ids of a sample's prompt + response; image features sit on the prompt's placeholders only."""
+    ids = torch.tensor(s.prompt_ids + s.response_ids)
+    if s.mm is None:
+        return adapter.position_ids(model, ids)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[:len(s.prompt_ids)] = ids[:len(s.prompt_ids)] == s.mm.token_id
+    return adapter.position_ids(model, ids, s.mm.image_grid_thw, mask)
+
+
 class PolicyEngine:
     def __init__(self, role: Role, *, model: ModelConfig, train: TrainConfig, dims: ParallelDims,
                  temperature: float = 1.0, lr: float | None = None, offload_params: bool = False):
@@ -68,8 +80,7 @@ class PolicyEngine:
                                   offload_params=offload_params)
         terms = dict(hidden_size=hf.config.get_text_config().hidden_size, patch_cost=self.adapter.patch_cost(hf.config))
         if self.adapter.positions != "1d":  # get_rope_index reads only the config: fine on the sharded model
-            terms["positions"] = lambda s: self.adapter.position_ids(
-                hf, torch.tensor(s.prompt_ids + s.response_ids), None if s.mm is None else s.mm.image_grid_thw)
+            terms["positions"] = functools.partial(sample_positions, self.adapter, hf)
         self.train_layout, self.nograd_layout = Layout.for_training(train, **terms), Layout.for_nograd(train, **terms)
 
     # Builders from the run config: which sub-configs each role reads.

@@ -1,0 +1,156 @@
+"""Image-text rows: both schemas, every kind of bad input skipped with file:line and counted, the limit."""
+import base64
+import io
+import json
+import logging
+
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoTokenizer
+
+from data_tools.make_tiny_model import make_tiny_model
+from slime.config import DataConfig
+from slime.data.prompts import PromptSource, load_prompts
+from slime.multimodal.processor import VLProcessor
+from slime.utils.net import free_port
+
+Q = "What colour?"
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("vl") / "m", arch="qwen2_vl", seed=0)
+    tok = AutoTokenizer.from_pretrained(path)
+    return path, tok, VLProcessor(str(path), tok)
+
+
+def png(path, size=(60, 50), colour=(200, 30, 30), mode="RGB"):
+    Image.new(mode, size, colour if mode == "RGB" else 7).save(path)
+    return path.name
+
+
+def rows_file(tmp_path, rows):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_both_schemas_give_the_same_prompt(tmp_path, vl):
+    _, tok, proc = vl
+    name = png(tmp_path / "a.png")
+    flat = {"prompt": f"<image>{Q}", "images": [name], "label": "red"}
+    chat = {"messages": [{"role": "user", "content": [{"type": "image", "image": name}, {"type": "text", "text": Q}]}],
+            "label": "red"}
+    data_uri = "data:image/png;base64," + base64.b64encode((tmp_path / name).read_bytes()).decode()
+    uri = {"messages": [{"role": "user", "content": [{"type": "image", "image": data_uri},
+                                                     {"type": "text", "text": Q}]}], "label": "red"}
+    file_url = {"prompt": f"<image>{Q}", "images": [f"file://{tmp_path / name}"], "label": "red"}
+    prompts, report = load_prompts(DataConfig(path=str(rows_file(tmp_path, [flat, chat, uri, file_url]))), tok,
+                                   processor=proc)
+    assert not report.skipped and len(prompts) == 4
+    assert all(p.prompt_ids == prompts[0].prompt_ids for p in prompts)
+    n_tokens = proc.image_tokens(60, 50)
+    assert prompts[0].prompt_ids.count(proc.image_token_id) == n_tokens == 4  # 56x56 after resizing: 2x2 tokens
+    assert tok.decode(prompts[0].prompt_ids).startswith("<user><|vision_start|><|image_pad|>")
+
+
+def test_pixels_are_made_when_drawn_and_match_the_prompt(tmp_path, vl):
+    _, tok, proc = vl
+    rows = [{"prompt": f"<image>{Q} {k}", "images": [png(tmp_path / f"{k}.png", size=(30 + 20 * k, 40))],
+             "label": "red"} for k in range(4)]
+    source = PromptSource(DataConfig(path=str(rows_file(tmp_path, rows)), shuffle=False), tok, batch_size=4,
+                          dp_rank=0, dp_size=1, seed=0, processor=proc)
+    assert all(p.mm is None for p in source.prompts)  # no pixels held for the whole file
+    drawn = source.next_batch()
+    for p in drawn:
+        tokens = int((p.mm.image_grid_thw.prod(-1) // 4).sum())
+        assert tokens == p.prompt_ids.count(proc.image_token_id)
+        assert p.mm.pixel_values.shape[0] == int(p.mm.image_grid_thw.prod(-1).sum())
+        w, h = p.mm.images[0].size  # the size SGLang is given keeps its processor from resizing again
+        assert proc.processed_size(w, h) == (w, h)
+
+
+def test_exif_orientation_is_applied(tmp_path, vl):
+    from slime.multimodal.images import read_image
+
+    img = Image.new("RGB", (40, 20), (0, 0, 255))
+    exif = img.getexif()
+    exif[0x0112] = 6  # rotate 90 degrees on display
+    img.save(tmp_path / "r.jpg", exif=exif.tobytes())
+    assert read_image("r.jpg", tmp_path, max_pixels=10**6).size == (20, 40)
+
+
+class _Refusing:
+    """A loopback address with nothing listening: fetching from it fails at once."""
+    url = f"http://127.0.0.1:{free_port()}/img.png"
+
+
+def test_every_bad_input_is_skipped_named_and_counted(tmp_path, vl, caplog):
+    _, tok, proc = vl
+    good = png(tmp_path / "good.png")
+    (tmp_path / "trunc.png").write_bytes((tmp_path / good).read_bytes()[:60])
+    (tmp_path / "junk.png").write_bytes(b"not an image at all")
+    Image.new("I;16", (30, 30)).save(tmp_path / "deep.png")
+    png(tmp_path / "big.png", size=(400, 400))
+    rows = [
+        {"prompt": f"<image>{Q}", "images": [good], "label": "red"},                       # line 1: fine
+        {"prompt": f"<image>{Q}", "images": ["nowhere.png"], "label": "red"},              # 2 missing
+        {"prompt": f"<image>{Q}", "images": ["trunc.png"], "label": "red"},                # 3 truncated
+        {"prompt": f"<image>{Q}", "images": ["junk.png"], "label": "red"},                 # 4 not an image
+        {"prompt": f"<image>{Q}", "images": ["deep.png"], "label": "red"},                 # 5 16-bit mode
+        {"prompt": f"<image><image>{Q}", "images": [good], "label": "red"},                # 6 2 placeholders, 1 image
+        {"prompt": f"<image>{Q}", "images": [_Refusing.url], "label": "red"},              # 7 fetch fails
+        {"prompt": f"<image>{Q}", "images": ["big.png"], "label": "red"},                  # 8 over max_image_pixels
+        {"prompt": Q, "label": "red"},                                                     # 9 text-only: fine
+    ]
+    path = rows_file(tmp_path, rows)
+    cfg = DataConfig(path=str(path), max_image_pixels=300 * 300, max_skipped_frac=1.0)
+    with caplog.at_level(logging.WARNING):
+        prompts, report = load_prompts(cfg, tok, processor=proc)
+    assert [p.index for p in prompts] == [0, 8]
+    assert dict(report.skipped) == {"missing_image": 1, "corrupt_image": 2, "unsupported_mode": 1,
+                                    "placeholder_mismatch": 1, "fetch_failed": 1, "too_large": 1}
+    for line, reason in ((2, "missing_image"), (3, "corrupt_image"), (4, "corrupt_image"), (5, "unsupported_mode"),
+                         (6, "placeholder_mismatch"), (7, "fetch_failed"), (8, "too_large")):
+        assert f"d.jsonl:{line}: skipped ({reason})" in caplog.text, (line, reason)
+    with pytest.raises(ValueError, match=r"7 of 9 rows are bad .* data.max_skipped_frac=0.5"):
+        load_prompts(DataConfig(path=str(path), max_image_pixels=300 * 300, max_skipped_frac=0.5), tok,
+                     processor=proc)
+
+
+def test_a_decompression_bomb_is_refused_before_decoding(tmp_path, vl):
+    from slime.multimodal.images import ImageError, read_image
+
+    Image.new("L", (3000, 3000)).save(tmp_path / "bomb.png")  # 9 Mpx of zeros: a few KB on disk
+    assert (tmp_path / "bomb.png").stat().st_size < 100_000
+    with pytest.raises(ImageError) as e:
+        read_image("bomb.png", tmp_path, max_pixels=1_000_000)
+    assert e.value.reason == "too_large" and "3000x3000" in str(e.value)
+
+
+def test_image_rows_need_an_image_text_model(tmp_path, tiny_model):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    png(tmp_path / "a.png")
+    path = rows_file(tmp_path, [{"prompt": f"<image>{Q}", "images": ["a.png"], "label": "x"}])
+    with pytest.raises(ValueError, match=r"d.jsonl:1: the row has images but model.path is a text-only model"):
+        load_prompts(DataConfig(path=str(path)), tok)
+
+
+def test_parquet_with_an_image_feature(tmp_path, vl):
+    import datasets
+
+    _, tok, proc = vl
+    buf = io.BytesIO()
+    Image.new("RGB", (60, 50), (10, 200, 10)).save(buf, format="PNG")
+    ds = datasets.Dataset.from_dict({"prompt": [f"<image>{Q}"], "images": [[{"bytes": buf.getvalue(), "path": None}]],
+                                     "label": ["green"]},
+                                    features=datasets.Features({"prompt": datasets.Value("string"),
+                                                                "images": [datasets.Image()],
+                                                                "label": datasets.Value("string")}))
+    ds.to_parquet(tmp_path / "d.parquet")
+    prompts, report = load_prompts(DataConfig(path=str(tmp_path / "d.parquet")), tok, processor=proc)
+    assert not report.skipped and prompts[0].prompt_ids.count(proc.image_token_id) == 4
+    source = PromptSource(DataConfig(path=str(tmp_path / "d.parquet")), tok, batch_size=1, dp_rank=0, dp_size=1,
+                          seed=0, processor=proc)
+    assert torch.isfinite(source.next_batch()[0].mm.pixel_values).all()
