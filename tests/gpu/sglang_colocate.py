@@ -34,7 +34,7 @@ from slime.rollout.sglang_server import SGLangServer, free_port  # noqa: E402
 
 
 class OneRank:
-    world_size, rank, local_rank, is_main = 1, 0, 0, True
+    world_size, rank, local_rank, is_main, world_group = 1, 0, 0, True, None
 
     def all_gather_objects(self, obj, group=None):
         return [obj]
