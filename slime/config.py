@@ -238,8 +238,10 @@ class ParallelConfig:
     ep: int = field(1, "Expert-parallel size for MoE models (1 = off).")
 
     def __post_init__(self):
-        if self.sp != 1 or self.ep != 1:
-            raise ValueError("parallel.sp and parallel.ep > 1 are not implemented yet; set them to 1")
+        if self.sp < 1 or self.ep < 1:
+            raise ValueError("parallel.sp and parallel.ep must be >= 1")
+        if self.ep != 1:
+            raise ValueError("parallel.ep > 1 is not implemented yet; set it to 1")
 
 
 @dataclasses.dataclass
@@ -276,6 +278,8 @@ class Config:
             raise ValueError("model.path is required: an HF model directory (e.g. model.path=assets/tiny-arith)")
         if not self.data.path:
             raise ValueError("data.path is required: a .jsonl or .parquet prompt file")
+        if self.parallel.sp > 1 and not self.train.packing:
+            raise ValueError("parallel.sp > 1 cuts packed rows into shards: it needs train.packing=true")
         if self.algo.policy_loss != "sft" and self.algo.advantage_estimator in ("grpo", "dr_grpo", "rloo") \
                 and self.rollout.n_samples_per_prompt < 2:
             raise ValueError(f"algo.advantage_estimator={self.algo.advantage_estimator} needs "

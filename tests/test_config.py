@@ -35,7 +35,8 @@ def test_int_is_accepted_for_float():
     ("rollout.n_samples_per_prompt=1", ["n_samples_per_prompt >= 2"]),
     ("rollout.top_p=0", ["rollout.top_p"]),
     ("train.max_tokens_per_gpu=0", ["train.max_tokens_per_gpu"]),
-    ("parallel.sp=2", ["parallel.sp"]),
+    ("parallel.sp=0", ["parallel.sp"]),
+    ("parallel.ep=2", ["parallel.ep"]),
     ("train=3", ["train must be a mapping"]),
 ])
 def test_bad_config_names_key(override, words):
@@ -43,6 +44,12 @@ def test_bad_config_names_key(override, words):
         load_config(None, BASE + [override])
     for word in words:
         assert word in str(err.value)
+
+
+def test_sequence_parallel_needs_packing():
+    with pytest.raises(ValueError, match="parallel.sp > 1 .* train.packing=true"):
+        load_config(None, BASE + ["parallel.sp=2", "train.packing=false"])
+    assert load_config(None, BASE + ["parallel.sp=2"]).parallel.sp == 2
 
 
 def test_missing_required_paths():

@@ -243,3 +243,17 @@ def test_packed_stats_by_hand():
     assert stats["real_token_fraction"] == 1.0
     assert stats["budget_fill"] == pytest.approx(0.5)
     assert stats["compute_imbalance"] == pytest.approx(1.0)
+
+
+def test_extra_cost_counts_in_the_balance():
+    """Image patches cost vision-tower work the length does not show: four equal-length samples, two of them
+    with heavy extra cost, split one heavy + one light per rank, not both heavy on one rank."""
+    lengths = [100, 100, 100, 100]
+    plain = plan_micro_batches(lengths, max_tokens=1000, dp_size=2, owners=[0, 0, 1, 1])
+    assert sorted(i for mb in plain[0] for i in mb) == [0, 1]  # balanced already: nothing moves
+    heavy = plan_micro_batches(lengths, max_tokens=1000, dp_size=2, owners=[0, 0, 1, 1],
+                               extra_cost=[5e6, 5e6, 0.0, 0.0])
+    ranks = [{i for mb in rank for i in mb} for rank in heavy]
+    assert all(len(r & {0, 1}) == 1 for r in ranks), heavy
+    with pytest.raises(ValueError, match="extra_cost"):
+        plan_micro_batches(lengths, max_tokens=1000, dp_size=2, extra_cost=[1.0])

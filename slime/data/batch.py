@@ -74,8 +74,10 @@ Positions = Callable[[Sample], torch.Tensor]
 """A sample's position ids over its prompt + response: (L,), or (rows, L) for multimodal rope."""
 
 
-def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positions: Positions | None = None
-                      ) -> MicroBatch:
+def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positions: Positions | None = None,
+                      pad_to: int = 1) -> MicroBatch:
+    """`pad_to` (sequence parallel: sp): the row is padded to a multiple of it by a pad segment that is its
+    own document (own cu_seqlens entry, positions from 0, nothing scored), so it can be cut into equal shards."""
     rows = [samples[i] for i in indices] or [_DUMMY]
     input_ids, position_ids, cu, pred, seq, resp_lens = [], [], [0], [], [], []
     for s_pos, s in enumerate(rows):
@@ -99,12 +101,19 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positio
         values = [getattr(s, name) for s in rows]
         if all(v is not None for v in values):
             fields[name] = torch.cat(values).float()
+    pad = -cu[-1] % pad_to
+    if pad:
+        input_ids.extend([0] * pad)
+        rope_rows = position_ids[0].shape[:-1]
+        position_ids.append(torch.arange(pad).expand(*rope_rows, pad))
+        cu.append(cu[-1] + pad)
     images = [s.mm for s in rows if s.mm is not None]
     extra = {}
     if images:  # image features go to the PROMPT's placeholders; a generated placeholder token is just text
         mask = [torch.cat([torch.tensor(s.prompt_ids) == s.mm.token_id if s.mm is not None
                            else torch.zeros(len(s.prompt_ids), dtype=torch.bool),
                            torch.zeros(len(s.response_ids), dtype=torch.bool)]) for s in rows]
+        mask.append(torch.zeros(pad, dtype=torch.bool))
         extra = {"pixel_values": torch.cat([m.pixel_values for m in images]),
                  "image_grid_thw": torch.cat([m.image_grid_thw for m in images]), "image_mask": torch.cat(mask)}
     return MicroBatch(

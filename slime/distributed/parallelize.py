@@ -17,9 +17,13 @@ from slime.distributed.parallel_dims import ParallelDims
 
 
 def layout_settings(dims: ParallelDims) -> dict:
-    """DeepSpeed config fields implied by the parallel sizes (empty while sp = ep = 1)."""
-    if dims.sp > 1 or dims.ep > 1:
-        raise NotImplementedError("sequence and expert parallelism are not wired into the DeepSpeed engine yet")
+    """DeepSpeed config fields implied by the parallel sizes.
+
+    Sequence parallelism needs none: ZeRO-3 shards over every rank and averages gradients over the whole
+    world (no mpu), and PolicyEngine scales each rank's loss share by the world size, so the sp peers'
+    shard gradients add up (tested against sp=1, not assumed)."""
+    if dims.ep > 1:
+        raise NotImplementedError("expert parallelism is not wired into the DeepSpeed engine yet")
     return {}
 
 

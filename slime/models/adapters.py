@@ -92,17 +92,21 @@ class ModelAdapter:
                 "image_grid_thw": torch.tensor([[1, merge, merge]], device=device)}
 
     def hidden_states(self, model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                      extra: dict[str, torch.Tensor], **attention_kwargs) -> torch.Tensor:
-        """The backbone's last hidden states (B, T, H) of a (packed or padded) batch.
+                      extra: dict[str, torch.Tensor], shard: tuple[int, int] | None = None,
+                      **attention_kwargs) -> torch.Tensor:
+        """The backbone's last hidden states (B, T, H) of a (packed or padded) batch, or (B, end - start, H)
+        of the tokens [start, end) when `shard` is given (sequence parallel: the attention function then
+        sees the whole row). Image features are merged into the embeddings before the cut.
 
         Image-text models run the vision tower on EVERY call, on a dummy image when the batch has none
         (its features then enter the graph times zero), so every rank calls every module equally often.
         """
         base = model.base_model
+        cut = slice(*shard) if shard is not None else slice(None)
         if not self.multimodal:
             if extra:
                 raise ValueError(f"the {self.family} adapter takes no extra inputs, got {sorted(extra)}")
-            return base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+            return base(input_ids=input_ids[..., cut], position_ids=position_ids[..., cut], use_cache=False,
                         **attention_kwargs).last_hidden_state
         embeds = base.get_input_embeddings()(input_ids)  # (B, T, H)
         images = extra if extra else self.dummy_image_inputs(model, input_ids.device)
@@ -115,7 +119,7 @@ class ModelAdapter:
             embeds = embeds.masked_scatter(mask, feats.to(embeds.dtype))
         else:
             embeds = embeds + 0.0 * feats.sum().to(embeds.dtype)
-        return base.language_model(inputs_embeds=embeds, position_ids=position_ids, use_cache=False,
+        return base.language_model(inputs_embeds=embeds[:, cut], position_ids=position_ids[..., cut], use_cache=False,
                                    **attention_kwargs).last_hidden_state
 
     # -- names ----------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
 
+from slime.distributed.ulysses import SequenceShard, gather_shards
 from slime.models.adapters import ModelAdapter, get_adapter
 from slime.models.attention import packed_attention_kwargs
 
@@ -60,10 +61,12 @@ class PolicyModel(nn.Module):
     the raw returns.
     """
 
-    def __init__(self, hf_model: nn.Module, *, head: str = "logprobs", adapter: ModelAdapter | None = None):
+    def __init__(self, hf_model: nn.Module, *, head: str = "logprobs", adapter: ModelAdapter | None = None,
+                 sp: SequenceShard | None = None):
         super().__init__()
         self.hf, self.head = hf_model, head
         self.adapter = adapter or get_adapter(hf_model.config.model_type)
+        self.sp = sp  # sequence parallel: this rank runs one shard of each row (slime/distributed/ulysses.py)
         if head == "logprobs":
             self.logprob_head = LogprobHead(hf_model.get_output_embeddings())
         elif head == "value":
@@ -87,9 +90,18 @@ class PolicyModel(nn.Module):
         if input_ids.dim() == 1:
             input_ids, position_ids = input_ids[None], position_ids[..., None, :]
         kwargs = packed_attention_kwargs(cu_seqlens, max_len) if cu_seqlens is not None else {}
-        hidden = self.adapter.hidden_states(self.hf, input_ids, position_ids, extra, **kwargs)
-        hidden = hidden.flatten(0, 1)[pred_index]  # (N, H)
+        start, end = self.sp.bounds(input_ids.shape[-1]) if self.sp is not None else (0, input_ids.shape[-1])
+        hidden = self.adapter.hidden_states(self.hf, input_ids, position_ids, extra, shard=(start, end), **kwargs)
+        mine = pred_index if self.sp is None else pred_index[(pred_index >= start) & (pred_index < end)]
+        hidden = hidden.flatten(0, 1)[mine - start]  # (n, H): the scored positions of this shard
         if self.head == "value":
-            return self.value_head(hidden).squeeze(-1).float()
-        targets = input_ids.flatten()[pred_index + 1]  # (N,)
-        return self.logprob_head(hidden, targets, temperature=temperature, chunk_size=chunk_size)
+            out = (self.value_head(hidden).squeeze(-1).float(),)
+        else:
+            targets = input_ids.flatten()[mine + 1]  # (n,); the next token may lie in the next shard
+            out = self.logprob_head(hidden, targets, temperature=temperature, chunk_size=chunk_size)
+        if self.sp is not None:  # every sp peer gets the whole micro-batch's values, in order
+            local = (end - start)
+            counts = [int(((pred_index >= r * local) & (pred_index < (r + 1) * local)).sum())
+                      for r in range(self.sp.size)]
+            out = tuple(gather_shards(t, counts, self.sp) for t in out)
+        return out[0] if self.head == "value" else out

@@ -45,6 +45,20 @@ def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: Sampl
     return samples
 
 
+def _generate_shared(engine, prompts: list[Prompt], params: SamplingParams, tokenizer, reward_fn,
+                     dims: ParallelDims, *, first_group_id: int, first_index: int) -> list[Sample]:
+    """The dp rank's prompts, generated once: with sequence parallelism its sp peers (which train on the same
+    samples) each generate a contiguous part and all-gather the rest, so they all hold the same batch."""
+    if dims.sp == 1:
+        return generate_rollout(engine, prompts, params, tokenizer, reward_fn, first_group_id=first_group_id,
+                                first_index=first_index)
+    bounds = [len(prompts) * r // dims.sp for r in range(dims.sp + 1)]
+    a, b = bounds[dims.sp_rank], bounds[dims.sp_rank + 1]
+    mine = generate_rollout(engine, prompts[a:b], params, tokenizer, reward_fn, first_group_id=first_group_id + a,
+                            first_index=first_index + a * params.n) if b > a else []
+    return [s for part in dims.all_gather_objects(mine, group=dims.sp_group) for s in part]
+
+
 def overlong_penalty(length: int, *, max_len: int, buffer_len: int, factor: float) -> float:
     """DAPO's soft overlong punishment: 0 up to max_len - buffer_len, then a linear ramp to -factor."""
     if max_len <= 0 or length <= max_len - buffer_len:
@@ -75,7 +89,7 @@ def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfi
         n_prompts = math.ceil(need * cfg.over_sample_factor / dims.dp) * dims.dp if cfg.dynamic_sampling else None
         prompts = data.next_batch(n_prompts)
         first = (step * cfg.max_sampling_attempts + attempts) * 10**6 + dims.dp_rank * len(prompts)
-        samples = generate_rollout(engine, prompts, params, tokenizer, reward_fn, first_group_id=first,
+        samples = _generate_shared(engine, prompts, params, tokenizer, reward_fn, dims, first_group_id=first,
                                    first_index=dims.dp_rank * len(prompts) * params.n)
         if cfg.overlong_penalty.max_len:
             op = cfg.overlong_penalty

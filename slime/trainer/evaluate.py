@@ -12,11 +12,12 @@ from slime.rollout.rollout import generate_rollout
 
 
 def load_eval_prompts(cfg: Config, tokenizer, dims: ParallelDims, processor=None) -> list[Prompt]:
-    """This rank's slice of the eval file (the first eval.max_prompts prompts, split over dp), with pixels."""
+    """This rank's slice of the eval file (the first eval.max_prompts prompts, split over every rank), with
+    pixels. Evaluation needs no trainer layout, so sp peers take different prompts too."""
     prompts, _ = load_prompts(cfg.data, tokenizer, path=cfg.eval.path, processor=processor)
     if cfg.eval.max_prompts:
         prompts = prompts[:cfg.eval.max_prompts]
-    mine, _ = with_pixels(prompts[dims.dp_rank::dims.dp], cfg.data, processor, cfg.eval.path)
+    mine, _ = with_pixels(prompts[dims.rank::dims.world_size], cfg.data, processor, cfg.eval.path)
     return mine
 
 
@@ -28,6 +29,6 @@ def evaluate(engine, prompts: list[Prompt], cfg: Config, tokenizer, reward_fn, d
     samples = generate_rollout(engine, prompts, params, tokenizer, reward_fn, first_group_id=0) if prompts else []
     n, correct, reward, length = dims.all_reduce_sum([
         len(samples), sum(s.reward >= cfg.eval.accuracy_threshold for s in samples),
-        sum(s.reward for s in samples), sum(len(s.response_ids) for s in samples)])
+        sum(s.reward for s in samples), sum(len(s.response_ids) for s in samples)], group=dims.world_group)
     return {"eval/accuracy": correct / n, "eval/reward_mean": reward / n, "eval/response_len": length / n,
             "eval/num_prompts": n, "time/eval": time.time() - start}

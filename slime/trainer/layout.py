@@ -33,25 +33,40 @@ class Layout:
     """
 
     def __init__(self, *, packing: bool, max_tokens: int, micro_batch_size: int, hidden_size: int = 4096,
-                 patch_cost: float = 0.0, positions: Positions | None = None):
-        self.packing, self.max_tokens, self.micro_batch_size = packing, max_tokens, micro_batch_size
+                 patch_cost: float = 0.0, positions: Positions | None = None, sp: int = 1, budget_key: str = ""):
+        # With sequence parallelism a micro-batch is cut over sp ranks: it holds up to sp x the per-GPU budget.
+        self.packing, self.max_tokens, self.micro_batch_size = packing, max_tokens * sp, micro_batch_size
         self.cost_fn = functools.partial(default_cost, hidden_size=hidden_size)
-        self.patch_cost, self.positions = patch_cost, positions
+        self.patch_cost, self.positions, self.sp = patch_cost, positions, sp
+        self.per_gpu, self.budget_key = max_tokens, budget_key
 
     @classmethod
     def for_training(cls, train: TrainConfig, **model_terms) -> "Layout":
         return cls(packing=train.packing, max_tokens=train.max_tokens_per_gpu, micro_batch_size=train.micro_batch_size,
-                   **model_terms)
+                   budget_key="train.max_tokens_per_gpu", **model_terms)
 
     @classmethod
     def for_nograd(cls, train: TrainConfig, **model_terms) -> "Layout":
         """No-grad passes keep no activations for backward, so they get a larger budget."""
         return cls(packing=train.packing, max_tokens=train.logprob_max_tokens_per_gpu or 2 * train.max_tokens_per_gpu,
-                   micro_batch_size=train.micro_batch_size, **model_terms)
+                   micro_batch_size=train.micro_batch_size, budget_key="train.logprob_max_tokens_per_gpu",
+                   **model_terms)
+
+    def check_lengths(self, lengths: Sequence[int]) -> None:
+        """A sample longer than a micro-batch can hold fails here, with the settings that would fit it."""
+        if not self.packing or not lengths or max(lengths) <= self.max_tokens:
+            return
+        n = max(lengths)
+        need_sp = -(-n // self.per_gpu)
+        raise ValueError(f"a sample of {n} tokens does not fit a micro-batch of parallel.sp={self.sp} x "
+                         f"{self.budget_key}={self.per_gpu} = {self.max_tokens} tokens: raise {self.budget_key} to "
+                         f"{-(-n // self.sp)}, or parallel.sp to {need_sp} (sequence parallelism cuts a sample over "
+                         "sp GPUs), or lower rollout.max_response_len")
 
     def plan(self, lengths: Sequence[int], dp: int, owners: Sequence[int] | None = None,
              patches: Sequence[int] | None = None) -> Plan:
         """Balanced over dp ranks; samples may change rank (as few as balance allows, given `owners`)."""
+        self.check_lengths(lengths)
         if self.packing:
             extra = [self.patch_cost * n for n in patches] if patches is not None and self.patch_cost else None
             return plan_micro_batches(lengths, max_tokens=self.max_tokens, dp_size=dp, owners=owners,
@@ -61,12 +76,13 @@ class Layout:
     def pack_in_place(self, lengths_by_rank: Sequence[Sequence[int]]) -> Plan:
         """Every rank's samples stay where they are; equal micro-batch counts (empty ones are dummies)."""
         if self.packing:
+            self.check_lengths([n for lengths in lengths_by_rank for n in lengths])
             return pack_each_rank(lengths_by_rank, max_tokens=self.max_tokens)
         return pack_each_rank(lengths_by_rank, micro_batch_size=self.micro_batch_size)
 
     def build(self, samples: Sequence[Sample], idx: list[int]) -> MicroBatch:
         if self.packing:
-            return build_micro_batch(samples, idx, self.positions)
+            return build_micro_batch(samples, idx, self.positions, pad_to=self.sp)
         return build_padded_micro_batch(samples, idx, self.positions)
 
     def stats(self, lengths: Sequence[int], plan: Plan) -> dict:

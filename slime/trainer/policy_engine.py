@@ -6,9 +6,10 @@ gradient accumulation are written once here, so attention, position-id, multimod
 parallel changes land in one place.
 
 Loss normalisation is explicit: every micro-batch contributes its additive share of the global
-loss (normalisers are global token/sequence counts of the mini-batch); the share is scaled by dp
-because DeepSpeed averages gradients over data-parallel ranks. So the gradient does not depend on
-how samples were split over ranks and micro-batches.
+loss (normalisers are global token/sequence counts of the mini-batch); the share is scaled by the
+world size because DeepSpeed averages gradients over every rank (with sequence parallelism each sp
+peer's gradient is its shard's part of the same loss, so the parts add up). So the gradient does not
+depend on how samples were split over ranks, shards and micro-batches.
 """
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ import math
 from typing import Callable, Literal
 
 import torch
+from transformers import AutoConfig
 
 from slime.config import Config, ModelConfig, TrainConfig
 from slime.data.batch import MicroBatch
 from slime.data.sample import Sample
 from slime.distributed.parallel_dims import ParallelDims
 from slime.distributed.parallelize import parallelize
+from slime.distributed.ulysses import SequenceShard, check_heads, register_ulysses_attention
 from slime.models.attention import resolve_attn_implementation
 from slime.models.export import save_hf_dir
 from slime.models.loading import load_model, resolve_dtype
@@ -68,17 +71,24 @@ class PolicyEngine:
                  temperature: float = 1.0, lr: float | None = None, offload_params: bool = False):
         self.role, self.dims, self.train_cfg, self.temperature = role, dims, train, temperature
         dtype = resolve_dtype(model.dtype)
-        hf, self.adapter = load_model(model, attn_implementation=resolve_attn_implementation(model.attn_implementation),
-                                      dtype=dtype, backbone_only=role == "critic")
+        attention = resolve_attn_implementation(model.attn_implementation)
+        shard = None
+        if dims.sp > 1:
+            text = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code).get_text_config()
+            check_heads(text.num_attention_heads, text.num_key_value_heads, dims.sp, model.path)
+            shard = SequenceShard(dims.sp_group, dims.sp_rank, dims.sp)
+            attention = register_ulysses_attention(attention, shard)
+        hf, self.adapter = load_model(model, attn_implementation=attention, dtype=dtype, backbone_only=role == "critic")
         hf.config.use_cache = False
         if role != "reference" and model.gradient_checkpointing:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        module = PolicyModel(hf, head="value" if role == "critic" else "logprobs", adapter=self.adapter)
+        module = PolicyModel(hf, head="value" if role == "critic" else "logprobs", adapter=self.adapter, sp=shard)
         total = train.num_steps * train.num_mini_batches
         self.engine = parallelize(module, dims, train, lr=None if role == "reference" else lr,
                                   lr_lambda=lr_lambda(train, total) if role == "actor" else None,
                                   offload_params=offload_params)
-        terms = dict(hidden_size=hf.config.get_text_config().hidden_size, patch_cost=self.adapter.patch_cost(hf.config))
+        terms = dict(hidden_size=hf.config.get_text_config().hidden_size, patch_cost=self.adapter.patch_cost(hf.config),
+                     sp=dims.sp)
         if self.adapter.positions != "1d":  # get_rope_index reads only the config: fine on the sharded model
             terms["positions"] = functools.partial(sample_positions, self.adapter, hf)
         self.train_layout, self.nograd_layout = Layout.for_training(train, **terms), Layout.for_nograd(train, **terms)
@@ -134,7 +144,9 @@ class PolicyEngine:
             outputs = self.forward(mb)
             loss, metrics = loss_fn(mb, *(outputs if isinstance(outputs, tuple) else (outputs,)),
                                     num_tokens=mini.num_loss_tokens, num_seqs=mini.num_seqs)
-            self.engine.backward(loss * self.dims.dp)
+            # DeepSpeed averages gradients over every rank; each sp peer back-propagates only through its own
+            # shard of the (identical) micro-batch loss, so the shares add up over sp and average over dp.
+            self.engine.backward(loss * self.dims.dp * self.dims.sp)
             metrics["train_tokens"] = torch.tensor(float(mb.num_tokens), device=loss.device)
             metrics["real_tokens"] = torch.tensor(float(sum(batch.samples[i].total_len for i in idx)), device=loss.device)
             for key, value in metrics.items():  # on the device: no host sync per micro-batch

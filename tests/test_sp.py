@@ -1,0 +1,81 @@
+"""Ulysses sequence parallelism: the same global batch with sp=2 as with sp=1 (logprobs, loss, gradients,
+parameters after one step), GQA with a single kv head, GSPO and sequence-level TIS, the loop, 4 ranks."""
+import json
+
+import pytest
+import torch
+
+from conftest import REPO, run_ranks
+from data_tools.make_tiny_model import make_tiny_model
+
+# 3 micro-batches under 32 tokens per GPU and sp=2: the 41-token sample needs both ranks' budget.
+BASE = ["train.max_tokens_per_gpu=32"]
+VARIANTS = {
+    "ppo": [],
+    "gspo_tis_seq": ["algo.policy_loss=gspo", "algo.clip_low=3e-4", "algo.clip_high=4e-4",
+                     "algo.loss_agg=seq_mean_token_mean", "algo.tis.level=sequence", "algo.tis.mode=mask",
+                     "algo.tis.low=0.5", "algo.tis.high=2.0"],
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sp_models")
+    # seed 1 and a larger init make attention position- and neighbour-sensitive (leaks would show)
+    return {"qwen2": make_tiny_model(root / "qwen2", arch="qwen2", seed=1, init_std=0.1),
+            "gqa1": make_tiny_model(root / "gqa1", arch="qwen3", seed=1, kv_heads=1, init_std=0.1)}
+
+
+def run(model, out, nproc, *overrides):
+    out.mkdir(parents=True)
+    # Adam's first step is g / (|g| + eps): with eps 1e-8, gradients that are zero in exact arithmetic (a key
+    # bias: softmax ignores a shift shared by all keys) turn float noise into full-size steps. A larger eps
+    # keeps the parameter comparison about the gradients; the gradients themselves are compared directly.
+    ds = json.loads((REPO / "ds_configs/zero3.json").read_text())
+    ds["optimizer"]["params"]["eps"] = 1e-3
+    (out / "ds.json").write_text(json.dumps(ds))
+    run_ranks([str(REPO / "tests/dist/sp_checks.py"), str(model), str(out), *BASE, f"train.ds_config={out / 'ds.json'}",
+               *overrides], nproc=nproc)
+    return torch.load(out / "result.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("model_name, variant", [("qwen2", "ppo"), ("gqa1", "gspo_tis_seq")])
+def test_sp2_equals_sp1(models, tmp_path, model_name, variant):
+    # sp=1 reference: one rank whose budget holds what two sp ranks hold together
+    ref = run(models[model_name], tmp_path / "sp1", 1, "train.max_tokens_per_gpu=64", *VARIANTS[variant])
+    sp = run(models[model_name], tmp_path / "sp2", 2, "parallel.sp=2", *VARIANTS[variant])
+    assert sp["micro_batches"] >= 2  # the budget really split the batch
+    # the shard cut falls inside a sample somewhere (not only on borders), and a row has an odd real length
+    assert any(cu[-1] // 2 not in cu for cu in sp["rows"])
+    assert any(cu[-1] - cu[-2] == 1 for cu in sp["rows"])  # an odd row: one pad token (its own segment) evens it
+    for a, b in zip(ref["logprobs"], sp["logprobs"]):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    assert sp["metrics"]["loss"] == pytest.approx(ref["metrics"]["loss"], rel=1e-5, abs=1e-7)
+    assert sp["metrics"]["loss_tokens"] == ref["metrics"]["loss_tokens"]
+    assert sp["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    for name, g in ref["grads"].items():
+        torch.testing.assert_close(sp["grads"][name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    for name, p in ref["state"].items():
+        rel = (sp["state"][name] - p).norm() / p.norm()
+        assert rel < 1e-6, (name, rel.item())
+
+
+def test_sp_splits_heads_that_divide(tmp_path):
+    from slime.distributed.ulysses import check_heads
+
+    check_heads(4, 2, 2, "m")
+    check_heads(4, 1, 4, "m")  # one kv head, repeated on every rank
+    with pytest.raises(ValueError, match="parallel.sp=3 must divide the number of attention heads"):
+        check_heads(4, 2, 3, "m")
+    with pytest.raises(ValueError, match="key/value heads"):
+        check_heads(12, 3, 2, "m")
+
+
+def test_a_sample_too_long_even_for_sp_names_the_settings():
+    from slime.trainer.layout import Layout
+
+    layout = Layout(packing=True, max_tokens=32, micro_batch_size=1, sp=2, budget_key="train.max_tokens_per_gpu")
+    layout.plan([10, 64], dp=1)  # 64 = 2 x 32 fits when cut over 2 ranks
+    with pytest.raises(ValueError, match=r"70 tokens .* parallel.sp=2 x train.max_tokens_per_gpu=32 = 64 .* "
+                                         r"train.max_tokens_per_gpu to 35, or parallel.sp to 3"):
+        layout.plan([10, 70], dp=1)
