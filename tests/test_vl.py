@@ -176,3 +176,16 @@ def test_a_generated_image_placeholder_is_text(vl_model):
         a, b = mb.split(run(policy, mb)[0])
     torch.testing.assert_close(a[:2], b[:2], rtol=1e-5, atol=1e-6)
     assert torch.isfinite(b).all()
+
+
+def test_sequence_parallel_cuts_after_the_image_features_are_merged(vl_model, tmp_path):
+    """sp=2 on 2 ranks: rows with images are cut into shards after the embedding (features merged first), and
+    each shard takes its slice of the three mrope rows; the logprobs are each sample's own."""
+    run_ranks([str(REPO / "tests/dist/vl_checks.py"), str(vl_model), str(tmp_path), "sp"], timeout=600)
+    result = torch.load(tmp_path / "sp.pt", weights_only=False)
+    assert result["rows"]  # rows with images were cut
+    alone = AutoModelForImageTextToText.from_pretrained(vl_model, attn_implementation="sdpa")
+    samples = vl_samples(vl_model, text_only=1)
+    with torch.no_grad():
+        for s, got in zip(samples, result["logprobs"]):
+            torch.testing.assert_close(got, alone_logprobs(alone, s), rtol=1e-5, atol=1e-5)

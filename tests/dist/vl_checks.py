@@ -18,14 +18,32 @@ from deepspeed.utils import safe_get_full_grad
 
 from slime.config import load_config
 from slime.distributed.parallel_dims import ParallelDims
-from slime.trainer.layout import MiniBatch, RankBatch
+from dist.actor_checks import gather_by_index
+from slime.trainer.layout import MiniBatch, RankBatch, distribute
 from slime.trainer.losses import actor_loss
 from slime.trainer.policy_engine import PolicyEngine
 from test_vl import vl_samples
 
 
+def sequence_parallel(model_dir: str, out: Path) -> None:
+    """parallel.sp=2: both ranks score the same image-text batch, each on its shard of every row."""
+    cfg = load_config(None, [f"model.path={model_dir}", "data.path=unused.jsonl", "parallel.sp=2",
+                             "train.max_tokens_per_gpu=24", "train.logprob_max_tokens_per_gpu=24"])
+    dims = ParallelDims.build(sp=2)
+    actor = PolicyEngine.actor(cfg, dims)
+    batch = distribute(vl_samples(model_dir, text_only=1), dims, actor.train_layout)
+    logprobs = gather_by_index(batch, actor.score(batch), dims)
+    rows = [actor.nograd_layout.build(batch.samples, idx) for idx in
+            actor.nograd_layout.pack_in_place(batch.lengths_by_rank)[0]]
+    if dims.is_main:
+        torch.save({"logprobs": logprobs, "rows": [(mb.cu_seqlens.tolist(), int(mb.extra["image_mask"].sum()))
+                                                   for mb in rows if mb.extra]}, out / "sp.pt")
+
+
 def main() -> None:
     model_dir, out = sys.argv[1], Path(sys.argv[2])
+    if sys.argv[3:] == ["sp"]:
+        return sequence_parallel(model_dir, out)
     cfg = load_config(None, [f"model.path={model_dir}", "data.path=unused.jsonl", "algo.policy_loss=sft",
                              "train.logits_chunk_size=4"])
     dims = ParallelDims.build()
