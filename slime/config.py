@@ -174,12 +174,16 @@ class AlgoConfig:
     use_kl_loss: bool = field(False, "Add kl_coef * KL(policy || reference) to the loss.")
     kl_in_reward: bool = field(False, "Subtract kl_coef * KL from the rewards instead.")
     kl_estimator: Literal["k1", "k2", "k3"] = field("k3", "KL estimator (k3: low-variance, clamped).")
+    router_aux_loss_coef: float = field(0.0, "Mixture of experts: weight of the router's load-balancing loss "
+                                             "(0 = only logged; RL runs usually keep the router as it is).")
     gamma: float = field(1.0, "Discount for token-level estimators (REINFORCE++, GAE).")
     lam: float = field(0.95, "GAE lambda.")
     tis: TISConfig = dataclasses.field(default_factory=TISConfig)
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
 
     def __post_init__(self):
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(f"algo.router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0")
         if self.use_kl_loss and self.kl_in_reward:
             raise ValueError("algo.use_kl_loss and algo.kl_in_reward are exclusive; pick where the KL goes")
         if (self.use_kl_loss or self.kl_in_reward) and self.kl_coef <= 0:
@@ -235,13 +239,12 @@ class TrainConfig:
 @dataclasses.dataclass
 class ParallelConfig:
     sp: int = field(1, "Ulysses sequence-parallel size (1 = off).")
-    ep: int = field(1, "Expert-parallel size for MoE models (1 = off).")
+    ep: int = field(1, "Expert-parallel size for MoE models (DeepSpeed AutoEP; divides the data-parallel size; "
+                       "1 = off).")
 
     def __post_init__(self):
         if self.sp < 1 or self.ep < 1:
             raise ValueError("parallel.sp and parallel.ep must be >= 1")
-        if self.ep != 1:
-            raise ValueError("parallel.ep > 1 is not implemented yet; set it to 1")
 
 
 @dataclasses.dataclass

@@ -45,3 +45,24 @@ def run_ranks(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = R
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+def stable_adam_ds_config(out_dir: Path) -> Path:
+    """ds_configs/zero3.json with Adam eps 1e-3, for comparing parameters after one step across layouts.
+
+    Adam's first step is g / (|g| + eps): with eps 1e-8, gradients that are zero in exact arithmetic (a key
+    bias: softmax ignores a shift shared by all keys) turn float noise into full-size steps. A larger eps
+    keeps the parameter comparison about the gradients (which the tests also compare directly)."""
+    ds = json.loads((REPO / "ds_configs/zero3.json").read_text())
+    ds["optimizer"]["params"]["eps"] = 1e-3
+    path = out_dir / "ds_stable_adam.json"
+    path.write_text(json.dumps(ds))
+    return path
+
+
+def assert_params_close(got: dict, want: dict, rel: float = 1e-6, floor: float = 1e-9) -> None:
+    """Per tensor, `rel` relative in norm; biases that start at zero are ~1e-5 after one step, hence a floor."""
+    assert sorted(got) == sorted(want)
+    for name, p in want.items():
+        err = (got[name] - p).norm().item()
+        assert err <= rel * p.norm().item() + floor, (name, err, p.norm().item())

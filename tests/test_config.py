@@ -36,7 +36,7 @@ def test_int_is_accepted_for_float():
     ("rollout.top_p=0", ["rollout.top_p"]),
     ("train.max_tokens_per_gpu=0", ["train.max_tokens_per_gpu"]),
     ("parallel.sp=0", ["parallel.sp"]),
-    ("parallel.ep=2", ["parallel.ep"]),
+    ("parallel.ep=0", ["parallel.ep"]),
     ("train=3", ["train must be a mapping"]),
 ])
 def test_bad_config_names_key(override, words):

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import REPO, run_ranks
+from conftest import REPO, assert_params_close, run_ranks, stable_adam_ds_config
 from data_tools.make_tiny_model import make_tiny_model
 
 # 3 micro-batches under 32 tokens per GPU and sp=2: the 41-token sample needs both ranks' budget.
@@ -26,23 +26,10 @@ def models(tmp_path_factory):
             "gqa1": make_tiny_model(root / "gqa1", arch="qwen3", seed=1, kv_heads=1, init_std=0.1)}
 
 
-def assert_params_close(got, want):
-    """Per tensor, 1e-6 relative; biases that start at zero are ~1e-5 after one step, so a 1e-9 floor."""
-    for name, p in want.items():
-        err = (got[name] - p).norm().item()
-        assert err <= 1e-6 * p.norm().item() + 1e-9, (name, err, p.norm().item())
-
-
 def run(model, out, nproc, *overrides):
     out.mkdir(parents=True)
-    # Adam's first step is g / (|g| + eps): with eps 1e-8, gradients that are zero in exact arithmetic (a key
-    # bias: softmax ignores a shift shared by all keys) turn float noise into full-size steps. A larger eps
-    # keeps the parameter comparison about the gradients; the gradients themselves are compared directly.
-    ds = json.loads((REPO / "ds_configs/zero3.json").read_text())
-    ds["optimizer"]["params"]["eps"] = 1e-3
-    (out / "ds.json").write_text(json.dumps(ds))
-    run_ranks([str(REPO / "tests/dist/sp_checks.py"), str(model), str(out), *BASE, f"train.ds_config={out / 'ds.json'}",
-               *overrides], nproc=nproc)
+    run_ranks([str(REPO / "tests/dist/sp_checks.py"), str(model), str(out), *BASE,
+               f"train.ds_config={stable_adam_ds_config(out)}", *overrides], nproc=nproc)
     return torch.load(out / "result.pt", weights_only=False)
 
 

@@ -1,7 +1,7 @@
 """ParallelDims: the single owner of process groups.
 
-world = dp * sp. Expert parallelism (AutoEP) folds over dp, so `ep` divides dp and needs no
-group of its own here. Nothing else in the project creates or reads a global group: code that
+world = dp * sp. Expert parallelism (DeepSpeed AutoEP) folds over dp, so `ep` divides dp; its groups
+are built by DeepSpeed when the first engine starts, and handed out here (`expert_group`). Nothing else in the project creates or reads a global group: code that
 needs a collective calls a method of this object or receives a group from it, the weight-update
 group shared with rollout engines included (`new_external_group`).
 """
@@ -84,6 +84,15 @@ class ParallelDims:
     def world_group(self) -> dist.ProcessGroup:
         """Every rank (engines are shared across dp and sp alike)."""
         return dist.group.WORLD
+
+    def expert_group(self) -> dist.ProcessGroup | None:
+        """The expert-parallel group of this rank: DeepSpeed's AutoEP builds it when the first engine starts
+        (ranks r*ep .. r*ep+ep-1); None while ep = 1."""
+        if self.ep == 1:
+            return None
+        from deepspeed.utils import groups
+
+        return groups._get_expert_parallel_group(f"ep_size_{self.ep}")
 
     @property
     def device(self) -> torch.device:

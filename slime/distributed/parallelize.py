@@ -13,17 +13,19 @@ import torch
 
 from slime.config import TrainConfig
 from slime.distributed.ds_config import build_ds_config
+from slime.distributed.expert_parallel import expert_parallel_settings
 from slime.distributed.parallel_dims import ParallelDims
 
 
-def layout_settings(dims: ParallelDims) -> dict:
+def layout_settings(dims: ParallelDims, model_type: str) -> dict:
     """DeepSpeed config fields implied by the parallel sizes.
 
     Sequence parallelism needs none: ZeRO-3 shards over every rank and averages gradients over the whole
     world (no mpu), and PolicyEngine scales each rank's loss share by the world size, so the sp peers'
-    shard gradients add up (tested against sp=1, not assumed)."""
+    shard gradients add up (tested against sp=1, not assumed). Expert parallelism is DeepSpeed's AutoEP.
+    """
     if dims.ep > 1:
-        raise NotImplementedError("expert parallelism is not wired into the DeepSpeed engine yet")
+        return {"expert_parallel": expert_parallel_settings(dims.ep, model_type)}
     return {}
 
 
@@ -33,7 +35,7 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, train: TrainConfig, 
     sharded). `offload_params` keeps the parameter partitions in CPU memory (a frozen reference)."""
     bf16 = next(model.parameters()).dtype == torch.bfloat16
     ds_config = build_ds_config(train, bf16=bf16)
-    ds_config.update(layout_settings(dims))
+    ds_config.update(layout_settings(dims, model.config.model_type))
     if offload_params:
         ds_config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if lr is None:

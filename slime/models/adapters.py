@@ -40,6 +40,8 @@ class ModelAdapter:
     """Inputs besides token and position ids that the backbone takes (image tensors for VL models)."""
     convert: bool = True
     """Name tensors through transformers' conversion mapping; False keeps in-memory names (unknown families)."""
+    moe: bool = False
+    """Mixture of experts: the backbone reports router logits (aux loss, expert balance metrics)."""
 
     @property
     def multimodal(self) -> bool:
@@ -91,6 +93,25 @@ class ModelAdapter:
         return {"pixel_values": torch.zeros(merge * merge, dim, device=device, dtype=model.dtype),
                 "image_grid_thw": torch.tensor([[1, merge, merge]], device=device)}
 
+    def router_stats(self, model: PreTrainedModel, router_logits: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+        """From one forward's router logits ((n, E) per MoE layer): transformers' load-balancing aux loss of these
+        n tokens (differentiable), and detached sums for metrics: tokens sent to each expert per layer (L, E)
+        and the routing distribution's entropy summed over tokens and layers."""
+        import sys
+
+        config = model.config.get_text_config()
+        num_experts = getattr(config, "num_experts", None) or config.num_local_experts
+        top_k = config.num_experts_per_tok
+        aux_fn = sys.modules[type(model).__module__].load_balancing_loss_func
+        logits = torch.stack([r.float() for r in router_logits])  # (L, n, E)
+        probs = logits.detach().softmax(-1)
+        chosen = probs.topk(top_k, dim=-1).indices  # (L, n, k)
+        counts = torch.zeros(logits.shape[0], num_experts, device=logits.device).scatter_add_(
+            1, chosen.flatten(1), torch.ones(chosen.flatten(1).shape, device=logits.device))
+        entropy = -(probs * probs.clamp_min(1e-20).log()).sum(-1)  # (L, n)
+        return {"aux": aux_fn(router_logits, num_experts, top_k), "tokens": torch.tensor(float(logits.shape[1])),
+                "expert_counts": counts, "entropy_sum": entropy.sum(), "entropy_n": torch.tensor(float(entropy.numel()))}
+
     def hidden_states(self, model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor,
                       extra: dict[str, torch.Tensor], shard: tuple[int, int] | None = None,
                       **attention_kwargs) -> torch.Tensor:
@@ -106,6 +127,10 @@ class ModelAdapter:
         if not self.multimodal:
             if extra:
                 raise ValueError(f"the {self.family} adapter takes no extra inputs, got {sorted(extra)}")
+            if self.moe:  # the router logits ride along (MoE aux loss and balance metrics)
+                out = base(input_ids=input_ids[..., cut], position_ids=position_ids[..., cut], use_cache=False,
+                           output_router_logits=True, **attention_kwargs)
+                return out.last_hidden_state, out.router_logits
             return base(input_ids=input_ids[..., cut], position_ids=position_ids[..., cut], use_cache=False,
                         **attention_kwargs).last_hidden_state
         embeds = base.get_input_embeddings()(input_ids)  # (B, T, H)
@@ -183,10 +208,11 @@ def _full_shape(p: torch.Tensor) -> tuple[int, ...]:
 
 
 TEXT = dict(auto_class="AutoModelForCausalLM")
+MOE = dict(auto_class="AutoModelForCausalLM", moe=True)
 VL = dict(auto_class="AutoModelForImageTextToText", positions="mrope", extra_inputs=("pixel_values", "image_grid_thw"))
 FAMILIES: dict[str, dict] = {
     "llama": TEXT, "qwen2": TEXT, "qwen3": TEXT,
-    "qwen2_moe": TEXT, "qwen3_moe": TEXT, "mixtral": TEXT,
+    "qwen2_moe": MOE, "qwen3_moe": MOE, "mixtral": MOE,
     "qwen2_vl": VL, "qwen2_5_vl": VL,
 }
 

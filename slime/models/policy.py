@@ -77,6 +77,11 @@ class PolicyModel(nn.Module):
         else:
             raise ValueError(f"unknown head {head!r}; use 'logprobs' or 'value'")
 
+    @property
+    def config(self):
+        """The HF config, where DeepSpeed's AutoEP looks for the model's expert counts."""
+        return self.hf.config
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
                 pred_index: torch.Tensor, *, max_len: int, temperature: float = 1.0, chunk_size: int = 1024,
                 **extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
@@ -84,14 +89,19 @@ class PolicyModel(nn.Module):
         axis of rope rows (mrope); pred_index (N,) positions of the flattened tokens whose NEXT token is
         scored; `extra`: the adapter's extra inputs (image tensors).
 
-        Returns logprobs (N,) and entropies (N,) of input_ids[pred_index + 1] at `temperature`, or
-        values (N,) of the states at pred_index (the state before each response token).
+        Returns logprobs (N,) and entropies (N,) of input_ids[pred_index + 1] at `temperature` (and, for a
+        mixture of experts, the router's aux loss and balance sums of this rank's tokens), or values (N,)
+        of the states at pred_index (the state before each response token).
         """
         if input_ids.dim() == 1:
             input_ids, position_ids = input_ids[None], position_ids[..., None, :]
         kwargs = packed_attention_kwargs(cu_seqlens, max_len) if cu_seqlens is not None else {}
         start, end = self.sp.bounds(input_ids.shape[-1]) if self.sp is not None else (0, input_ids.shape[-1])
         hidden = self.adapter.hidden_states(self.hf, input_ids, position_ids, extra, shard=(start, end), **kwargs)
+        router = None
+        if isinstance(hidden, tuple):  # MoE: (hidden, router logits of this rank's tokens)
+            hidden, logits = hidden
+            router = self.adapter.router_stats(self.hf, logits) if self.head == "logprobs" else None
         mine = pred_index if self.sp is None else pred_index[(pred_index >= start) & (pred_index < end)]
         hidden = hidden.flatten(0, 1)[mine - start]  # (n, H): the scored positions of this shard
         if self.head == "value":
@@ -104,4 +114,6 @@ class PolicyModel(nn.Module):
             counts = [int(((pred_index >= r * local) & (pred_index < (r + 1) * local)).sum())
                       for r in range(self.sp.size)]
             out = tuple(gather_shards(t, counts, self.sp) for t in out)
-        return out[0] if self.head == "value" else out
+        if self.head == "value":
+            return out[0]
+        return (*out, router) if router is not None else out

@@ -99,6 +99,9 @@ class MiniBatch:
     num_loss_tokens: int
     """Loss tokens of the mini-batch over every rank: the global normaliser of token_mean."""
     num_seqs: int
+    num_processed: int
+    """Tokens of the mini-batch over every rank (prompt and response): weights per-token-of-input terms
+    such as a MoE router's aux loss."""
     stats: dict
     """Packing figures of the whole plan (the same on every rank)."""
 
@@ -158,6 +161,7 @@ def distribute(local: list[Sample], dims: ParallelDims, layout: Layout, *, num_m
     for (a, b), plan in zip(zip(bounds[:-1], bounds[1:]), plans):
         minis.append(MiniBatch(micro=[[position[a + i] for i in mb] for mb in plan[me]],
                                num_loss_tokens=sum(loss_tokens[a:b]), num_seqs=b - a,
+                               num_processed=sum(lengths[a:b]),
                                stats=layout.stats(lengths[a:b], plan)))
     by_rank: list[list[int]] = [[] for _ in range(dims.dp)]
     for i in range(n):

@@ -30,9 +30,35 @@ def policy_token_loss(algo: AlgoConfig, logp, old, adv, mask, seq_ids):
     raise ValueError(f"algo.policy_loss={algo.policy_loss!r} is not a policy-gradient loss")
 
 
-def actor_loss(algo: AlgoConfig, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor, *,
-               num_tokens: int, num_seqs: int) -> tuple[torch.Tensor, Sums]:
-    """Policy loss (+ entropy bonus, + KL loss, x TIS weights), or cross-entropy for SFT."""
+def actor_loss(algo: AlgoConfig, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor,
+               router: dict | None = None, *, num_tokens: int, num_seqs: int,
+               num_processed: int = 1) -> tuple[torch.Tensor, Sums]:
+    """Policy loss (+ entropy bonus, + KL loss, x TIS weights), or cross-entropy for SFT; for a mixture of
+    experts plus algo.router_aux_loss_coef x the router's load-balancing loss (see `router_terms`)."""
+    loss, sums = _actor_loss(algo, mb, logp, entropy, num_tokens=num_tokens, num_seqs=num_seqs)
+    if router is not None:
+        aux, router_sums = router_terms(router, num_processed=num_processed)
+        if algo.router_aux_loss_coef:
+            loss = loss + algo.router_aux_loss_coef * aux
+        sums.update(router_sums)
+    return loss, sums
+
+
+def router_terms(router: dict, *, num_processed: int) -> tuple[torch.Tensor, Sums]:
+    """This forward's share of the step's router aux loss, and metric sums.
+
+    transformers' load_balancing_loss_func balances the tokens of one forward; the step's aux loss is the
+    token-weighted mean over the micro-batches (and sp shards) of every rank: each adds aux x n / N, with n
+    its tokens and N the mini-batch's tokens over all ranks. The metric sums are `router_`-prefixed (they
+    reduce over the whole world)."""
+    share = router["aux"] * (router["tokens"].to(router["aux"].device) / max(num_processed, 1))
+    return share, {"router_aux": share.detach(), "router_entropy_sum": router["entropy_sum"],
+                   "router_entropy_n": router["entropy_n"].to(share.device),
+                   "router_expert_counts": router["expert_counts"]}
+
+
+def _actor_loss(algo: AlgoConfig, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor, *,
+                num_tokens: int, num_seqs: int) -> tuple[torch.Tensor, Sums]:
     mask, seq_ids = mb.loss_mask, mb.seq_ids
     agg = dict(mode=algo.loss_agg, num_tokens=max(num_tokens, 1), num_seqs=max(num_seqs, 1),
                constant=algo.loss_agg_constant)
@@ -67,7 +93,7 @@ def actor_loss(algo: AlgoConfig, mb: MicroBatch, logp: torch.Tensor, entropy: to
 
 
 def critic_loss(critic: CriticConfig, mb: MicroBatch, values: torch.Tensor, *, num_tokens: int,
-                num_seqs: int) -> tuple[torch.Tensor, Sums]:
+                num_seqs: int, num_processed: int = 1) -> tuple[torch.Tensor, Sums]:
     """Clipped value loss against the GAE returns, token-mean over the mini-batch."""
     mask = mb.loss_mask
     per_token, m = clipped_value_loss(values, mb.field("values"), mb.field("returns"), mask, clip=critic.value_clip)

@@ -26,6 +26,7 @@ from slime.config import Config, ModelConfig, TrainConfig
 from slime.data.batch import MicroBatch
 from slime.data.sample import Sample
 from slime.distributed.parallel_dims import ParallelDims
+from slime.distributed.expert_parallel import ExpertGather, expert_units
 from slime.distributed.parallelize import parallelize
 from slime.distributed.ulysses import SequenceShard, check_heads, register_ulysses_attention
 from slime.models.attention import resolve_attn_implementation
@@ -83,6 +84,7 @@ class PolicyEngine:
         if role != "reference" and model.gradient_checkpointing:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         module = PolicyModel(hf, head="value" if role == "critic" else "logprobs", adapter=self.adapter, sp=shard)
+        self._hf_names = {n for n, _ in hf.named_parameters()}  # before expert parallelism replaces MoE blocks
         total = train.num_steps * train.num_mini_batches
         self.engine = parallelize(module, dims, train, lr=None if role == "reference" else lr,
                                   lr_lambda=lr_lambda(train, total) if role == "actor" else None,
@@ -143,7 +145,8 @@ class PolicyEngine:
             self.engine.set_gradient_accumulation_boundary(k == len(mini.micro) - 1)
             outputs = self.forward(mb)
             loss, metrics = loss_fn(mb, *(outputs if isinstance(outputs, tuple) else (outputs,)),
-                                    num_tokens=mini.num_loss_tokens, num_seqs=mini.num_seqs)
+                                    num_tokens=mini.num_loss_tokens, num_seqs=mini.num_seqs,
+                                    num_processed=mini.num_processed)
             # DeepSpeed averages gradients over every rank; each sp peer back-propagates only through its own
             # shard of the (identical) micro-batch loss, so the shares add up over sp and average over dp.
             self.engine.backward(loss * self.dims.dp * self.dims.sp)
@@ -169,6 +172,7 @@ class PolicyEngine:
             for key, value in self.forward_backward(batch, mini, loss_fn).items():
                 sums[key] = sums[key] + value if key in sums else value
             grad_norms.append(self.optimizer_step())
+        router = {k: sums.pop(k) for k in list(sums) if k.startswith("router_")}
         g = self.dims.all_reduce_tensors(sums)
         n_mini = len(batch.mini_batches)
         ntok = max(g.pop("loss_tokens"), 1.0)
@@ -186,7 +190,20 @@ class PolicyEngine:
                 "train/dp_imbalance": sum(m.stats["dp_imbalance"] for m in batch.mini_batches) / n_mini,
             })
         out.update({f"{prefix}/{k}": v / ntok for k, v in g.items()})  # the rest are token sums
+        if router:
+            out.update(self._router_metrics(router, n_mini))
         return out
+
+    def _router_metrics(self, sums: dict[str, torch.Tensor], n_mini: int) -> dict[str, float]:
+        """MoE: the aux loss, the routing entropy and tokens per expert (max over mean, averaged over layers).
+        Each sp peer routes its own shard, so these reduce over the whole world."""
+        counts = sums.pop("router_expert_counts").to(self.dims.comm_device, torch.float64)
+        torch.distributed.all_reduce(counts, group=self.dims.world_group)
+        g = self.dims.all_reduce_tensors(sums, group=self.dims.world_group)
+        imbalance = (counts.max(-1).values / counts.mean(-1).clamp_min(1e-9)).mean()
+        return {"train/router_aux_loss": g["router_aux"] / n_mini,
+                "train/router_entropy": g["router_entropy_sum"] / max(g["router_entropy_n"], 1.0),
+                "train/expert_imbalance": float(imbalance)}
 
     # -- colocation -------------------------------------------------------------------------------
 
@@ -210,10 +227,12 @@ class PolicyEngine:
     # -- weights out ------------------------------------------------------------------------------
 
     def gathered_weight_buckets(self, bucket_mb: float = 64.0):
-        """Full checkpoint-named tensors in buckets of `bucket_mb` (collective: call on every rank)."""
+        """Full checkpoint-named tensors in buckets of `bucket_mb` (collective: call on every rank). Expert-
+        parallel layers are gathered over the ep group and named as the HF model's experts first."""
         hf = self.engine.module.hf
-        return iter_gathered_buckets(hf.named_parameters(), bucket_bytes=int(bucket_mb * 2**20),
-                                     to_checkpoint=lambda named: self.adapter.to_checkpoint(hf, named))
+        experts = ExpertGather(self.dims.expert_group(), self.dims.ep, self._hf_names)
+        return iter_gathered_buckets(expert_units(hf.named_parameters()), bucket_bytes=int(bucket_mb * 2**20),
+                                     to_checkpoint=lambda named: self.adapter.to_checkpoint(hf, experts(named)))
 
     def export_hf(self, out_dir: str, *savers, bucket_mb: float = 64.0) -> None:
         """Write an HF model directory that `from_pretrained` and SGLang load (collective; rank 0 writes).
