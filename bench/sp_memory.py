@@ -118,8 +118,9 @@ def main() -> None:
         path = work / f"sp{sp}.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={sp}", __file__,
                f"--budget={args.budget}", f"--sp={sp}", f"--model={model}", f"--out={path}"]
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"sp={sp} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         out[sp] = json.loads(path.read_text())
     print(f"model hidden={args.hidden} layers={args.layers}; train.max_tokens_per_gpu={args.budget}")
     for sp, r in out.items():

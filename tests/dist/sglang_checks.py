@@ -1,6 +1,6 @@
 """Run on 2 ranks by tests/test_sglang.py against one running SGLang server (`rollout.sglang.urls`).
 
-    torchrun --standalone --nproc_per_node 2 tests/dist/sglang_checks.py MODEL_DIR OUT_DIR SERVER_URL
+    torchrun --standalone --nproc_per_node 2 tests/dist/sglang_checks.py MODEL_DIR OUT_DIR SERVER_URL [overrides]
 
 Pushes the ZeRO-3 actor's weights three times: at start and after a training step as colocated
 tensor buckets, then after another step over a gloo weight-update group (disaggregated path). After
@@ -44,8 +44,8 @@ def main() -> None:
     model_dir, out, url = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     cfg = load_config(None, [f"model.path={model_dir}", "data.path=unused.jsonl", "train.lr=5e-2",
                              "train.max_tokens_per_gpu=64", "rollout.sync_bucket_mb=0.02", "rollout.engine=sglang",
-                             f"rollout.sglang.urls=[{url}]", "rollout.sglang.ranks_per_engine=2"])
-    dims = ParallelDims.build()
+                             f"rollout.sglang.urls=[{url}]", "rollout.sglang.ranks_per_engine=2", *sys.argv[4:]])
+    dims = ParallelDims.build(sp=cfg.parallel.sp, ep=cfg.parallel.ep)
     tokenizer = load_tokenizer(cfg.model)
     actor = PolicyEngine.actor(cfg, dims)
     colocated = make_engine(cfg.rollout, cfg.model, tokenizer, dims)
