@@ -182,6 +182,13 @@ class AlgoConfig:
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
 
     def __post_init__(self):
+        for key in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ValueError(f"algo.{key}={getattr(self, key)} must be in [0, 1]")
+        if self.clip_low is not None and not 0.0 <= self.clip_low < 1.0:
+            raise ValueError(f"algo.clip_low={self.clip_low} must be in [0, 1) so that 1 - clip_low > 0")
+        if self.clip_high < 0:
+            raise ValueError(f"algo.clip_high={self.clip_high} must be >= 0")
         if self.router_aux_loss_coef < 0:
             raise ValueError(f"algo.router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0")
         if self.use_kl_loss and self.kl_in_reward:

@@ -316,7 +316,9 @@ def padded_fixed_batches(lengths: Sequence[int], *, micro_batch_size: int, dp_si
     n = len(lengths)
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
-    if dp_size < 1 or n % dp_size or n == 0:
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}.")
+    if n % dp_size or n == 0:
         raise ValueError(
             f"{n} samples do not split evenly over {dp_size} data-parallel ranks; make the "
             f"rollout batch size a multiple of the data-parallel size.")
