@@ -41,4 +41,29 @@ else
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 echo "run.sh: $nproc rank(s) on $([[ $gpus -gt 0 ]] && echo GPU || echo CPU/gloo)"
-exec deepspeed --num_gpus "$nproc" --master_port "${MASTER_PORT:-29500}" run.py --config "$config" "$@"
+
+# The launcher runs in a process group of its own (job control), and a SIGTERM or SIGINT sent to this
+# script (a scheduler, `kill PID`, Ctrl-C) is passed on once to DeepSpeed's per-node launcher, which
+# hands it to every rank: each finishes its step, saves a checkpoint and exits non-zero. A second
+# signal is passed on too, and the ranks exit at once. (DeepSpeed's outer runner would die on the
+# signal without passing it on, leaving the ranks running.)
+set -m +e
+deepspeed --num_gpus "$nproc" --master_port "${MASTER_PORT:-29500}" run.py --config "$config" "$@" &
+launcher=$!
+forward() {
+  local node_launcher
+  node_launcher=$(pgrep -P "$launcher" | head -n 1)
+  echo "run.sh: $1 received, passing it on to the ranks" >&2
+  kill "-$1" "${node_launcher:-$launcher}" 2>/dev/null || true
+}
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+while :; do
+  wait "$launcher"
+  status=$?
+  kill -0 "$launcher" 2>/dev/null || break  # gone: $status is its exit code; alive: a signal interrupted `wait`
+done
+wait "$launcher" 2>/dev/null
+last=$?
+[[ $last -ne 127 ]] && status=$last  # 127: already reaped above
+exit "$status"

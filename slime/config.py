@@ -68,6 +68,12 @@ class DataConfig:
 class RewardConfig:
     fn: str | dict = field("exact_match", "Built-in name (math, exact_match, format), {name: weight}, or 'module:function'.")
     granularity: Literal["sample", "group"] = field("sample", "User function gets one sample or one prompt's group.")
+    timeout: float = field(60.0, "Seconds one call of a user reward function may take; past it the run stops with "
+                                 "the function and the sample named (a hung function cannot hold the job).")
+
+    def __post_init__(self):
+        if self.timeout <= 0:
+            raise ValueError(f"rollout.reward.timeout={self.timeout} must be > 0")
 
 
 @dataclasses.dataclass
@@ -235,8 +241,16 @@ class TrainConfig:
     logits_chunk_size: int = field(1024, "Tokens per chunk when computing logprobs from hidden states.")
     ds_config: str = field("ds_configs/zero3.json", "DeepSpeed JSON config; 'auto' fields are filled from this file.")
     seed: int = field(1234, "Seed for data order, sampling and initialisation.")
+    max_skipped_steps: int = field(3, "Stop after this many consecutive optimizer steps skipped for a non-finite "
+                                      "loss or gradient (each skip is logged and counted in train/skipped_steps).")
+    dist_timeout_minutes: float = field(10.0, "A collective that waits longer fails with the step and phase where a "
+                                              "rank stopped answering (torch's default is 30 min).")
 
     def __post_init__(self):
+        if self.num_steps < 1:
+            raise ValueError(f"train.num_steps={self.num_steps} must be >= 1")
+        if self.max_skipped_steps < 1 or self.dist_timeout_minutes <= 0:
+            raise ValueError("train.max_skipped_steps must be >= 1 and train.dist_timeout_minutes > 0")
         if self.max_tokens_per_gpu < 1:
             raise ValueError("train.max_tokens_per_gpu must be >= 1")
         if self.num_mini_batches < 1:
@@ -260,6 +274,11 @@ class CheckpointConfig:
     save_final: bool = field(True, "Save a checkpoint after the last step.")
     resume: bool = field(True, "Continue from the latest checkpoint in the run directory if there is one.")
     export_hf: bool = field(True, "Write an HF-format model directory (run_dir/hf) at the end.")
+    keep: int = field(2, "Keep the newest this many checkpoints (older ones are deleted after a save).")
+
+    def __post_init__(self):
+        if self.keep < 1 or self.interval < 0:
+            raise ValueError("checkpoint.keep must be >= 1 and checkpoint.interval >= 0")
 
 
 @dataclasses.dataclass

@@ -6,3 +6,18 @@ def digit_fraction(sample: Sample) -> float:
     """Share of response characters that are digits (a random model scores > 0 sometimes)."""
     text = sample.response_text
     return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
+def huge(sample: Sample) -> float:
+    """Finite in float64, infinite in float32: what made losses NaN before rewards were checked."""
+    return 1e39
+
+
+def sleep_on_rank1(sample: Sample) -> float:
+    """Rank 1 hangs in its reward function (long after the collective timeout of the test)."""
+    import os
+    import time
+
+    if os.environ.get("RANK") == "1":
+        time.sleep(120)
+    return 0.0

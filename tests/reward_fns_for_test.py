@@ -59,3 +59,15 @@ def returns_nan(sample: Sample) -> float:
 
 
 NOT_CALLABLE = 3
+
+
+def sleeps(sample: Sample) -> float:
+    import time
+
+    time.sleep(60)
+    return 1.0
+
+
+async def sleeps_async(sample: Sample) -> float:
+    await asyncio.sleep(60)
+    return 1.0

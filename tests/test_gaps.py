@@ -133,17 +133,21 @@ def test_rng_state_round_trip_includes_cuda(monkeypatch):
     assert cuda_state["now"].tolist() == [1, 2, 3]
 
 
+class OneRank:
+    is_main, rank, world_size, world_group = True, 0, 1, None
+
+    def all_gather_objects(self, obj, group=None):
+        return [obj]
+
+
 def test_latest_without_a_loadable_checkpoint_is_an_error(tmp_path):
     from slime.trainer.checkpoint import load_checkpoint
 
     (tmp_path / "latest").write_text("step_3")
-
-    class Engine:
-        def load_checkpoint(self, path):
-            return None, None
-
-    with pytest.raises(RuntimeError, match="'latest' exists but the checkpoint could not be loaded"):
-        load_checkpoint(Engine(), tmp_path, rank=0)
+    (tmp_path / "step_3").mkdir()
+    with pytest.raises(RuntimeError, match=r"holds checkpoints but none is usable:\n.*step_3: no manifest.json"):
+        load_checkpoint({}, tmp_path, dims=OneRank(), identity={})
+    assert load_checkpoint({}, tmp_path / "empty", dims=OneRank(), identity={}) is None  # nothing to resume
 
 
 # 7. prompts --------------------------------------------------------------------------------------------------

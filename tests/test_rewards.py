@@ -252,5 +252,5 @@ def test_bad_return_values_name_the_function(fn_name, granularity, match):
 
 
 def test_non_finite_reward_is_rejected():
-    with pytest.raises(ValueError, match="returns_nan.*non-finite"):
+    with pytest.raises(ValueError, match="returns_nan returned nan.*not a finite float32"):
         make_reward_fn("reward_fns_for_test:returns_nan").score([S("a")])

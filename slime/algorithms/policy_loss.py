@@ -21,6 +21,14 @@ import torch
 from torch import Tensor
 
 LOSS_AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+LOG_RATIO_CLAMP = 20.0
+"""Log importance ratios are clamped to +/- this before exp (as verl and OpenRLHF do): past ~88.7 a
+float32 ratio is inf, and inf times a zero advantage or a zero mask is NaN in the loss or its gradient.
+e^20 is far outside any clip range, so clipped tokens are unaffected."""
+
+
+def _ratio(log_ratio: Tensor) -> Tensor:
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -82,7 +90,7 @@ def ppo_policy_loss(
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None to disable), got {dual_clip}")
 
-    ratio = torch.exp(logprobs - old_logprobs)
+    ratio = _ratio(logprobs - old_logprobs)
     loss, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
     dual_clipped = torch.zeros_like(clipped)
     if dual_clip is not None:
@@ -131,7 +139,7 @@ def gspo_policy_loss(
     log_ratio = torch.where(keep, logprobs - old_logprobs, torch.zeros_like(logprobs))
     seq_len = segment_sum(keep.to(logprobs.dtype), seq_ids).clamp(min=1)  # (S,)
     seq_log_ratio = (segment_sum(log_ratio, seq_ids) / seq_len).detach()  # (S,)
-    ratio = torch.exp(seq_log_ratio[seq_ids] + logprobs - logprobs.detach())  # (T,) value = s_i
+    ratio = _ratio(seq_log_ratio[seq_ids]) * torch.exp(logprobs - logprobs.detach())  # (T,) value = s_i
     loss, clipped = _clipped_surrogate(ratio, advantages, clip_low, clip_high)
 
     with torch.no_grad():
@@ -169,7 +177,7 @@ def cispo_policy_loss(
         raise ValueError(f"clip_low must be in [0, 1] or None (no lower bound), got {clip_low}")
 
     with torch.no_grad():
-        ratio = torch.exp(logprobs - old_logprobs)
+        ratio = _ratio(logprobs - old_logprobs)
         weight = ratio.clamp(min=None if clip_low is None else 1.0 - clip_low, max=1.0 + clip_high)
     loss = -weight * advantages * logprobs
 

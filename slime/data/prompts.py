@@ -48,20 +48,29 @@ class LoadReport:
     """Bad rows by reason (missing_image, corrupt_image, placeholder_mismatch, ...)."""
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[tuple[int, dict]]:
     """Rows of a JSON-lines file; a malformed line is an error naming file:line (blank lines are skipped)."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{n}: each line must be a JSON object, got {type(row).__name__}")
-            rows.append((n, row))
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise ValueError(f"{path} is empty: a JSON-lines file needs one JSON object per line")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(f"{path}:{line}: byte 0x{raw[e.start]:02x} at column {column} (file offset {e.start}) is "
+                         "not UTF-8; re-encode the file as UTF-8") from None
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{n}: each line must be a JSON object, got {type(row).__name__}")
+        rows.append((n, row))
     return rows
 
 
@@ -128,15 +137,43 @@ def encode_image_prompt(messages: list[dict], refs: list, cfg: DataConfig, proce
     return text, ids, refs
 
 
-def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None,
-                 processor: VLProcessor | None = None) -> tuple[list[Prompt], LoadReport]:
-    """All usable prompts of the file. Over-long prompts are dropped and counted; image-text rows with a
-    bad image (or placeholders that do not match the images) are skipped, logged with file:line and
-    counted by reason, and more than data.max_skipped_frac of them is an error."""
+def _is_empty(row: dict, cfg: DataConfig) -> bool:
+    """No text and no image in the row's prompt (a chat template alone does not make a prompt)."""
+    prompt = row.get(cfg.prompt_key)
+    if isinstance(prompt, str):
+        return not prompt.strip() and not row.get(cfg.images_key)
+    messages = row.get(cfg.messages_key) or []
+
+    def empty(content) -> bool:
+        if isinstance(content, str):
+            return not content.strip()
+        return all(p.get("type") == "text" and not (p.get("text") or "").strip() for p in content or [])
+    return all(empty(m.get("content")) for m in messages if isinstance(m, dict))
+
+
+class SkippedRow(ValueError):
+    """A row that is counted and skipped (not an error of the whole file)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+SKIP_REASONS = REASONS + ("missing_label", "empty_prompt")
+
+
+def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor: VLProcessor | None = None,
+                 *, label_required: bool = False) -> tuple[list[Prompt], LoadReport]:
+    """All usable prompts of the file. Over-long prompts are dropped and counted; rows with an empty prompt,
+    without the label a reward needs (`label_required`), or image-text rows with a bad image (or placeholders
+    that do not match the images) are skipped, logged with file:line and counted by reason, and more than
+    data.max_skipped_frac of them is an error."""
     path = path or cfg.path
     base_dir = Path(path).resolve().parent
     prompts, report, logged = [], LoadReport(), 0
     rows = load_rows(path)
+    if not rows:
+        raise ValueError(f"{path} holds no rows")
     for line, row in rows:
         try:
             try:
@@ -151,7 +188,12 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None,
                 raise ValueError(f"{path}:{line}: the row has images but model.path is a text-only model")
             else:
                 text, ids, refs = encode_image_prompt(*parsed, cfg, processor, base_dir)
-        except ImageError as e:
+            if label_required and row.get(cfg.label_key) is None:
+                raise SkippedRow("missing_label", f"no '{cfg.label_key}' (the reward compares against it; "
+                                                  "data.label_key names the field)")
+            if not ids or _is_empty(row, cfg):
+                raise SkippedRow("empty_prompt", "the prompt is empty")
+        except (ImageError, SkippedRow) as e:
             report.skipped[e.reason] += 1
             if logged < 20:
                 logger.warning("%s:%d: skipped (%s): %s", path, line, e.reason, e)
@@ -210,12 +252,12 @@ class PromptSource:
     """Global batches of prompts in a seeded order; each dp rank gets its slice."""
 
     def __init__(self, cfg: DataConfig, tokenizer, *, batch_size: int, dp_rank: int, dp_size: int, seed: int,
-                 processor: VLProcessor | None = None):
+                 processor: VLProcessor | None = None, label_required: bool = False):
         if batch_size % dp_size:
             raise ValueError(f"rollout.batch_size={batch_size} must be divisible by the data-parallel size {dp_size}")
         self.cfg, self.batch_size, self.dp_rank, self.dp_size, self.seed = cfg, batch_size, dp_rank, dp_size, seed
         self.processor = processor
-        self.prompts, self.report = load_prompts(cfg, tokenizer, processor=processor)
+        self.prompts, self.report = load_prompts(cfg, tokenizer, processor=processor, label_required=label_required)
         self.num_too_long = self.report.too_long
         self.skipped_when_drawn: collections.Counter = collections.Counter()
         if len(self.prompts) < batch_size:
@@ -236,11 +278,12 @@ class PromptSource:
         n = n or self.batch_size
         if n % self.dp_size or n > len(self._order):
             raise ValueError(f"cannot draw {n} prompts over {self.dp_size} ranks from {len(self._order)}")
-        if self.offset + n > len(self._order):  # drop the ragged tail of an epoch
-            self.epoch, self.offset = self.epoch + 1, 0
-            self._order = self._make_order()
         ids = self._order[self.offset:self.offset + n]
         self.offset += n
+        if len(ids) < n:  # the epoch's tail is used, and the batch is filled from the next epoch's order
+            self.epoch, self.offset = self.epoch + 1, n - len(ids)
+            self._order = self._make_order()
+            ids += self._order[:self.offset]
         drawn, skipped = with_pixels([self.prompts[i] for i in ids[self.dp_rank::self.dp_size]], self.cfg,
                                      self.processor, self.cfg.path)
         self.skipped_when_drawn += skipped
@@ -249,8 +292,8 @@ class PromptSource:
     def skipped_metrics(self, reduce_sum) -> dict[str, float]:
         """`data/skipped_<reason>`: rows skipped at load (every rank read the same file) plus prompts skipped
         when drawn, summed over ranks by `reduce_sum` (a collective: call on every rank). Only reasons seen."""
-        drawn = reduce_sum([float(self.skipped_when_drawn[r]) for r in REASONS])
-        return {f"data/skipped_{r}": self.report.skipped[r] + d for r, d in zip(REASONS, drawn)
+        drawn = reduce_sum([float(self.skipped_when_drawn[r]) for r in SKIP_REASONS])
+        return {f"data/skipped_{r}": self.report.skipped[r] + d for r, d in zip(SKIP_REASONS, drawn)
                 if self.report.skipped[r] + d}
 
     def state_dict(self) -> dict:

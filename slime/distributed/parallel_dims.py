@@ -58,12 +58,13 @@ class ParallelDims:
         dims = cls(world_size=world, rank=rank, local_rank=local_rank, dp=dp, sp=sp, ep=ep)
         # Ranks r*sp .. r*sp+sp-1 form one sp group; ranks with equal sp-rank form a dp group.
         # new_group is collective: every rank creates every group in the same order.
+        # Groups get the same timeout as the world (new_group would otherwise wait torch's default 30 min).
         for i in range(dp):
-            group = dist.new_group(list(range(i * sp, (i + 1) * sp)))
+            group = dist.new_group(list(range(i * sp, (i + 1) * sp)), timeout=timeout)
             if rank // sp == i:
                 dims.sp_group = group
         for j in range(sp):
-            group = dist.new_group(list(range(j, world, sp)))
+            group = dist.new_group(list(range(j, world, sp)), timeout=timeout)
             if rank % sp == j:
                 dims.dp_group = group
         return dims

@@ -72,8 +72,15 @@ class HFEngine:
             top_p=None if greedy or params.top_p >= 1 else params.top_p, top_k=None,
             max_new_tokens=params.max_new_tokens, num_return_sequences=n_return,
             eos_token_id=stops or None, pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True)
-        res = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                  generation_config=gen_cfg, **extra)
+        try:
+            res = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      generation_config=gen_cfg, **extra)
+        except RuntimeError as e:
+            if "probability tensor contains" not in str(e):
+                raise
+            raise RuntimeError(f"the policy's next-token probabilities are not finite (inf or NaN logits) with the "
+                               f"weights of version {self._version}: training has blown the weights up (a learning "
+                               "rate far too high?), or a checkpoint holds such weights") from e
         new = res.sequences[:, width:].cpu()  # (B*n, L)
         logits = torch.stack(res.logits, dim=1).float().cpu()  # (B*n, L, V) raw logits
         logps = torch.log_softmax(logits / (1.0 if greedy else params.temperature), dim=-1)

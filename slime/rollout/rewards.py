@@ -25,7 +25,6 @@ import numbers
 import re
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from math_verify import parse, verify
@@ -215,7 +214,7 @@ def _is_async(fn: Callable) -> bool:
         getattr(fn, "__call__", None))
 
 
-def _as_reward(value: Any, fn_name: str) -> tuple[float, dict[str, float]]:
+def _as_reward(value: Any, fn_name: str, sample: Sample | None = None) -> tuple[float, dict[str, float]]:
     """(reward, extras) from a function's return value; wrong types name the function."""
     extras: dict[str, float] = {}
     if isinstance(value, dict):
@@ -231,9 +230,20 @@ def _as_reward(value: Any, fn_name: str) -> tuple[float, dict[str, float]]:
     if not isinstance(value, numbers.Real):
         raise TypeError(f"reward function {fn_name} returned {type(value).__name__} "
                         f"({value!r:.80}); return a float or a dict with a 'reward' key")
-    if not math.isfinite(value):
-        raise ValueError(f"reward function {fn_name} returned a non-finite reward {value}")
+    check_finite(value, fn_name, sample)
     return float(value), {k: float(v) for k, v in extras.items()}
+
+
+F32_MAX = 3.4028234663852886e38
+
+
+def check_finite(value: float, fn_name: str, sample: Sample | None = None) -> None:
+    """Rewards feed float32 tensors: a value that is not finite there (1e39 is, in float64) would make the
+    advantages and then the loss NaN."""
+    if not math.isfinite(value) or abs(value) > F32_MAX:
+        where = f" for sample index={sample.index} (prompt {sample.prompt_text[-80:]!r})" if sample is not None else ""
+        raise ValueError(f"reward function {fn_name} returned {value}{where}, which is not a finite float32; "
+                         "rewards must be finite numbers of moderate size")
 
 
 class RewardFn:
@@ -245,7 +255,7 @@ class RewardFn:
     """
 
     def __init__(self, spec: str | dict[str, float], *, granularity: str = "sample",
-                 max_concurrency: int = 32) -> None:
+                 max_concurrency: int = 32, timeout: float | None = None) -> None:
         if granularity not in GRANULARITIES:
             raise ValueError(f"reward granularity {granularity!r} is not one of {GRANULARITIES}")
         if max_concurrency < 1:
@@ -266,7 +276,7 @@ class RewardFn:
         self.weights = {name: float(w) for name, w in weights.items()}
         self.fns = {name: _resolve(name) for name in weights}
         self._max_concurrency = max_concurrency
-        self._pool: ThreadPoolExecutor | None = None
+        self.timeout = timeout
 
     async def __call__(self, samples: list[Sample]) -> list[float]:
         # A fresh semaphore per call: asyncio primitives bind to the loop they are first used on.
@@ -281,12 +291,14 @@ class RewardFn:
             total = 0.0
             for name, results in per_fn.items():
                 value, extras = results[i]
+                check_finite(value, name, sample)
                 total += self.weights[name] * value
                 info.update(extras)
                 if len(self.fns) > 1:
                     info[name] = value
             if info:
                 sample.metadata.setdefault("reward_info", {}).update(info)
+            check_finite(total, str(self.spec), sample)
             rewards.append(total)
         return rewards
 
@@ -305,7 +317,7 @@ class RewardFn:
         for i, s in enumerate(samples):
             groups.setdefault(s.group_id, []).append(i)
         members = [[samples[i] for i in idx] for idx in groups.values()]
-        outputs = await asyncio.gather(*(self._call(fn, g, sem) for g in members))
+        outputs = await asyncio.gather(*(self._call(fn, g, sem, name=name, sample=g[0]) for g in members))
         rewards = [0.0] * len(samples)
         for idx, group, out in zip(groups.values(), members, outputs):
             if not isinstance(out, (list, tuple)) or len(out) != len(group):
@@ -313,7 +325,7 @@ class RewardFn:
                 raise TypeError(f"group reward function {name} must return a list with one value "
                                 f"per sample of the group ({len(group)}), got {got}")
             for i, sample, value in zip(idx, group, out):
-                rewards[i], extras = _as_reward(value, name)
+                rewards[i], extras = _as_reward(value, name, sample)
                 if extras:
                     sample.metadata.setdefault("reward_info", {}).update(extras)
         return [self.weights[name] * r for r in rewards]
@@ -321,20 +333,55 @@ class RewardFn:
     async def _run(self, fn: Callable, name: str, sample: Sample,
                    sem: asyncio.Semaphore) -> tuple[float, dict[str, float]]:
         if fn is BUILTIN_REWARDS.get(name):
-            return _as_reward(fn(sample), name)
-        return _as_reward(await self._call(fn, sample, sem), name)
+            return _as_reward(fn(sample), name, sample)
+        return _as_reward(await self._call(fn, sample, sem, name=name, sample=sample), name, sample)
 
-    async def _call(self, fn: Callable, arg: Any, sem: asyncio.Semaphore) -> Any:
+    async def _call(self, fn: Callable, arg: Any, sem: asyncio.Semaphore, *, name: str, sample: Sample) -> Any:
+        """Run a user function with the per-call timeout: an async one is cancelled; a sync one runs in a
+        daemon thread that is abandoned (Python cannot stop a thread), so a hang cannot hold the job."""
         async with sem:
-            if _is_async(fn):
-                return await fn(arg)
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._max_concurrency,
-                                                thread_name_prefix="reward")
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, arg)
+            call = fn(arg) if _is_async(fn) else _in_daemon_thread(fn, arg)
+            try:
+                return await asyncio.wait_for(call, timeout=self.timeout)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"reward function {name} did not return within rollout.reward.timeout="
+                                   f"{self.timeout}s for sample index={sample.index} (prompt "
+                                   f"{sample.prompt_text[-80:]!r}); fix the function or raise the timeout") from None
+
+
+def _in_daemon_thread(fn: Callable, arg: Any) -> asyncio.Future:
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(how, value):
+        try:  # after a timeout the loop may be gone: the result is simply dropped
+            loop.call_soon_threadsafe(lambda: future.done() or how(value))
+        except RuntimeError:
+            pass
+
+    def work():
+        try:
+            result = fn(arg)
+        except BaseException as e:  # noqa: BLE001 -- handed to the awaiting coroutine as is
+            settle(future.set_exception, e)
+        else:
+            settle(future.set_result, result)
+
+    threading.Thread(target=work, name="reward", daemon=True).start()
+    return future
+
+
+LABELLED_REWARDS = ("math", "exact_match")
+"""Built-in rewards that compare against the row's label."""
+
+
+def needs_label(spec: str | dict) -> bool:
+    """Whether every row must have a label for this reward spec (user functions decide for themselves)."""
+    names = [spec] if isinstance(spec, str) else list(spec)
+    return any(name in LABELLED_REWARDS for name in names)
 
 
 def make_reward_fn(spec: str | dict[str, float], *, granularity: str = "sample",
-                   max_concurrency: int = 32) -> RewardFn:
+                   max_concurrency: int = 32, timeout: float | None = None) -> RewardFn:
     """Build the reward callable for a run's reward spec (see the module docstring)."""
-    return RewardFn(spec, granularity=granularity, max_concurrency=max_concurrency)
+    return RewardFn(spec, granularity=granularity, max_concurrency=max_concurrency, timeout=timeout)

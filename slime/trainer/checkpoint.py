@@ -1,14 +1,35 @@
-"""Checkpoints: the DeepSpeed engine state plus loop state (step, data position) and per-rank RNG."""
+"""Atomic, verified checkpoints: DeepSpeed engine states, loop state and per-rank RNG.
+
+A checkpoint is written into `checkpoints/.partial/step_N/` and becomes visible only when it is whole:
+every rank has written its engine files and RNG state, rank 0 has written `manifest.json` (size and
+SHA-256 of every file, the step, the model it came from and the optimisation settings), the folder
+has been renamed to `checkpoints/step_N/`, and then `checkpoints/latest` is replaced atomically. A kill
+at any moment leaves the previous checkpoint as `latest`. Only the newest `checkpoint.keep` survive.
+
+Resuming verifies the manifest of `latest`; a torn or corrupt checkpoint is reported and the newest
+older one that verifies is used. A checkpoint of another model is refused; changed optimisation
+settings are applied to the restored optimizer and scheduler and said so.
+
+Layout: step_N/<role>/ (DeepSpeed's files for the actor and, with PPO, the critic), step_N/rng_rank{r}.pt,
+step_N/manifest.json. Like DeepSpeed's own, checkpoints need a file system every rank sees.
+"""
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+PARTIAL = ".partial"
 
 
 def _rng_state() -> dict:
@@ -26,22 +47,122 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(engine, ckpt_dir: Path, *, step: int, loop_state: dict, rank: int) -> None:
-    """Collective. `step` is the number of completed steps; resuming starts there."""
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _step_of(tag: str) -> int:
+    return int(tag.removeprefix("step_")) if tag.startswith("step_") and tag[5:].isdigit() else -1
+
+
+def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dict, dims, identity: dict,
+                    keep: int = 2) -> Path:
+    """Collective. `engines`: role -> PolicyEngine. `step` is the number of completed steps (resuming
+    starts there); `identity` (model and optimisation settings) is recorded in the manifest."""
+    if not all(e.parameters_finite() for e in engines.values()):
+        raise RuntimeError(f"not saving step {step}: parameters are not finite (a checkpoint must never hold them)")
     tag = f"step_{step}"
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"step": step, **loop_state})
-    torch.save(_rng_state(), ckpt_dir / tag / f"rng_rank{rank}.pt")
-    logger.info("saved checkpoint %s", ckpt_dir / tag)
+    staging = ckpt_dir / PARTIAL / tag
+    if dims.is_main:
+        shutil.rmtree(staging, ignore_errors=True)  # what a killed save left behind
+        staging.mkdir(parents=True)
+    dims.barrier()
+    for role, engine in engines.items():
+        engine.engine.save_checkpoint(str(staging), tag=role, client_state={"step": step, **loop_state},
+                                      save_latest=False)
+    torch.save(_rng_state(), staging / f"rng_rank{dims.rank}.pt")
+    dims.barrier()  # every rank's files are complete
+    final = ckpt_dir / tag
+    if dims.is_main:
+        files = {str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                 for p in sorted(staging.rglob("*")) if p.is_file()}
+        manifest = {"step": step, "loop_state": loop_state, "world_size": dims.world_size, **identity,
+                    "files": files}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(staging, final)
+        latest_tmp = ckpt_dir / "latest.tmp"
+        latest_tmp.write_text(tag)
+        os.replace(latest_tmp, ckpt_dir / "latest")
+        for old in sorted((p for p in ckpt_dir.glob("step_*") if _step_of(p.name) >= 0), key=lambda p: _step_of(p.name))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        logger.info("saved checkpoint %s (%d files)", final, len(files))
+    dims.barrier()
+    return final
 
 
-def load_checkpoint(engine, ckpt_dir: Path, *, rank: int) -> dict | None:
-    """Load the latest checkpoint if one exists; returns its loop state (with 'step') or None."""
-    if not (ckpt_dir / "latest").is_file():
-        return None
-    path, client_state = engine.load_checkpoint(str(ckpt_dir))
+def verify(path: Path) -> str | None:
+    """None if the checkpoint at `path` is whole and unchanged, else what is wrong with it."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return "no manifest.json (an incomplete or pre-manifest checkpoint)"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (json.JSONDecodeError, KeyError) as e:
+        return f"unreadable manifest.json ({e})"
+    for name, meta in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != meta["bytes"]:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {meta['bytes']} (truncated?)"
+        if _sha256(f) != meta["sha256"]:
+            return f"{name} does not match its checksum (overwritten or corrupt)"
+    return None
+
+
+def find_checkpoint(ckpt_dir: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that verifies, `latest` first, and a note for each one skipped."""
+    notes: list[str] = []
+    latest = ckpt_dir / "latest"
+    tags = [latest.read_text().strip()] if latest.is_file() else []
+    tags += [p.name for p in sorted(ckpt_dir.glob("step_*"), key=lambda p: -_step_of(p.name)) if p.name not in tags]
+    for tag in tags:
+        problem = verify(ckpt_dir / tag) if (ckpt_dir / tag).is_dir() else "its folder does not exist"
+        if problem is None:
+            return ckpt_dir / tag, notes
+        notes.append(f"{ckpt_dir / tag}: {problem}")
+    return None, notes
+
+
+def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> dict | None:
+    """Collective. Restore the newest good checkpoint; returns its loop state (with 'step') or None when
+    there is none. Raises when checkpoints exist but none verifies, or they are of another model."""
+    found = None
+    if dims.is_main:
+        path, notes = find_checkpoint(ckpt_dir)
+        for note in notes:
+            logger.error("checkpoint not usable, skipped: %s", note)
+        if path is not None and notes:
+            logger.warning("resuming from the older checkpoint %s", path)
+        found = (str(path) if path else None, notes)
+    path, notes = dims.all_gather_objects(found, group=dims.world_group)[0]
     if path is None:
-        raise RuntimeError(f"{ckpt_dir}: 'latest' exists but the checkpoint could not be loaded")
-    tag = (ckpt_dir / "latest").read_text().strip()
-    _set_rng_state(torch.load(ckpt_dir / tag / f"rng_rank{rank}.pt", weights_only=False))
-    logger.info("resumed from %s at step %d", ckpt_dir / tag, client_state["step"])
-    return client_state
+        if notes:
+            raise RuntimeError(f"{ckpt_dir} holds checkpoints but none is usable:\n  " + "\n  ".join(notes) +
+                               "\nmove the folder away to start over, or set checkpoint.resume=false with a new "
+                               "log.run_dir")
+        return None
+    path = Path(path)
+    manifest = json.loads((path / MANIFEST).read_text())
+    for key in ("model_path", "model_config_sha256"):
+        if manifest.get(key) != identity.get(key):
+            raise ValueError(f"{path} was written for {key}={manifest.get(key)!r} but this run has "
+                             f"{identity.get(key)!r}: resuming would load another model's weights. Use a new "
+                             "log.run_dir (or set checkpoint.resume=false there)")
+    if manifest.get("world_size") != dims.world_size:
+        raise ValueError(f"{path} was written by {manifest.get('world_size')} ranks, this run has {dims.world_size}; "
+                         "resume with the same number of ranks (DeepSpeed's ZeRO-3 partitions are per rank)")
+    for role, engine in engines.items():
+        loaded, _ = engine.load_checkpoint(str(path), tag=role)
+        if loaded is None:
+            raise RuntimeError(f"{path}/{role}: DeepSpeed could not load the {role}'s states")
+    _set_rng_state(torch.load(path / f"rng_rank{dims.rank}.pt", weights_only=False))
+    changed = {k: (manifest["optim"].get(k), v) for k, v in identity["optim"].items()
+               if manifest.get("optim", {}).get(k) != v}
+    logger.info("resumed from %s at step %d", path, manifest["step"])
+    return {"step": manifest["step"], **manifest["loop_state"], "changed_optim": changed}

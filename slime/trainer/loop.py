@@ -4,7 +4,10 @@ With algo.policy_loss=sft the rollout is replaced by the prompts' labels as resp
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import functools
+import hashlib
 import logging
 import random
 import time
@@ -18,7 +21,7 @@ from slime.data.prompts import PromptSource, sft_samples
 from slime.distributed.parallel_dims import ParallelDims
 from slime.models.loading import load_processor, load_tokenizer
 from slime.rollout.engine import make_engine
-from slime.rollout.rewards import make_reward_fn
+from slime.rollout.rewards import make_reward_fn, needs_label
 from slime.rollout.rollout import collect_rollout
 from slime.trainer.advantages import compute_advantages
 from slime.trainer.checkpoint import load_checkpoint, save_checkpoint
@@ -28,6 +31,7 @@ from slime.trainer.policy_engine import PolicyEngine
 from slime.trainer.evaluate import evaluate, load_eval_prompts
 from slime.utils.metrics import MetricsLogger
 from slime.utils.plot import plot_metrics
+from slime.utils.signals import StopRequest
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +68,10 @@ def score_batch(batch: RankBatch, cfg: Config, actor: PolicyEngine, ref: PolicyE
     """Everything the loss needs before the update: pi_old and reference logprobs, values, advantages."""
     for s, lp in zip(batch.samples, actor.score(batch)):
         s.old_logprobs = lp
+    bad = sum(not bool(torch.isfinite(s.old_logprobs).all()) for s in batch.samples)
+    if dims.all_reduce_sum([float(bad)], group=dims.world_group)[0]:
+        raise RuntimeError("the trainer's logprobs of this batch are not finite: the weights have blown up (a "
+                           f"learning rate far too high? train.lr={cfg.train.lr:g}) or the model is broken")
     if ref is not None:
         for s, lp in zip(batch.samples, ref.score(batch)):
             s.ref_logprobs = lp
@@ -73,16 +81,41 @@ def score_batch(batch: RankBatch, cfg: Config, actor: PolicyEngine, ref: PolicyE
     return {**compute_advantages(batch.samples, cfg.algo, dims), **logprob_metrics(batch.samples, dims)}
 
 
+def checkpoint_identity(cfg: Config) -> dict:
+    """What a checkpoint must match to be resumed (the model), and the settings it was trained with."""
+    config = Path(cfg.model.path) / "config.json"
+    t = cfg.train
+    return {"model_path": str(Path(cfg.model.path).resolve()),
+            "model_config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None,
+            "optim": {"train.lr": t.lr, "train.min_lr": t.min_lr, "train.lr_schedule": t.lr_schedule,
+                      "train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
+                      "train.betas": list(t.betas), "train.grad_clip": t.grad_clip,
+                      "algo.critic.lr": cfg.algo.critic.lr}}
+
+
+def check_run_dir(cfg: Config, run_dir: Path) -> None:
+    """A used run directory is continued (checkpoint.resume) or refused, never mixed into."""
+    metrics = run_dir / "metrics.jsonl"
+    if not cfg.checkpoint.resume and metrics.is_file() and metrics.stat().st_size:
+        raise ValueError(f"log.run_dir={run_dir} already holds a run ({metrics}); with checkpoint.resume=false it "
+                         "would be mixed with this one. Use a new log.run_dir, delete the old one, or set "
+                         "checkpoint.resume=true to continue it")
+
+
 def run(cfg: Config) -> dict:
     """Train for cfg.train.num_steps; returns the last logged metrics."""
-    dims = ParallelDims.build(sp=cfg.parallel.sp, ep=cfg.parallel.ep)
+    dims = ParallelDims.build(sp=cfg.parallel.sp, ep=cfg.parallel.ep,
+                              timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes))
     seed_everything(cfg.train.seed + dims.rank)  # per-rank sampling streams, reproducible
     run_dir, sft = Path(cfg.log.run_dir), cfg.algo.policy_loss == "sft"
+    check_run_dir(cfg, run_dir)
+    stop = StopRequest.install()
     ckpt_dir = run_dir / "checkpoints"
     tokenizer = load_tokenizer(cfg.model)
     processor = load_processor(cfg.model, tokenizer)  # image-text models only
     data = PromptSource(cfg.data, tokenizer, batch_size=cfg.rollout.batch_size, dp_rank=dims.dp_rank,
-                        dp_size=dims.dp, seed=cfg.train.seed, processor=processor)
+                        dp_size=dims.dp, seed=cfg.train.seed, processor=processor,
+                        label_required=sft or needs_label(cfg.rollout.reward.fn))
     eval_prompts = load_eval_prompts(cfg, tokenizer, dims, processor) if cfg.eval.path else None
     # A colocated engine starts before the trainer and releases its memory at once, so the trainer's
     # states and the engine's cache are never on the GPU together (the trainer offloads around rollout).
@@ -94,16 +127,18 @@ def run(cfg: Config) -> dict:
     actor = PolicyEngine.actor(cfg, dims)
     ref = PolicyEngine.reference(cfg, dims) if cfg.algo.needs_reference and not sft else None
     critic = PolicyEngine.critic(cfg, dims) if cfg.algo.advantage_estimator == "gae" and not sft else None
-    reward_fn = make_reward_fn(cfg.rollout.reward.fn, granularity=cfg.rollout.reward.granularity)
+    trained = {"actor": actor, **({"critic": critic} if critic is not None else {})}
+    reward_fn = make_reward_fn(cfg.rollout.reward.fn, granularity=cfg.rollout.reward.granularity,
+                               timeout=cfg.rollout.reward.timeout)
 
-    start_step = 0
+    identity, start_step = checkpoint_identity(cfg), 0
     if cfg.checkpoint.resume:
-        state = load_checkpoint(actor.engine, ckpt_dir, rank=dims.rank)
-        if state is not None and critic is not None:
-            critic.engine.load_checkpoint(str(ckpt_dir / "critic"))
+        state = load_checkpoint({k: e.engine for k, e in trained.items()}, ckpt_dir, dims=dims, identity=identity)
         if state is not None:
             start_step = state["step"]
             data.load_state_dict(state["data"])
+            for role, e in trained.items():
+                e.apply_optim_settings(cfg, changed=state["changed_optim"])
     bucket_mb = cfg.rollout.sync_bucket_mb
     if engine is not None:
         sync_weights(actor, engine, version=start_step, bucket_mb=bucket_mb)  # the engine starts from the trainer's weights
@@ -111,7 +146,8 @@ def run(cfg: Config) -> dict:
     if start_step >= cfg.train.num_steps:
         logger.warning("%s already holds a run finished at step %d: nothing to do (raise train.num_steps, "
                        "pick another log.run_dir, or set checkpoint.resume=false)", run_dir, start_step)
-    log = MetricsLogger(cfg.log, run_config=cfg.to_dict(), enabled=dims.is_main, total_steps=cfg.train.num_steps)
+    log = MetricsLogger(cfg.log, run_config=cfg.to_dict(), enabled=dims.is_main, total_steps=cfg.train.num_steps,
+                        resume_step=start_step)
     logger.info("%s for %d steps on %d rank(s): %d prompts x %d samples per step; %d prompts dropped as too long",
                 "SFT" if sft else "RL", cfg.train.num_steps - start_step, dims.world_size, cfg.rollout.batch_size,
                 1 if sft else cfg.rollout.n_samples_per_prompt, data.num_too_long)
@@ -121,51 +157,71 @@ def run(cfg: Config) -> dict:
         if eval_prompts is not None and (done == start_step or last or done % cfg.eval.interval == 0):
             log.log(done, evaluate(engine, eval_prompts, cfg, tokenizer, reward_fn, dims))
 
+    def checkpoint(done: int) -> Path:
+        return save_checkpoint(trained, ckpt_dir, step=done,
+                               loop_state={"data": data.state_dict()}, dims=dims, identity=identity,
+                               keep=cfg.checkpoint.keep)
+
+    phase = Phase()
     maybe_eval(start_step)
     metrics: dict = {}
     for step in range(start_step, cfg.train.num_steps):
-        t0 = time.time()
-        if sft:
-            local, metrics = sft_samples(data.next_batch(), tokenizer), {}
-        else:
-            if colocate:
-                actor.offload()  # every state, parameters included, off the GPU while the engine is awake
-            local, metrics = collect_rollout(engine, data, cfg.rollout, tokenizer, reward_fn, dims, step=step)
-            if colocate:
-                actor.reload()
-            metrics["time/rollout"] = time.time() - t0
+        with phase.guard(step + 1, cfg.train.dist_timeout_minutes):
+            t0 = time.time()
+            phase.now = "rollout"
+            if sft:
+                local, metrics = sft_samples(data.next_batch(), tokenizer), {}
+            else:
+                if colocate:
+                    actor.offload()  # every state, parameters included, off the GPU while the engine is awake
+                local, metrics = collect_rollout(engine, data, cfg.rollout, tokenizer, reward_fn, dims, step=step)
+                if colocate:
+                    actor.reload()
+                metrics["time/rollout"] = time.time() - t0
 
-        t1 = time.time()
-        batch = distribute(local, dims, actor.train_layout, num_mini_batches=cfg.train.num_mini_batches)
-        metrics["train/moved_sample_frac"] = batch.moved / batch.num_samples
-        if not sft:
-            metrics.update(score_batch(batch, cfg, actor, ref, critic, dims))
-        if critic is not None:
-            metrics.update(critic.train_step(batch, functools.partial(critic_loss, cfg.algo.critic)))
-        if critic is None or step >= cfg.algo.critic.warmup_steps:
-            metrics.update(actor.train_step(batch, functools.partial(actor_loss, cfg.algo)))
-        t_train = time.time() - t1
-
-        done = step + 1
-        if engine is not None and (not sft or (eval_prompts and (done % cfg.eval.interval == 0 or
-                                                                 done == cfg.train.num_steps))):
-            if colocate:
-                actor.offload(params=False)  # the gather below still needs the ZeRO-3 partitions
-            metrics.update(sync_weights(actor, engine, version=done, bucket_mb=bucket_mb))
-            metrics.update(engine.metrics())
-        metrics.update(data.skipped_metrics(dims.all_reduce_sum))
-        metrics.update({"time/train": t_train, "time/step": time.time() - t0})
-        if "train/tokens" in metrics:
-            metrics["perf/train_tokens_per_s"] = metrics["train/real_tokens"] / t_train
-        if "rollout/gen_tokens" in metrics:
-            metrics["perf/gen_tokens_per_s"] = metrics["rollout/gen_tokens"] / metrics["time/rollout"]
-        log.log(done, metrics)
-        maybe_eval(done)
-        if (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0) or \
-                (cfg.checkpoint.save_final and done == cfg.train.num_steps):
-            save_checkpoint(actor.engine, ckpt_dir, step=done, loop_state={"data": data.state_dict()}, rank=dims.rank)
+            t1 = time.time()
+            phase.now = "balancing"
+            batch = distribute(local, dims, actor.train_layout, num_mini_batches=cfg.train.num_mini_batches)
+            metrics["train/moved_sample_frac"] = batch.moved / batch.num_samples
+            phase.now = "scoring (old/reference logprobs, values, advantages)"
+            if not sft:
+                metrics.update(score_batch(batch, cfg, actor, ref, critic, dims))
+            phase.now = "training"
             if critic is not None:
-                critic.engine.save_checkpoint(str(ckpt_dir / "critic"), tag=f"step_{done}")
+                metrics.update(critic.train_step(batch, functools.partial(critic_loss, cfg.algo.critic)))
+            if critic is None or step >= cfg.algo.critic.warmup_steps:
+                metrics.update(actor.train_step(batch, functools.partial(actor_loss, cfg.algo)))
+            t_train = time.time() - t1
+
+            done = step + 1
+            phase.now = "weight sync"
+            if engine is not None and (not sft or (eval_prompts and (done % cfg.eval.interval == 0 or
+                                                                     done == cfg.train.num_steps))):
+                if colocate:
+                    actor.offload(params=False)  # the gather below still needs the ZeRO-3 partitions
+                metrics.update(sync_weights(actor, engine, version=done, bucket_mb=bucket_mb))
+                metrics.update(engine.metrics())
+            metrics.update(data.skipped_metrics(dims.all_reduce_sum))
+            metrics.update({"time/train": t_train, "time/step": time.time() - t0})
+            if "train/tokens" in metrics:
+                metrics["perf/train_tokens_per_s"] = metrics["train/real_tokens"] / t_train
+            if "rollout/gen_tokens" in metrics:
+                metrics["perf/gen_tokens_per_s"] = metrics["rollout/gen_tokens"] / metrics["time/rollout"]
+            log.log(done, metrics)
+            phase.now = "evaluation"
+            maybe_eval(done)
+            phase.now = "checkpoint"
+            stopping = dims.all_reduce_sum([float(stop.requested)], group=dims.world_group)[0] > 0
+            if stopping or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0) or \
+                    (cfg.checkpoint.save_final and done == cfg.train.num_steps):
+                saved = checkpoint(done)
+            if stopping and done < cfg.train.num_steps:
+                log.close()
+                logger.warning("stopped by signal after step %d of %d; checkpoint %s saved. Run the same command "
+                               "again to continue from it", done, cfg.train.num_steps, saved)
+                if engine is not None:
+                    engine.shutdown()
+                raise SystemExit(stop.exit_code)
     if cfg.checkpoint.export_hf and start_step < cfg.train.num_steps:
         savers = [tokenizer] + ([processor.image_processor] if processor is not None else [])
         actor.export_hf(str(run_dir / "hf"), *savers, bucket_mb=bucket_mb)
@@ -176,3 +232,21 @@ def run(cfg: Config) -> dict:
     if engine is not None:
         engine.shutdown()
     return metrics
+
+
+class Phase:
+    """Where the loop is, for the message of a collective that timed out."""
+
+    def __init__(self) -> None:
+        self.now = "start"
+
+    @contextlib.contextmanager
+    def guard(self, step: int, minutes: float):
+        try:
+            yield
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+                raise
+            raise RuntimeError(f"step {step}, {self.now}: a collective waited more than train.dist_timeout_minutes="
+                               f"{minutes:g} for another rank, which stopped answering (crashed, hung in a reward "
+                               "function or a data loader, or ran out of memory): its log has the cause") from e

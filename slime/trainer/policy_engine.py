@@ -94,6 +94,7 @@ class PolicyEngine:
         if self.adapter.positions != "1d":  # get_rope_index reads only the config: fine on the sharded model
             terms["positions"] = functools.partial(sample_positions, self.adapter, hf)
         self.train_layout, self.nograd_layout = Layout.for_training(train, **terms), Layout.for_nograd(train, **terms)
+        self.skipped_steps = self.consecutive_skips = 0
 
     # Builders from the run config: which sub-configs each role reads.
     @classmethod
@@ -158,16 +159,65 @@ class PolicyEngine:
         return sums
 
     def optimizer_step(self) -> float:
-        """Apply the accumulated gradients; the global gradient norm before clipping."""
+        """Apply the accumulated gradients; the global gradient norm before clipping.
+
+        A non-finite gradient norm (a NaN or inf loss or gradient on any rank: the norm is global) makes
+        DeepSpeed skip the update on every rank alike; that is counted here and logged, and
+        train.max_skipped_steps such steps in a row stop the run. Parameters that an update made
+        non-finite (a learning rate far too high) stop the run at once, before any checkpoint holds them.
+        """
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
+        norm = float(norm) if norm is not None else float("nan")
+        if not math.isfinite(norm):
+            self.skipped_steps += 1
+            self.consecutive_skips += 1
+            logger.error("skipped the optimizer step (%s %d in a row): the gradient norm is %s. Likely causes: "
+                         "non-finite rewards or advantages, a learning rate too high (%s=%g), or logprobs far from "
+                         "the rollout's; the weights are unchanged", self.role, self.consecutive_skips, norm,
+                         "train.lr" if self.role == "actor" else "algo.critic.lr", self.engine.get_lr()[0])
+            if self.consecutive_skips >= self.train_cfg.max_skipped_steps:
+                raise RuntimeError(f"{self.consecutive_skips} consecutive optimizer steps of the {self.role} had a "
+                                   f"non-finite loss or gradient (train.max_skipped_steps="
+                                   f"{self.train_cfg.max_skipped_steps}); stopping. See the errors above for causes")
+            return norm
+        self.consecutive_skips = 0
+        if not self.parameters_finite():
+            raise RuntimeError(f"the {self.role}'s parameters are not finite after an optimizer step with a finite "
+                               f"gradient norm ({norm:.3g}): the update overflowed (learning rate "
+                               f"{self.engine.get_lr()[0]:g}?). Stopping without saving them")
+        return norm
+
+    def apply_optim_settings(self, cfg: Config, *, changed: dict) -> None:
+        """After a resume: the checkpoint restored the optimizer's and scheduler's states, with the settings it
+        was trained with; settings changed since then are applied here (and said so), not silently ignored."""
+        mine = {k: v for k, v in changed.items() if k.startswith("train.") or
+                (k == "algo.critic.lr" and self.role == "critic")}
+        if self.role == "critic":
+            mine.pop("train.lr", None)
+        if not mine:
+            return
+        lr = cfg.algo.critic.lr if self.role == "critic" else cfg.train.lr
+        scheduler, optimizer = self.engine.lr_scheduler, self.engine.optimizer
+        factor = scheduler.lr_lambdas[0](scheduler.last_epoch) if scheduler is not None else 1.0
+        if scheduler is not None:
+            scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+        for group in optimizer.param_groups:
+            group.update(lr=lr * factor, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
+        logger.warning("resumed with changed settings, applied to the %s: %s", self.role,
+                       ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in mine.items()))
+
+    def parameters_finite(self) -> bool:
+        """Every rank's parameter partitions are finite (a collective)."""
+        local = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in self.engine.module.parameters())
+        return self.dims.all_reduce_sum([0.0 if local else 1.0], group=self.dims.world_group)[0] == 0.0
 
     def train_step(self, batch: RankBatch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step per mini-batch. Metrics are reduced over dp ONCE for the whole batch:
         loss shares summed per mini-batch, token sums divided by the loss-token count, packing figures."""
         sums: dict[str, torch.Tensor] = {}
         grad_norms = []
+        skipped_before = self.skipped_steps
         for mini in batch.mini_batches:
             for key, value in self.forward_backward(batch, mini, loss_fn).items():
                 sums[key] = sums[key] + value if key in sums else value
@@ -177,7 +227,8 @@ class PolicyEngine:
         n_mini = len(batch.mini_batches)
         ntok = max(g.pop("loss_tokens"), 1.0)
         prefix = "critic" if self.role == "critic" else "train"
-        out = {f"{prefix}/grad_norm": sum(grad_norms) / n_mini, f"{prefix}/lr": self.engine.get_lr()[0]}
+        out = {f"{prefix}/grad_norm": sum(grad_norms) / n_mini, f"{prefix}/lr": self.engine.get_lr()[0],
+               f"{prefix}/skipped_steps": float(self.skipped_steps - skipped_before)}
         for key in ("loss", "pg_loss", "value_loss"):  # additive shares of each mini-batch's loss
             if key in g:
                 out[f"{prefix}/{key}"] = g.pop(key) / n_mini

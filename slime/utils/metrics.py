@@ -19,7 +19,7 @@ CONSOLE_KEYS = [("rollout/reward_mean", "reward"), ("rollout/response_len", "len
 class MetricsLogger:
     """Only rank 0 writes; other ranks hold a no-op logger."""
 
-    def __init__(self, cfg: LogConfig, *, run_config: dict, enabled: bool, total_steps: int):
+    def __init__(self, cfg: LogConfig, *, run_config: dict, enabled: bool, total_steps: int, resume_step: int = 0):
         self.enabled, self.total_steps = enabled, total_steps
         self.start, self.steps_done, self.first_step = time.time(), 0, None
         self._wandb = self._tb = None
@@ -29,6 +29,7 @@ class MetricsLogger:
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
+        self._truncate(resume_step)
         self._file = self.path.open("a")
         (run_dir / "config.json").write_text(json.dumps(run_config, indent=2))
         if cfg.wandb:
@@ -41,6 +42,23 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def _truncate(self, resume_step: int) -> None:
+        """Keep only what the resumed run will not log again: every record of an earlier step, and the training
+        record of `resume_step` itself (its evaluation, if any, is logged again), so no step appears twice."""
+        if not self.path.is_file():
+            return
+        kept = []
+        for line in self.path.read_text().splitlines():
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            is_eval = not any(k.startswith("train/") for k in record)
+            if record["step"] < resume_step or (record["step"] == resume_step and not is_eval):
+                kept.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:

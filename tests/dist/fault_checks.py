@@ -1,0 +1,57 @@
+"""Run on 2 ranks by tests/test_faults.py: a loss that turns NaN or inf skips the optimizer step on every
+rank together (weights unchanged, counted), and train.max_skipped_steps skips in a row stop the run.
+
+    torchrun --standalone --nproc_per_node 2 tests/dist/fault_checks.py MODEL_DIR OUT_DIR
+"""
+import functools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from dist.actor_checks import fixed_batch, local_share
+from slime.config import load_config
+from slime.distributed.parallel_dims import ParallelDims
+from slime.trainer.layout import distribute
+from slime.trainer.losses import actor_loss
+from slime.trainer.policy_engine import PolicyEngine
+
+
+def poisoned(algo, bad_rank, mb, *outputs, **norms):
+    """The actor loss, times NaN on one rank only."""
+    loss, sums = actor_loss(algo, mb, *outputs, **norms)
+    if torch.distributed.get_rank() == bad_rank:
+        loss = loss * float("nan")
+    return loss, sums
+
+
+def main() -> None:
+    model_dir, out = sys.argv[1], Path(sys.argv[2])
+    cfg = load_config(None, [f"model.path={model_dir}", "data.path=unused.jsonl", "train.lr=1e-2",
+                             "train.max_skipped_steps=2"])
+    dims = ParallelDims.build()
+    actor = PolicyEngine.actor(cfg, dims)
+    batch = distribute(local_share(fixed_batch(), dims), dims, actor.train_layout)
+    for s, lp in zip(batch.samples, actor.score(batch)):
+        s.old_logprobs = lp
+    state = lambda: {n: t for b in actor.gathered_weight_buckets(1.0) for n, t in b}  # noqa: E731
+    before = state()
+    skipped = actor.train_step(batch, functools.partial(poisoned, cfg.algo, 1))
+    unchanged = all(torch.equal(before[n], t) for n, t in state().items())
+    good = actor.train_step(batch, functools.partial(actor_loss, cfg.algo))  # resets the run of skips
+    moved = any(not torch.equal(before[n], t) for n, t in state().items())
+    actor.train_step(batch, functools.partial(poisoned, cfg.algo, 0))
+    error = None
+    try:
+        actor.train_step(batch, functools.partial(poisoned, cfg.algo, 0))
+    except RuntimeError as e:
+        error = str(e)
+    if dims.is_main:
+        (out / "result.json").write_text(json.dumps({
+            "skipped": skipped["train/skipped_steps"], "grad_norm": skipped["train/grad_norm"],
+            "unchanged": unchanged, "good_skipped": good["train/skipped_steps"], "moved": moved, "error": error}))
+
+
+if __name__ == "__main__":
+    main()

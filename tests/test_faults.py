@@ -1,0 +1,330 @@
+"""Faults end in a clear message or a recovery: non-finite losses and rewards, torn or corrupt checkpoints,
+signals, hung reward functions and ranks, and bad data files."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, run_ranks
+from slime.algorithms.policy_loss import aggregate_loss, cispo_policy_loss, gspo_policy_loss, ppo_policy_loss
+from slime.config import DataConfig, load_config
+from slime.rollout.rewards import make_reward_fn
+
+
+# -- non-finite values ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo"])
+def test_extreme_log_ratios_give_a_finite_loss_and_gradient(loss):
+    """The issue's reproduction: a masked token 99 nats off and zero advantages."""
+    lp = torch.tensor([-1.0, -1.2, -0.5], requires_grad=True)
+    old = torch.tensor([-100.0, -1.0, 120.0])
+    mask = torch.tensor([0.0, 1.0, 1.0])
+    seq = torch.tensor([0, 0, 1])
+    for adv in (torch.tensor([0.5, 0.5, 0.0]), torch.zeros(3)):
+        lp.grad = None
+        if loss == "ppo":
+            per_token, _ = ppo_policy_loss(lp, old, adv, mask)
+        elif loss == "gspo":
+            per_token, _ = gspo_policy_loss(lp, old, adv, mask, seq, clip_low=3e-4, clip_high=4e-4)
+        else:
+            per_token, _ = cispo_policy_loss(lp, old, adv, mask, clip_high=4.0)
+        total = aggregate_loss(per_token, mask, seq, mode="token_mean", num_tokens=2, num_seqs=2)
+        total.backward()
+        assert torch.isfinite(total) and torch.isfinite(lp.grad).all(), (loss, adv, total, lp.grad)
+
+
+def test_rewards_not_finite_in_float32_name_the_function_and_sample():
+    from slime.data.sample import Sample
+
+    with pytest.raises(ValueError, match=r"e2e_rewards:huge returned 1e\+39 for sample index=3 .* not a finite"):
+        make_reward_fn("e2e_rewards:huge").score([Sample(prompt_ids=[1], prompt_text="2+2=", index=3)])
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from data_tools.make_tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("fault_model") / "m", arch="qwen2", seed=0)
+
+
+def test_a_nan_loss_on_one_rank_skips_the_step_everywhere_and_repeated_skips_stop(model, tmp_path):
+    run_ranks([str(REPO / "tests/dist/fault_checks.py"), str(model), str(tmp_path)])
+    r = json.loads((tmp_path / "result.json").read_text())
+    assert r["skipped"] == 1.0 and r["unchanged"]  # rank 1's NaN: no rank stepped
+    assert r["good_skipped"] == 0.0 and r["moved"]  # a finite step still trains
+    assert "2 consecutive optimizer steps of the actor had a non-finite loss or gradient" in r["error"]
+
+
+def launch(model, task_dir, run_dir, *overrides, nproc=2, check=True, timeout=600):
+    args = [str(REPO / "run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"), f"model.path={model}",
+            f"data.path={task_dir / 'train.jsonl'}", f"log.run_dir={run_dir}", "eval.path=null",
+            "rollout.reward.fn=e2e_rewards:digit_fraction", "rollout.batch_size=4", "rollout.n_samples_per_prompt=4",
+            "rollout.max_response_len=6", "train.lr=5e-3", "train.max_tokens_per_gpu=64", *overrides]
+    if check:
+        return run_ranks(args, nproc=nproc, timeout=timeout)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_run_whose_rewards_overflow_stops_with_the_message(model, task_dir, tmp_path):
+    proc = launch(model, task_dir, tmp_path / "run", "rollout.reward.fn=e2e_rewards:huge", "train.num_steps=2",
+                  check=False)
+    assert proc.returncode != 0
+    assert "e2e_rewards:huge returned 1e+39 for sample index=" in proc.stderr + proc.stdout
+
+
+def test_a_learning_rate_that_overflows_never_reaches_a_checkpoint(model, task_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = launch(model, task_dir, run_dir, "train.lr=1e30", "train.num_steps=3", "checkpoint.interval=1",
+                  check=False)
+    log = proc.stderr + proc.stdout
+    assert proc.returncode != 0
+    assert "not finite" in log and "blown" in log  # said as such, not as a bare sampling error
+    for path in (run_dir / "checkpoints").rglob("*.pt"):  # whatever was saved is finite
+        state = torch.load(path, weights_only=False, map_location="cpu")
+        assert all(torch.isfinite(t).all() for t in tensors_in(state)), path
+
+
+def tensors_in(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj.float() if obj.is_floating_point() else obj.double()
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from tensors_in(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_in(v)
+
+
+# -- checkpoints -------------------------------------------------------------------------------------------
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def exported(run_dir):
+    return load_file(run_dir / "hf" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def straight(model, task_dir, tmp_path_factory):
+    """The uninterrupted reference: 6 steps, a checkpoint after every step."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    launch(model, task_dir, run_dir, "train.num_steps=6", "checkpoint.interval=1")
+    return run_dir
+
+
+def assert_same_run(run_dir, straight):
+    """Every step once, the metrics of every step and the final weights bitwise those of the straight run."""
+    got, want = read_metrics(run_dir), read_metrics(straight)
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 7))
+    for a, b in zip(got, want):
+        for key, value in b.items():
+            if not key.startswith(("time/", "perf/")):
+                assert a[key] == value, (a["step"], key)
+    for name, t in exported(straight).items():
+        assert torch.equal(exported(run_dir)[name], t), name
+
+
+def test_corrupt_latest_checkpoint_is_reported_and_the_previous_one_resumes(model, task_dir, straight, tmp_path):
+    run_dir = tmp_path / "run"
+    launch(model, task_dir, run_dir, "train.num_steps=4", "checkpoint.interval=1", "checkpoint.keep=3")
+    ckpt = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_2", "step_3", "step_4"]  # keep=3
+    victim = max((ckpt / "step_4").rglob("*model_states.pt"), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: the size is right, the content is not
+    victim.write_bytes(bytes(data))
+    (ckpt / "step_3" / "rng_rank1.pt").write_bytes(b"torn")  # and step_3 truncated
+    proc = launch(model, task_dir, run_dir, "train.num_steps=6", "checkpoint.interval=1", "checkpoint.keep=3")
+    log = proc.stdout + proc.stderr
+    assert "step_4: " in log and "does not match its checksum" in log
+    assert "step_3: rng_rank1.pt has 4 bytes" in log and "resuming from the older checkpoint" in log
+    assert_same_run(run_dir, straight)  # resumed at step 2, and every later step reproduced exactly
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_resumable(model, task_dir, straight, tmp_path):
+    """What a kill between DeepSpeed's files and the loop state leaves behind: a staging folder without a
+    manifest; `latest` still names the previous, whole checkpoint."""
+    run_dir = tmp_path / "run"
+    launch(model, task_dir, run_dir, "train.num_steps=2", "checkpoint.interval=1")
+    staging = run_dir / "checkpoints" / ".partial" / "step_3"
+    staging.mkdir(parents=True)
+    (staging / "actor").mkdir()
+    (staging / "actor" / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"half written")
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_2"
+    launch(model, task_dir, run_dir, "train.num_steps=6", "checkpoint.interval=1")
+    assert_same_run(run_dir, straight)
+
+
+def test_kill_9_of_the_whole_job_then_rerun_is_exact(model, task_dir, straight, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_run_sh(model, task_dir, run_dir)
+    wait_for_steps(run_dir, 3)
+    # run.sh leads its own session (the launcher has a process group of its own inside it): SIGKILL to the
+    # whole session is the whole job, as an OOM killer or a scheduler's hard kill would do it
+    subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)])
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while rank_processes(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not rank_processes(run_dir)
+    launch(model, task_dir, run_dir, "train.num_steps=6", "checkpoint.interval=1")
+    assert_same_run(run_dir, straight)  # metrics.jsonl holds each step once
+
+
+def test_resume_refuses_another_model_and_applies_a_changed_lr(model, task_dir, tmp_path):
+    from data_tools.make_tiny_model import make_tiny_model
+
+    run_dir = tmp_path / "run"
+    launch(model, task_dir, run_dir, "train.num_steps=1", "train.warmup_steps=0")
+    other = make_tiny_model(tmp_path / "other", arch="qwen2", seed=0, layers=3)
+    proc = launch(other, task_dir, run_dir, "train.num_steps=2", "train.warmup_steps=0", check=False)
+    assert proc.returncode != 0 and "resuming would load another model's weights" in proc.stderr + proc.stdout
+    proc = launch(model, task_dir, run_dir, "train.num_steps=2", "train.warmup_steps=0", "train.lr=1e-3")
+    assert "train.lr 0.005 -> 0.001" in proc.stdout + proc.stderr
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and rows[1]["train/lr"] == pytest.approx(1e-3)
+    assert json.loads((run_dir / "config.json").read_text())["train"]["lr"] == 1e-3
+
+
+def test_a_used_run_dir_without_resume_is_refused(model, task_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    launch(model, task_dir, run_dir, "train.num_steps=1")
+    proc = launch(model, task_dir, run_dir, "train.num_steps=1", "checkpoint.resume=false", check=False)
+    assert proc.returncode != 0 and "already holds a run" in proc.stdout + proc.stderr
+    assert [r["step"] for r in read_metrics(run_dir)] == [1]
+
+
+# -- signals ----------------------------------------------------------------------------------------------------
+
+def start_run_sh(model, task_dir, run_dir):
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "MASTER_PORT": str(29400 + os.getpid() % 500)}
+    cmd = ["bash", str(REPO / "run.sh"), str(REPO / "examples/cpu_tiny_grpo.yaml"), f"model.path={model}",
+           f"data.path={task_dir / 'train.jsonl'}", f"log.run_dir={run_dir}", "eval.path=null",
+           "rollout.reward.fn=e2e_rewards:digit_fraction", "rollout.batch_size=4", "rollout.n_samples_per_prompt=4",
+           "rollout.max_response_len=6", "train.lr=5e-3", "train.max_tokens_per_gpu=64", "train.num_steps=6",
+           "checkpoint.interval=1", "checkpoint.export_hf=true"]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def wait_for_steps(run_dir, n, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.is_file() and sum('"train/loss"' in line for line in metrics.read_text().splitlines()) >= n:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{run_dir} did not reach step {n}")
+
+
+def rank_processes(run_dir):
+    out = subprocess.run(["pgrep", "-f", f"log.run_dir={run_dir}"], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_sigterm_to_run_sh_saves_stops_every_rank_and_a_rerun_is_exact(model, task_dir, straight, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_run_sh(model, task_dir, run_dir)
+    wait_for_steps(run_dir, 2)
+    os.kill(proc.pid, signal.SIGTERM)  # run.sh's PID only, as a scheduler or `kill PID` would
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out
+    assert "stopped by signal after step" in out and "checkpoint" in out
+    assert not rank_processes(run_dir)  # no rank ran on
+    latest = (run_dir / "checkpoints" / "latest").read_text()
+    done = len([r for r in read_metrics(run_dir) if "train/loss" in r])
+    assert latest == f"step_{done}" and 2 <= done < 6  # saved after the step it was in
+    launch(model, task_dir, run_dir, "train.num_steps=6", "checkpoint.interval=1")
+    assert_same_run(run_dir, straight)
+
+
+# -- hangs -------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fn", ["sleeps", "sleeps_async"])
+def test_a_hung_reward_function_times_out_naming_itself_and_the_sample(fn):
+    from slime.data.sample import Sample
+
+    reward = make_reward_fn(f"reward_fns_for_test:{fn}", timeout=0.5)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=rf"reward_fns_for_test:{fn} did not return within "
+                                           r"rollout.reward.timeout=0.5s for sample index=7"):
+        reward.score([Sample(prompt_ids=[1], prompt_text="q", index=7)])
+    assert time.monotonic() - start < 30  # bounded by the timeout, not by the 60 s sleep
+
+
+def test_a_rank_that_stops_answering_is_named_with_step_and_phase(model, task_dir, tmp_path):
+    """Rank 1 hangs in its reward function; rank 0 waits in the next collective and gives up after the
+    loop's timeout with the step and the phase."""
+    proc = launch(model, task_dir, tmp_path / "run", "rollout.reward.fn=e2e_rewards:sleep_on_rank1",
+                  "rollout.reward.timeout=600", "train.dist_timeout_minutes=0.1", "train.num_steps=1", check=False)
+    assert proc.returncode != 0
+    assert "step 1, rollout: a collective waited more than train.dist_timeout_minutes=0.1" in proc.stdout + proc.stderr
+
+
+# -- data --------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+def test_each_bad_data_file_names_file_line_and_reason(tmp_path, tok):
+    from slime.data.prompts import load_prompts
+
+    cases = {
+        "malformed.jsonl": (b'{"prompt": "1+1=", "label": "2"}\n{"prompt": "2+2=", "label": \n',
+                            r"malformed.jsonl:2: not valid JSON \(Expecting value at column"),
+        "empty.jsonl": (b"\n\n", r"empty.jsonl is empty"),
+        "latin1.jsonl": ('{"prompt": "ok", "label": "1"}\n{"prompt": "caf\u00e9", "label": "2"}\n'.encode("latin-1"),
+                         r"latin1.jsonl:2: byte 0xe9 at column 16 \(file offset 46\) is not UTF-8"),
+    }
+    for name, (content, message) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match=message):
+            load_prompts(DataConfig(path=str(tmp_path / name)), tok)
+
+
+def test_rows_without_a_needed_label_or_with_an_empty_prompt_are_counted_at_load(tmp_path, tok, caplog):
+    from slime.data.prompts import load_prompts
+
+    path = tmp_path / "d.jsonl"
+    rows = [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2="}, {"prompt": "  ", "label": "x"},
+            {"messages": [{"role": "user", "content": ""}], "label": "y"}] + \
+        [{"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(40)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts, report = load_prompts(DataConfig(path=str(path)), tok, label_required=True)
+    assert len(prompts) == 41 and dict(report.skipped) == {"missing_label": 1, "empty_prompt": 2}
+    assert "d.jsonl:2: skipped (missing_label)" in caplog.text and "d.jsonl:3: skipped (empty_prompt)" in caplog.text
+    prompts, report = load_prompts(DataConfig(path=str(path)), tok, label_required=False)
+    assert len(prompts) == 42  # a user reward may not need labels
+
+
+def test_the_epoch_tail_is_carried_into_the_next_epoch(tmp_path, tok):
+    from slime.data.prompts import PromptSource
+
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "label": "x"}) + "\n" for i in range(10)))
+    src = PromptSource(DataConfig(path=str(path)), tok, batch_size=4, dp_rank=0, dp_size=1, seed=0)
+    seen = [p.index for _ in range(5) for p in src.next_batch()]  # 20 draws = 2 epochs exactly
+    assert sorted(seen) == sorted(list(range(10)) * 2)  # every row twice: no tail dropped
+    assert src.epoch == 1 and src.offset == 10  # the second epoch is used up exactly
+
+
+@pytest.mark.parametrize("override", ["train.num_steps=-3", "train.num_steps=0", "checkpoint.keep=0",
+                                      "rollout.reward.timeout=0", "train.max_skipped_steps=0"])
+def test_invalid_counts_are_config_errors(override):
+    with pytest.raises(ValueError, match=override.split("=")[0]):
+        load_config(None, ["model.path=m", "data.path=d.jsonl", override])
