@@ -13,6 +13,11 @@ def main(argv: list[str] | None = None) -> None:
         epilog="Config fields (section.key = default):\n" + describe(),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML run config (examples/*.yaml)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="validate the config, print the layout and a memory estimate per GPU, and exit "
+                         "(reads only the model's config.json)")
+    ap.add_argument("--num-gpus", type=int, default=8, help="with --dry-run: trainer ranks to plan for")
+    ap.add_argument("--gpu-memory-gb", type=float, default=80.0, help="with --dry-run: memory of one GPU")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = ap.parse_args(argv)
@@ -20,6 +25,14 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.config, args.overrides)
     except (ValueError, TypeError, FileNotFoundError) as e:
         sys.exit(f"config error: {e}")
+    if args.dry_run:
+        from slime.dry_run import report
+
+        try:
+            print(report(cfg, args.num_gpus, args.gpu_memory_gb))
+        except (ValueError, OSError) as e:
+            sys.exit(f"dry run: {e}")
+        return
 
     from slime.trainer.loop import run
     from slime.utils.logging import setup_logging

@@ -8,6 +8,22 @@ cd "$(dirname "$0")"
 config=${1:?usage: run.sh CONFIG.yaml [section.key=value ...]}
 shift
 
+# --dry-run anywhere among the arguments: print the layout and memory per GPU for the rank count below, launch nothing.
+dry_run=0
+for arg in "$@"; do [[ $arg == --dry-run ]] && dry_run=1; done
+
+gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [[ $gpus -gt 0 ]]; then
+  nproc=${NPROC:-$gpus}
+else
+  nproc=${NPROC:-2}
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
+if [[ $dry_run == 1 ]]; then
+  args=()
+  for arg in "$@"; do [[ $arg != --dry-run ]] && args+=("$arg"); done
+  exec python run.py --config "$config" --dry-run --num-gpus "$nproc" "${args[@]}"
+fi
 # The CPU demo's model and data are made by data_tools/ on first use (deterministic, no downloads).
 if grep -q "data/tiny-random" "$config" && [[ ! -f data/tiny-random/config.json ]]; then
   python data_tools/make_tiny_model.py --out data/tiny-random
@@ -33,13 +49,6 @@ if grep -q "data/smollm2-135m-hf" "$config" && [[ ! -f data/smollm2-135m-hf/conf
   python data_tools/gguf_to_hf.py --out data/smollm2-135m-hf
 fi
 
-gpus=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
-if [[ $gpus -gt 0 ]]; then
-  nproc=${NPROC:-$gpus}
-else
-  nproc=${NPROC:-2}
-  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-fi
 echo "run.sh: $nproc rank(s) on $([[ $gpus -gt 0 ]] && echo GPU || echo CPU/gloo)"
 
 # The launcher runs in a process group of its own (job control), and a SIGTERM or SIGINT sent to this

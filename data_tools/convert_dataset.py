@@ -1,0 +1,146 @@
+"""Convert public datasets to the project's jsonl schema (prompt or messages, label, metadata; images).
+
+    python data_tools/convert_dataset.py gsm8k       --source openai/gsm8k --split train --out data/gsm8k/train.jsonl
+    python data_tools/convert_dataset.py math        --source EleutherAI/hendrycks_math --config algebra --out ...
+    python data_tools/convert_dataset.py dapo_math   --source BytedTsinghua-SIA/DAPO-Math-17k --out data/dapo/train.jsonl
+    python data_tools/convert_dataset.py geometry3k  --source hiyouga/geometry3k --split train --out data/geo3k/train.jsonl
+
+`--source` is a hub name or a local path (a folder or a .parquet/.json/.jsonl file), read with `datasets`.
+Column layouts (the datasets' own):
+- gsm8k: question, answer ("... #### 72") -> prompt = question, label = the number after ####;
+- math (Hendrycks MATH, MATH-500): problem, solution (with \\boxed{...}), level, type -> label = the last
+  boxed answer of the solution;
+- dapo_math (DAPO-Math-17k): prompt (chat messages), reward_model.ground_truth, data_source ->
+  messages as given, label = ground_truth;
+- geometry3k: images (Image feature), problem (with an <image> placeholder), answer -> the flat image form;
+  the images are written as PNG files beside the jsonl (images/<split>_<row>_<k>.png).
+Rows whose answer cannot be found are skipped and counted (printed at the end), never written unlabelled.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable, Iterable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+GSM8K_INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
+
+
+def load(source: str, split: str, config: str | None = None):
+    import datasets
+
+    datasets.disable_progress_bars()
+    path = Path(source)
+    if path.is_file():
+        kind = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}[path.suffix]
+        return datasets.load_dataset(kind, data_files=str(path), split="train")
+    if path.is_dir() and not (path / "dataset_info.json").is_file() and not list(path.glob("*.py")):
+        files = sorted(str(p) for p in path.rglob("*") if p.suffix in (".parquet", ".json", ".jsonl")
+                       and split in p.name)
+        if files:
+            kind = "parquet" if files[0].endswith(".parquet") else "json"
+            return datasets.load_dataset(kind, data_files=files, split="train")
+    return datasets.load_dataset(source, config, split=split)
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} (or \\fbox{...}), braces balanced."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth, out = 1, []
+    while i < len(text):
+        c = text[i]
+        depth += (c == "{") - (c == "}")
+        if depth == 0:
+            return "".join(out).strip()
+        out.append(c)
+        i += 1
+    return None
+
+
+def gsm8k(row: dict, i: int) -> dict | None:
+    if "####" not in row["answer"]:
+        return None
+    label = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")
+    return {"prompt": row["question"].strip() + GSM8K_INSTRUCTION, "label": label,
+            "metadata": {"source": "gsm8k", "row": i}}
+
+
+def math(row: dict, i: int) -> dict | None:
+    label = last_boxed(row["solution"])
+    if not label:
+        return None
+    return {"prompt": row["problem"].strip() + " Put the final answer in \\boxed{}.", "label": label,
+            "metadata": {"source": "math", "row": i, "level": row.get("level"), "type": row.get("type")}}
+
+
+def dapo_math(row: dict, i: int) -> dict | None:
+    truth = (row.get("reward_model") or {}).get("ground_truth")
+    messages = row.get("prompt")
+    if truth in (None, "") or not isinstance(messages, list):
+        return None
+    return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages], "label": str(truth),
+            "metadata": {"source": row.get("data_source", "dapo_math"), "row": i}}
+
+
+def geometry3k(row: dict, i: int, *, image_dir: Path, split: str) -> dict | None:
+    images = row.get("images") or []
+    if not images or row.get("answer") in (None, ""):
+        return None
+    names = []
+    for k, image in enumerate(images):
+        name = f"images/{split}_{i:05d}_{k}.png"
+        if isinstance(image, dict):  # the Image feature undecoded
+            (image_dir.parent / name).write_bytes(image["bytes"])
+        else:
+            image.save(image_dir.parent / name)
+        names.append(name)
+    problem = row["problem"]
+    if "<image>" not in problem:  # one image, no placeholder: it goes first, as the dataset means
+        problem = "<image>" * len(names) + problem
+    return {"prompt": problem, "images": names, "label": str(row["answer"]),
+            "metadata": {"source": "geometry3k", "row": i}}
+
+
+CONVERTERS: dict[str, Callable] = {"gsm8k": gsm8k, "math": math, "dapo_math": dapo_math, "geometry3k": geometry3k}
+
+
+def convert(kind: str, rows: Iterable[dict], out: Path, *, split: str = "train") -> tuple[int, int]:
+    """Write `out` (jsonl); returns (written, skipped)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fn = CONVERTERS[kind]
+    if kind == "geometry3k":
+        (out.parent / "images").mkdir(exist_ok=True)
+        fn = lambda row, i: geometry3k(row, i, image_dir=out.parent / "images", split=split)  # noqa: E731
+    written = skipped = 0
+    with open(out, "w") as f:
+        for i, row in enumerate(rows):
+            converted = fn(row, i)
+            if converted is None:
+                skipped += 1
+                continue
+            f.write(json.dumps(converted, ensure_ascii=False) + "\n")
+            written += 1
+    return written, skipped
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kind", choices=sorted(CONVERTERS))
+    ap.add_argument("--source", required=True, help="hub name or local path")
+    ap.add_argument("--split", default="train")
+    ap.add_argument("--config", default=None, help="hub dataset config (gsm8k: main; MATH: a subject)")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    config = args.config or ("main" if args.kind == "gsm8k" and not Path(args.source).exists() else None)
+    written, skipped = convert(args.kind, load(args.source, args.split, config), args.out, split=args.split)
+    print(f"wrote {written} rows to {args.out}; skipped {skipped} without a usable answer")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Prompt-length statistics of a converted data file, and the packing a token budget would reach on it.
+
+    python data_tools/length_report.py --data data/gsm8k/train.jsonl --model models/Qwen3-4B \\
+        --max-tokens-per-gpu 16384 --response-len 1024 --dp 8 --batch 64 --n 8
+
+Prompts are tokenised exactly as a run would (chat template, data.* defaults). Responses do not exist
+before a rollout, so each sample gets a response length drawn uniformly from [response-len / 4,
+response-len] (seeded): the report shows how full the packed micro-batches would be, and how much of a
+padded layout (`--micro-batch-size` samples per micro-batch) would be padding, for `--batch` prompts x `--n`
+samples over `--dp` ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def percentile(values: list[int], q: float) -> int:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def report(data: str, model: str, *, max_tokens: int, response_len: int, dp: int, batch: int, n: int,
+           micro_batch_size: int = 8, max_prompt_len: int = 1 << 30, seed: int = 0) -> dict:
+    from slime.config import DataConfig, ModelConfig
+    from slime.data.packing import packing_stats, padded_fixed_batches, plan_micro_batches
+    from slime.data.prompts import load_prompts
+    from slime.models.loading import load_processor, load_tokenizer
+
+    model_cfg = ModelConfig(path=model)
+    tokenizer = load_tokenizer(model_cfg)
+    prompts, load = load_prompts(DataConfig(path=data, max_prompt_len=max_prompt_len), tokenizer,
+                                 processor=load_processor(model_cfg, tokenizer))
+    lengths = [len(p.prompt_ids) for p in prompts]
+    rng = random.Random(seed)
+    drawn = [rng.choice(lengths) for _ in range(batch)]
+    samples = [p + rng.randint(max(1, response_len // 4), response_len) for p in drawn for _ in range(n)]
+    packed = packing_stats(samples, plan_micro_batches(samples, max_tokens=max_tokens, dp_size=dp),
+                           max_tokens=max_tokens)
+    padded = packing_stats(samples, padded_fixed_batches(samples, micro_batch_size=micro_batch_size, dp_size=dp),
+                           padded=True)
+    return {"prompts": len(lengths), "too_long": load.too_long, "skipped": dict(load.skipped),
+            "min": min(lengths), "median": int(statistics.median(lengths)), "p90": percentile(lengths, 0.9),
+            "p99": percentile(lengths, 0.99), "max": max(lengths), "packed": packed, "padded": padded}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--model", required=True, help="model directory (its tokenizer is used)")
+    ap.add_argument("--max-tokens-per-gpu", type=int, default=16384)
+    ap.add_argument("--response-len", type=int, default=1024, help="rollout.max_response_len")
+    ap.add_argument("--dp", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=64, help="rollout.batch_size")
+    ap.add_argument("--n", type=int, default=8, help="rollout.n_samples_per_prompt")
+    ap.add_argument("--micro-batch-size", type=int, default=8, help="for the padded comparison")
+    args = ap.parse_args()
+    r = report(args.data, args.model, max_tokens=args.max_tokens_per_gpu, response_len=args.response_len, dp=args.dp,
+               batch=args.batch, n=args.n, micro_batch_size=args.micro_batch_size)
+    print(f"{args.data}: {r['prompts']} prompts (dropped as too long: {r['too_long']}, skipped: {r['skipped'] or 0})")
+    print(f"prompt tokens: min {r['min']}  median {r['median']}  p90 {r['p90']}  p99 {r['p99']}  max {r['max']}")
+    pk, pd = r["packed"], r["padded"]
+    print(f"packed under {args.max_tokens_per_gpu} tokens over {args.dp} ranks: budget fill {pk['budget_fill']:.3f}, "
+          f"real-token fraction {pk['real_token_fraction']:.3f}, {pk['num_micro_batches']} micro-batches per rank, "
+          f"dp imbalance {pk['compute_imbalance']:.3f}")
+    print(f"padded, {args.micro_batch_size} per micro-batch: real-token fraction {pd['real_token_fraction']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

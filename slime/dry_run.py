@@ -1,0 +1,193 @@
+"""`run.py --dry-run`: what a config would launch, and whether it fits, before any GPU is taken.
+
+Reads only the run config and the model's config.json (no weights): the model is built on the meta
+device to count its parameters exactly. Prints the world layout for `--num-gpus` ranks (dp x sp x ep,
+the rollout engines and their GPUs) and a memory estimate per GPU, in two phases because a colocated
+engine and the trainer take turns on the GPU:
+
+- training: ZeRO-3 model states (DeepSpeed's own estimate: 18 bytes per parameter over the ranks plus
+  the largest layer gathered), a frozen reference's bf16 partitions, a critic's states, activations at
+  `train.max_tokens_per_gpu` tokens (with and without gradient checkpointing), and one logits chunk;
+- rollout: the colocated SGLang engine at its static memory fraction (weights + KV cache), with the
+  trainer's states offloaded.
+
+Activations are a first-order estimate: per token and layer the bf16 tensors autograd keeps for a
+decoder layer with flash attention (no T^2 term): 2 x (4 H + 2 q + 2 kv + 3 I) bytes, I the MLP width
+(top-k x expert width for a mixture of experts); with gradient checkpointing, each layer's input plus
+one layer's worth. Real runs add the CUDA context and fragmentation: the warning leaves a margin.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from slime.config import Config
+
+GIB = 2**30
+SGLANG_DEFAULT_MEM_FRACTION = 0.88  # roughly what SGLang picks on an 80 GB GPU when none is given
+CONTEXT_GIB = 1.5  # CUDA context, NCCL buffers, allocator slack per process
+MARGIN = 0.9  # warn when an estimate passes 90% of the GPU
+
+
+@dataclasses.dataclass
+class ModelShape:
+    params: int
+    largest_layer: int
+    expert_params: int
+    hidden: int
+    layers: int
+    q_dim: int
+    kv_dim: int
+    mlp_width: int  # per token: dense MLP width, or top-k x expert width
+    vocab: int
+    model_type: str
+
+
+def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
+    """Parameter counts from a model built on the meta device from config.json alone."""
+    import transformers
+    from transformers import AutoConfig
+
+    from slime.models.adapters import get_adapter
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    adapter = get_adapter(config.model_type)
+    with torch.device("meta"):
+        model = getattr(transformers, adapter.auto_class).from_config(config, trust_remote_code=trust_remote_code)
+    params = sum(p.numel() for p in model.parameters())  # shared (tied) weights once
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    text = config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    top_k = getattr(text, "num_experts_per_tok", None)
+    moe_width = getattr(text, "moe_intermediate_size", None)
+    mlp = top_k * moe_width if top_k and moe_width else text.intermediate_size
+    return ModelShape(params=params, largest_layer=largest, expert_params=experts, hidden=text.hidden_size,
+                      layers=text.num_hidden_layers, q_dim=text.num_attention_heads * head_dim,
+                      kv_dim=text.num_key_value_heads * head_dim, mlp_width=mlp, vocab=text.vocab_size,
+                      model_type=config.model_type)
+
+
+def zero3_states_bytes(params: int, largest_layer: int, gpus: int) -> int:
+    """DeepSpeed's estimate of ZeRO-3 model states per GPU without offload (bf16 params and grads, fp32
+    master weights and two Adam moments: 18 bytes per parameter over the ranks, plus the largest layer)."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    _, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest_layer, num_gpus_per_node=gpus, num_nodes=1,
+                                                      cpu_offload=False, cpu_offload_params=False)
+    return gpu
+
+
+def activation_bytes(shape: ModelShape, tokens: int, checkpointing: bool) -> int:
+    per_token_layer = 2 * (4 * shape.hidden + 2 * shape.q_dim + 2 * shape.kv_dim + 3 * shape.mlp_width)
+    if checkpointing:
+        return tokens * (shape.layers * 2 * shape.hidden + per_token_layer)
+    return tokens * shape.layers * per_token_layer
+
+
+def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
+    """The layout and memory figures for `num_gpus` trainer ranks; raises ValueError for layouts that cannot run."""
+    sp, ep = cfg.parallel.sp, cfg.parallel.ep
+    if num_gpus % sp:
+        raise ValueError(f"parallel.sp={sp} must divide --num-gpus={num_gpus}")
+    dp = num_gpus // sp
+    if dp % ep:
+        raise ValueError(f"parallel.ep={ep} must divide the data-parallel size {dp} (= {num_gpus} GPUs / sp {sp})")
+    if cfg.rollout.batch_size % dp:
+        raise ValueError(f"rollout.batch_size={cfg.rollout.batch_size} must be divisible by dp={dp}")
+    shape = model_shape(cfg.model.path, cfg.model.trust_remote_code)
+    if ep > 1:
+        from slime.distributed.expert_parallel import expert_parallel_settings
+
+        expert_parallel_settings(ep, shape.model_type)  # the family check, as at launch
+    out: dict = {"world": num_gpus, "dp": dp, "sp": sp, "ep": ep, "params": shape.params,
+                 "largest_layer": shape.largest_layer}
+    # engines
+    s = cfg.rollout.sglang
+    if cfg.rollout.engine == "hf":
+        out["engines"] = f"hf engine in every trainer process ({num_gpus} copies of the weights)"
+        engine_gpus, num_engines = 0, num_gpus
+    elif s.mode == "colocated":
+        k = s.ranks_per_engine or s.tp_size
+        if num_gpus % k:
+            raise ValueError(f"rollout.sglang.ranks_per_engine (or tp_size) = {k} must divide --num-gpus={num_gpus}")
+        out["engines"] = (f"{num_gpus // k} SGLang server(s) colocated, tp={s.tp_size}, each on the GPUs of "
+                          f"{k} trainer rank(s)")
+        engine_gpus, num_engines = 0, num_gpus // k
+    else:
+        engine_gpus, num_engines = s.num_engines * s.tp_size, s.num_engines
+        out["engines"] = (f"{s.num_engines} SGLang server(s) disaggregated, tp={s.tp_size}, on GPUs "
+                          f"{num_gpus}..{num_gpus + engine_gpus - 1} (launch {num_gpus} trainer ranks on "
+                          f"{num_gpus + engine_gpus} GPUs)")
+    out["total_gpus"] = num_gpus + engine_gpus
+    # training phase
+    sft = cfg.algo.policy_loss == "sft"
+    actor = zero3_states_bytes(shape.params, shape.largest_layer // max(ep if shape.expert_params else 1, 1), num_gpus)
+    ref = 0
+    if cfg.algo.needs_reference and not sft:
+        ref = 0 if cfg.algo.ref_offload else 2 * shape.params // num_gpus + 2 * shape.largest_layer
+    critic = actor if cfg.algo.advantage_estimator == "gae" and not sft else 0
+    tokens = cfg.train.max_tokens_per_gpu
+    act_ckpt = activation_bytes(shape, tokens, True)
+    act_full = activation_bytes(shape, tokens, False)
+    acts = act_ckpt if cfg.model.gradient_checkpointing else act_full
+    logits = 3 * 4 * min(cfg.train.logits_chunk_size, tokens) * shape.vocab
+    training = actor + ref + critic + acts + logits + CONTEXT_GIB * GIB
+    out.update(actor_states=actor, reference=ref, critic_states=critic, activations=acts,
+               activations_checkpointed=act_ckpt, activations_full=act_full, logits_chunk=logits,
+               training_total=training)
+    # rollout phase (colocated engine awake, trainer offloaded)
+    if cfg.rollout.engine == "sglang":
+        fraction = s.mem_fraction or SGLANG_DEFAULT_MEM_FRACTION
+        weights = 2 * shape.params // s.tp_size
+        pool = fraction * gpu_gib * GIB
+        kv_per_token = 2 * shape.layers * shape.kv_dim * 2 // s.tp_size  # K and V, bf16
+        out.update(engine_weights=weights, engine_pool=pool, kv_cache=max(pool - weights, 0),
+                   kv_tokens=int(max(pool - weights, 0) // kv_per_token))
+        out["rollout_total"] = pool + (CONTEXT_GIB * GIB if s.mode == "colocated" else 0)
+    else:
+        out["engine_weights"] = 2 * shape.params if cfg.model.dtype != "float32" else 4 * shape.params
+        out["rollout_total"] = out["engine_weights"] + CONTEXT_GIB * GIB
+        out["training_total"] += out["engine_weights"]  # the hf engine's copy stays resident
+    seqs = -(-cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt // num_engines)  # per engine, at most
+    out["kv_tokens_needed"] = seqs * (cfg.data.max_prompt_len + cfg.rollout.max_response_len)
+    out["cpu_load_bytes_per_node"] = min(num_gpus, 8) * 2 * shape.params  # every rank loads the bf16 model once
+    out["gpu_bytes"] = gpu_gib * GIB
+    out["warnings"] = [f"{phase} needs about {out[key] / GIB:.1f} GiB per GPU, over {MARGIN:.0%} of {gpu_gib:g} GiB"
+                       for phase, key in (("training", "training_total"), ("rollout", "rollout_total"))
+                       if out[key] > MARGIN * gpu_gib * GIB]
+    out["notes"] = []
+    if cfg.rollout.engine == "sglang" and out["kv_tokens"] < out["kv_tokens_needed"]:
+        out["notes"].append(f"the KV cache holds about {out['kv_tokens']} tokens per engine and a rollout may ask up "
+                            f"to {out['kv_tokens_needed']} at full length: SGLang queues what does not fit (slower, "
+                            "still correct)")
+    return out
+
+
+def report(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> str:
+    p = plan(cfg, num_gpus, gpu_gib)
+    g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    lines = [
+        f"model {cfg.model.path}: {p['params'] / 1e9:.3f}B parameters (largest layer {p['largest_layer'] / 1e6:.1f}M)",
+        f"layout: {p['world']} trainer ranks = dp {p['dp']} x sp {p['sp']}; ep {p['ep']} over dp; "
+        f"{p['total_gpus']} GPUs in all",
+        f"engines: {p['engines']}",
+        f"per GPU, training: ZeRO-3 actor states {g(p['actor_states'])}"
+        + (f" + reference {g(p['reference'])}" if p["reference"] else "")
+        + (f" + critic {g(p['critic_states'])}" if p["critic_states"] else "")
+        + f" + activations {g(p['activations'])} at {cfg.train.max_tokens_per_gpu} tokens "
+          f"({'with' if cfg.model.gradient_checkpointing else 'without'} gradient checkpointing; "
+          f"{g(p['activations_checkpointed'])} with, {g(p['activations_full'])} without)"
+        + f" + logits chunk {g(p['logits_chunk'])} + context = {g(p['training_total'])}",
+    ]
+    if cfg.rollout.engine == "sglang":
+        lines.append(f"per GPU, rollout: SGLang weights {g(p['engine_weights'])} + KV cache {g(p['kv_cache'])} "
+                     f"(~{p['kv_tokens']} tokens) = {g(p['rollout_total'])}; the trainer's states are offloaded")
+    else:
+        lines.append(f"per GPU, rollout: hf engine weights {g(p['engine_weights'])}")
+    lines.append(f"CPU memory at load: about {g(p['cpu_load_bytes_per_node'])} per node (each rank reads the model)")
+    lines += [f"note: {n}" for n in p["notes"]]
+    lines += [f"WARNING: {w}" for w in p["warnings"]] or [f"fits in {g(p['gpu_bytes'])} per GPU"]
+    return "\n".join(lines)

@@ -1,0 +1,94 @@
+"""data_tools converters on tiny fixtures in the public datasets' own column layouts (no downloads), and the
+length/packing report on a converted file."""
+import io
+import json
+
+import datasets
+import pytest
+from PIL import Image
+
+from data_tools.convert_dataset import convert, last_boxed, load
+from slime.config import DataConfig
+
+
+def write_parquet(path, columns, features=None):
+    datasets.Dataset.from_dict(columns, features=features).to_parquet(path)
+    return path
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_gsm8k(tmp_path):
+    src = write_parquet(tmp_path / "train-00000.parquet", {
+        "question": ["Natalia sold clips to 48 of her friends in April, and then she sold half as many in May. "
+                     "How many clips did she sell altogether?", "A broken row?"],
+        "answer": ["In May she sold 48/2 = 24 clips.\nAltogether 48+24 = 72 clips.\n#### 72", "no marker here"]})
+    written, skipped = convert("gsm8k", load(str(src), "train"), tmp_path / "out.jsonl")
+    rows = read_jsonl(tmp_path / "out.jsonl")
+    assert (written, skipped) == (1, 1)
+    assert rows[0]["label"] == "72" and rows[0]["prompt"].startswith("Natalia sold clips")
+    assert rows[0]["metadata"] == {"source": "gsm8k", "row": 0}
+
+
+def test_math_takes_the_last_boxed_answer_with_nested_braces(tmp_path):
+    assert last_boxed(r"so \boxed{2} then \boxed{\frac{1}{2}}.") == r"\frac{1}{2}"
+    src = write_parquet(tmp_path / "test.parquet", {
+        "problem": ["What is $1/2 + 0$?", "No answer"],
+        "solution": [r"Adding zero: $\boxed{\frac{1}{2}}$", "none"],
+        "level": ["Level 1", "Level 2"], "type": ["Algebra", "Algebra"]})
+    written, skipped = convert("math", load(str(src), "test"), tmp_path / "out.jsonl")
+    row = read_jsonl(tmp_path / "out.jsonl")[0]
+    assert (written, skipped) == (1, 1) and row["label"] == r"\frac{1}{2}"
+    assert row["metadata"]["level"] == "Level 1" and "boxed" in row["prompt"]
+
+
+def test_dapo_math_keeps_the_chat_prompt(tmp_path):
+    src = tmp_path / "dapo.parquet"
+    write_parquet(src, {
+        "data_source": ["math_dapo"], "ability": ["MATH"],
+        "prompt": [[{"role": "user", "content": "Solve 2x=4. Answer: $Answer"}]],
+        "reward_model": [{"ground_truth": "2", "style": "rule-lighteval/MATH_v2"}],
+        "extra_info": [{"index": "a1"}]})
+    convert("dapo_math", load(str(src), "train"), tmp_path / "out.jsonl")
+    row = read_jsonl(tmp_path / "out.jsonl")[0]
+    assert row["messages"] == [{"role": "user", "content": "Solve 2x=4. Answer: $Answer"}] and row["label"] == "2"
+
+
+def test_geometry3k_writes_images_and_loads_as_image_text(tmp_path):
+    from transformers import AutoTokenizer
+
+    from data_tools.make_tiny_model import make_tiny_model
+    from slime.data.prompts import load_prompts
+    from slime.multimodal.processor import VLProcessor
+
+    buf = io.BytesIO()
+    Image.new("RGB", (80, 60), (255, 255, 255)).save(buf, format="PNG")
+    features = datasets.Features({"images": datasets.Sequence(datasets.Image()), "problem": datasets.Value("string"),
+                                  "answer": datasets.Value("string")})
+    src = write_parquet(tmp_path / "train.parquet", {
+        "images": [[{"bytes": buf.getvalue(), "path": None}], [{"bytes": buf.getvalue(), "path": None}]],
+        "problem": ["<image>Find x. Choices: A: 3 B: 4", "Find y."], "answer": ["A", "4"]}, features)
+    out = tmp_path / "geo" / "train.jsonl"
+    written, _ = convert("geometry3k", load(str(src), "train"), out)
+    rows = read_jsonl(out)
+    assert written == 2 and rows[0]["images"] == ["images/train_00000_0.png"] and rows[0]["label"] == "A"
+    assert rows[1]["prompt"] == "<image>Find y."  # no placeholder in the source: the image goes first
+    model = make_tiny_model(tmp_path / "vl", arch="qwen2_vl", seed=0)
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts, report = load_prompts(DataConfig(path=str(out)), tok, processor=VLProcessor(str(model), tok))
+    assert len(prompts) == 2 and not report.skipped
+
+
+def test_length_report_on_a_converted_file(tmp_path, tiny_model):
+    from data_tools.length_report import report
+
+    src = write_parquet(tmp_path / "train.parquet", {
+        "question": [f"What is {i} + {i}?" * (1 + i % 5) for i in range(40)],
+        "answer": [f"#### {2 * i}" for i in range(40)]})
+    convert("gsm8k", load(str(src), "train"), tmp_path / "gsm8k.jsonl")
+    r = report(str(tmp_path / "gsm8k.jsonl"), str(tiny_model), max_tokens=512, response_len=64, dp=2, batch=8, n=4)
+    assert r["prompts"] == 40 and r["min"] <= r["median"] <= r["p90"] <= r["max"]
+    assert r["packed"]["real_token_fraction"] == 1.0 and 0 < r["packed"]["budget_fill"] <= 1.0
+    assert r["padded"]["real_token_fraction"] < 1.0  # padding wastes what packing does not

@@ -1,0 +1,73 @@
+"""`run.py --dry-run`: every GPU recipe resolves its layout and memory from config.json alone, and the
+figures of one recipe equal a hand computation."""
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from slime.config import load_config
+from slime.dry_run import GIB, plan
+
+RECIPES = {  # recipe -> (model config of its shape, GPUs it was sized for)
+    "gpu_qwen3_4b_grpo_gsm8k.yaml": ("qwen3-4b", 8),
+    "gpu_qwen3_8b_dapo.yaml": ("qwen3-8b", 8),
+    "gpu_qwen3_30b_a3b_moe.yaml": ("qwen3-30b-a3b", 16),
+    "gpu_qwen3_8b_long_sp.yaml": ("qwen3-8b", 8),
+    "gpu_qwen25vl_3b_geo3k.yaml": ("qwen2.5-vl-3b", 8),
+}
+
+
+def test_every_gpu_recipe_is_listed_here():
+    assert sorted(p.name for p in (REPO / "examples").glob("gpu_*.yaml")) == sorted(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_every_recipe_passes_the_dry_run_on_the_gpus_it_was_sized_for(recipe):
+    model, gpus = RECIPES[recipe]
+    proc = subprocess.run([sys.executable, str(REPO / "run.py"), "--config", str(REPO / "examples" / recipe),
+                           "--dry-run", "--num-gpus", str(gpus), f"model.path={REPO / 'examples/model_configs' / model}"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "layout:" in out and "per GPU, training:" in out and "per GPU, rollout:" in out
+    assert "WARNING: " not in out, out  # each recipe fits the GPUs it states
+    assert f"fits in 80.0 GiB per GPU" in out
+
+
+def test_hand_computed_figures_for_qwen3_4b_on_8_gpus():
+    cfg = load_config(REPO / "examples/gpu_qwen3_4b_grpo_gsm8k.yaml",
+                      [f"model.path={REPO / 'examples/model_configs/qwen3-4b'}"])
+    p = plan(cfg, 8)
+    H, L, V, I, q, kv = 2560, 36, 151936, 9728, 32 * 128, 8 * 128
+    per_layer = (q * H + 2 * kv * H + q * H) + 2 * 128 + 3 * H * I + 2 * H  # attention, q/k norms, MLP, norms
+    params = V * H + L * per_layer + H  # tied head: the embedding once, plus the final norm
+    assert p["params"] == params == 4_022_468_096
+    assert (p["world"], p["dp"], p["sp"], p["ep"]) == (8, 8, 1, 1)
+    assert p["largest_layer"] == V * H  # the embedding
+    assert p["actor_states"] == 4 * V * H + 18 * params // 8  # DeepSpeed's ZeRO-3 estimate
+    tokens = 16384
+    assert p["activations"] == tokens * (L * 2 * H + 2 * (4 * H + 2 * q + 2 * kv + 3 * I))  # checkpointing on
+    assert p["logits_chunk"] == 3 * 4 * 2048 * V
+    assert p["engine_weights"] == 2 * params and p["rollout_total"] == pytest.approx(0.7 * 80 * GIB + 1.5 * GIB)
+    assert p["reference"] == 0 and p["critic_states"] == 0  # GRPO without KL: neither
+
+
+def test_too_few_gpus_warns_and_bad_layouts_fail():
+    cfg = load_config(REPO / "examples/gpu_qwen3_30b_a3b_moe.yaml",
+                      [f"model.path={REPO / 'examples/model_configs/qwen3-30b-a3b'}"])
+    assert any("training needs about" in w for w in plan(cfg, 8)["warnings"])  # 30B on one node: too much
+    assert not plan(cfg, 16)["warnings"]
+    with pytest.raises(ValueError, match="parallel.ep=8 must divide the data-parallel size 4"):
+        plan(cfg, 4)
+    cfg.parallel.sp = 3
+    with pytest.raises(ValueError, match="parallel.sp=3 must divide --num-gpus=16"):
+        plan(cfg, 16)
+
+
+def test_run_sh_passes_dry_run_through(tmp_path):
+    proc = subprocess.run(["bash", str(REPO / "run.sh"), str(REPO / "examples/gpu_qwen3_4b_grpo_gsm8k.yaml"),
+                           "--dry-run", f"model.path={REPO / 'examples/model_configs/qwen3-4b'}"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300, env={"NPROC": "8", "PATH": "/usr/bin:/bin:" + sys.prefix + "/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "8 trainer ranks" in proc.stdout and "deepspeed" not in proc.stdout.lower().split("layout")[0]
