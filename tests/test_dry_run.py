@@ -18,8 +18,22 @@ RECIPES = {  # recipe -> (model config of its shape, GPUs it was sized for)
 }
 
 
-def test_every_gpu_recipe_is_listed_here():
-    assert sorted(p.name for p in (REPO / "examples").glob("gpu_*.yaml")) == sorted(RECIPES)
+CPU_EXAMPLES = {  # the CPU examples too, at 2 ranks (models of the same shape where theirs is built on first use)
+    "cpu_tiny_grpo.yaml": "assets/tiny-arith", "tiny_arith_sft.yaml": "assets/tiny-arith",
+    "cpu_tiny_vl_grpo.yaml": "assets/tiny-vl", "tiny_vl_sft.yaml": "assets/tiny-vl",
+    "cpu_smollm2_grpo.yaml": "examples/model_configs/smollm2-135m",
+}
+
+
+def test_every_example_is_listed_here():
+    assert sorted(p.name for p in (REPO / "examples").glob("*.yaml")) == sorted({**RECIPES, **CPU_EXAMPLES})
+
+
+@pytest.mark.parametrize("example", sorted(CPU_EXAMPLES))
+def test_cpu_examples_pass_the_dry_run(example):
+    cfg = load_config(REPO / "examples" / example, [f"model.path={REPO / CPU_EXAMPLES[example]}"])
+    p = plan(cfg, 2)
+    assert p["world"] == 2 and not p["warnings"]
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
