@@ -66,14 +66,26 @@ class DataConfig:
 
 @dataclasses.dataclass
 class RewardConfig:
-    fn: str | dict = field("exact_match", "Built-in name (math, exact_match, format), {name: weight}, or 'module:function'.")
+    fn: str | dict = field("exact_match", "Built-in name (math, exact_match, format), 'module:function', a reward "
+                                          "server 'http://host:port/path', a reward model 'model:PATH', or "
+                                          "{spec: weight}. docs/custom_rollouts.md.")
     granularity: Literal["sample", "group"] = field("sample", "User function gets one sample or one prompt's group.")
     timeout: float = field(60.0, "Seconds one call of a user reward function may take; past it the run stops with "
                                  "the function and the sample named (a hung function cannot hold the job).")
 
+    max_concurrency: int = field(32, "User reward calls (or reward-server requests) in flight per rank.")
+    batch_size: int = field(16, "Reward server / reward model: samples per request or forward pass.")
+    max_retries: int = field(3, "Reward server: retries of a failed request (connection error, timeout, 5xx, 429, "
+                                "malformed answer) before the run stops naming the endpoint and the samples.")
+    retry_backoff: float = field(1.0, "Reward server: seconds before the first retry; doubles each retry.")
+
     def __post_init__(self):
         if self.timeout <= 0:
             raise ValueError(f"rollout.reward.timeout={self.timeout} must be > 0")
+        if self.max_concurrency < 1 or self.batch_size < 1:
+            raise ValueError("rollout.reward.max_concurrency and rollout.reward.batch_size must be >= 1")
+        if self.max_retries < 0 or self.retry_backoff < 0:
+            raise ValueError("rollout.reward.max_retries and rollout.reward.retry_backoff must be >= 0")
 
 
 @dataclasses.dataclass
@@ -123,6 +135,8 @@ class RolloutConfig:
     max_response_len: int = field(64, "Maximum new tokens per response.")
     stop_token_ids: list = field([], "Extra token ids that end a response (EOS always does).")
     gen_batch_size: int = field(64, "hf engine: sequences generated per forward batch.")
+    generate_fn: str | None = field(None, "'package.module:function' building each prompt's samples (multi-turn, "
+                                          "tools; see docs/custom_rollouts.md); None = one completion per sample.")
     sync_bucket_mb: float = field(64.0, "Size of the parameter buckets gathered and pushed to the engine.")
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)

@@ -21,7 +21,7 @@ RECIPES = {  # recipe -> (model config of its shape, GPUs it was sized for)
 CPU_EXAMPLES = {  # the CPU examples too, at 2 ranks (models of the same shape where theirs is built on first use)
     "cpu_tiny_grpo.yaml": "assets/tiny-arith", "tiny_arith_sft.yaml": "assets/tiny-arith",
     "cpu_tiny_vl_grpo.yaml": "assets/tiny-vl", "tiny_vl_sft.yaml": "assets/tiny-vl",
-    "cpu_smollm2_grpo.yaml": "examples/model_configs/smollm2-135m",
+    "cpu_smollm2_grpo.yaml": "examples/model_configs/smollm2-135m", "cpu_tiny_tool_grpo.yaml": "assets/tiny-arith",
 }
 
 

@@ -3,6 +3,7 @@
 Spec forms:
   - a built-in name: ``"math"``, ``"exact_match"``, ``"format"``;
   - a user function ``"package.module:function"`` (sync or async);
+  - a reward server ``"http://host:port/path"`` or a reward model ``"model:PATH"`` (slime.rollout.reward_models);
   - weights over sample-level functions, ``{"math": 1.0, "format": 0.1}`` -> weighted sum.
 
 A sample-level function maps a `Sample` to a number, or to a dict with a ``"reward"`` key plus
@@ -31,6 +32,7 @@ from math_verify import parse, verify
 from math_verify.errors import TimeoutException
 
 from slime.data.sample import Sample
+from slime.rollout.reward_models import RemoteReward, RewardModel, is_remote, is_reward_model
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +185,8 @@ BUILTIN_REWARDS: dict[str, Callable[[Sample], float | dict[str, float]]] = {
 
 GRANULARITIES = ("sample", "group")
 _SPEC_HELP = (f"use a built-in name {sorted(BUILTIN_REWARDS)}, a user function as "
-              "'package.module:function', or a dict of weights such as {'math': 1.0, 'format': 0.1}")
+              "'package.module:function', a reward server 'http://host:port/path', a reward model "
+              "'model:PATH', or a dict of weights such as {'math': 1.0, 'format': 0.1}")
 
 
 def _load_user_fn(path: str) -> Callable:
@@ -201,7 +204,11 @@ def _load_user_fn(path: str) -> Callable:
     return fn
 
 
-def _resolve(name: str) -> Callable:
+def _resolve(name: str, batched: dict) -> Callable:
+    if is_remote(name):
+        return RemoteReward(name, **batched)
+    if is_reward_model(name):
+        return RewardModel(name, batch_size=batched["batch_size"])
     if name in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[name]
     if ":" in name:
@@ -255,7 +262,8 @@ class RewardFn:
     """
 
     def __init__(self, spec: str | dict[str, float], *, granularity: str = "sample",
-                 max_concurrency: int = 32, timeout: float | None = None) -> None:
+                 max_concurrency: int = 32, timeout: float | None = None, batch_size: int = 16,
+                 max_retries: int = 3, retry_backoff: float = 1.0) -> None:
         if granularity not in GRANULARITIES:
             raise ValueError(f"reward granularity {granularity!r} is not one of {GRANULARITIES}")
         if max_concurrency < 1:
@@ -268,13 +276,16 @@ class RewardFn:
                 raise ValueError(f"bad reward spec {spec!r}: entry {name!r}: {w!r} must map a "
                                  f"name to a number; {_SPEC_HELP}")
         if granularity == "group":
-            if len(weights) != 1 or next(iter(weights)) in BUILTIN_REWARDS:
+            name = next(iter(weights))
+            if len(weights) != 1 or name in BUILTIN_REWARDS or is_remote(name) or is_reward_model(name):
                 raise ValueError(f"reward spec {spec!r} with granularity 'group' must be one user "
                                  "function 'package.module:function' taking a group's samples")
         self.spec = spec
         self.granularity = granularity
         self.weights = {name: float(w) for name, w in weights.items()}
-        self.fns = {name: _resolve(name) for name in weights}
+        batched = dict(batch_size=batch_size, timeout=60.0 if timeout is None else timeout,
+                       max_retries=max_retries, retry_backoff=retry_backoff, max_concurrency=max_concurrency)
+        self.fns = {name: _resolve(name, batched) for name in weights}
         self._max_concurrency = max_concurrency
         self.timeout = timeout
 
@@ -283,8 +294,12 @@ class RewardFn:
         sem = asyncio.Semaphore(self._max_concurrency)
         if self.granularity == "group":
             return await self._score_groups(samples, sem)
-        per_fn = {name: await asyncio.gather(*(self._run(fn, name, s, sem) for s in samples))
-                  for name, fn in self.fns.items()}
+        per_fn = {}
+        for name, fn in self.fns.items():
+            if getattr(fn, "batched", False):  # a reward server or model: whole batches at a time
+                per_fn[name] = [_as_reward(v, name, s) for v, s in zip(await fn.score_batch(samples), samples)]
+            else:
+                per_fn[name] = await asyncio.gather(*(self._run(fn, name, s, sem) for s in samples))
         rewards = []
         for i, sample in enumerate(samples):
             info: dict[str, float] = {}
@@ -382,6 +397,13 @@ def needs_label(spec: str | dict) -> bool:
 
 
 def make_reward_fn(spec: str | dict[str, float], *, granularity: str = "sample",
-                   max_concurrency: int = 32, timeout: float | None = None) -> RewardFn:
-    """Build the reward callable for a run's reward spec (see the module docstring)."""
-    return RewardFn(spec, granularity=granularity, max_concurrency=max_concurrency, timeout=timeout)
+                   max_concurrency: int = 32, timeout: float | None = None, **batched) -> RewardFn:
+    """Build the reward callable for a run's reward spec (see the module docstring). `batched` (batch_size,
+    max_retries, retry_backoff) configures reward servers and models."""
+    return RewardFn(spec, granularity=granularity, max_concurrency=max_concurrency, timeout=timeout, **batched)
+
+
+def reward_fn_from_config(cfg) -> RewardFn:
+    """The run's reward from its `rollout.reward` section."""
+    return make_reward_fn(cfg.fn, granularity=cfg.granularity, timeout=cfg.timeout, max_concurrency=cfg.max_concurrency,
+                          batch_size=cfg.batch_size, max_retries=cfg.max_retries, retry_backoff=cfg.retry_backoff)

@@ -14,7 +14,9 @@ from slime.config import RolloutConfig
 from slime.data.prompts import Prompt, PromptSource
 from slime.data.sample import Sample, as_token_tensor
 from slime.distributed.parallel_dims import ParallelDims
+from slime.rollout.custom import load_generate_fn, run_generate_fn
 from slime.rollout.engine import RolloutEngine, SamplingParams
+from slime.rollout.rewards import check_finite
 
 logger = logging.getLogger(__name__)
 
@@ -25,37 +27,48 @@ def sampling_params(cfg: RolloutConfig) -> SamplingParams:
 
 
 def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: SamplingParams, tokenizer, reward_fn,
-                     *, first_group_id: int, first_index: int = 0) -> list[Sample]:
-    """Generate `params.n` responses per prompt and score them. Group ids start at first_group_id,
-    sample indices (positions in the global batch, named in reward logs) at first_index."""
-    mm = [p.mm for p in prompts] if any(p.mm is not None for p in prompts) else None
-    outputs = engine.generate([p.prompt_ids for p in prompts], params, mm=mm)
+                     *, first_group_id: int, first_index: int = 0, generate_fn: str | None = None) -> list[Sample]:
+    """`params.n` responses per prompt (one completion each, or what `generate_fn` builds), scored. Group
+    ids start at first_group_id, sample indices (positions in the global batch, named in logs) at first_index."""
+    if generate_fn:
+        groups = run_generate_fn(load_generate_fn(generate_fn), generate_fn, engine, prompts, params, tokenizer)
+    else:
+        mm = [p.mm for p in prompts] if any(p.mm is not None for p in prompts) else None
+        outputs = engine.generate([p.prompt_ids for p in prompts], params, mm=mm)
+        groups = [[Sample(prompt_ids=list(prompt.prompt_ids), response_ids=gen.response_ids,
+                          rollout_logprobs=as_token_tensor(gen.logprobs), prompt_text=prompt.prompt_text,
+                          response_text=tokenizer.decode(gen.response_ids, skip_special_tokens=True),
+                          label=prompt.label, metadata=dict(prompt.metadata), finish_reason=gen.finish_reason)
+                   for gen in gens] for prompt, gens in zip(prompts, outputs)]
     samples = []
-    for g, (prompt, gens) in enumerate(zip(prompts, outputs)):
-        for gen in gens:
-            samples.append(Sample(
-                prompt_ids=list(prompt.prompt_ids), response_ids=gen.response_ids,
-                rollout_logprobs=as_token_tensor(gen.logprobs), prompt_text=prompt.prompt_text,
-                response_text=tokenizer.decode(gen.response_ids, skip_special_tokens=True),
-                label=prompt.label, metadata=dict(prompt.metadata), group_id=first_group_id + g,
-                index=first_index + len(samples), finish_reason=gen.finish_reason,
-                mm=None if prompt.mm is None else prompt.mm.without_images()))
-    for sample, reward in zip(samples, reward_fn.score(samples)):
+    for g, (prompt, group) in enumerate(zip(prompts, groups)):
+        for s in group:
+            s.group_id, s.index = first_group_id + g, first_index + len(samples)
+            s.mm = None if prompt.mm is None else prompt.mm.without_images()
+            samples.append(s)
+    # A generate function may grade its own samples (metadata given_reward); the reward function scores the rest.
+    to_score = [s for s in samples if "given_reward" not in s.metadata]
+    for sample, reward in zip(to_score, reward_fn.score(to_score) if to_score else []):
         sample.reward = float(reward)
+    for s in samples:
+        if "given_reward" in s.metadata:
+            check_finite(s.metadata["given_reward"], f"rollout.generate_fn {generate_fn}", s)
+            s.reward = s.metadata["given_reward"]
     return samples
 
 
 def _generate_shared(engine, prompts: list[Prompt], params: SamplingParams, tokenizer, reward_fn,
-                     dims: ParallelDims, *, first_group_id: int, first_index: int) -> list[Sample]:
+                     dims: ParallelDims, *, first_group_id: int, first_index: int,
+                     generate_fn: str | None = None) -> list[Sample]:
     """The dp rank's prompts, generated once: with sequence parallelism its sp peers (which train on the same
     samples) each generate a contiguous part and all-gather the rest, so they all hold the same batch."""
     if dims.sp == 1:
         return generate_rollout(engine, prompts, params, tokenizer, reward_fn, first_group_id=first_group_id,
-                                first_index=first_index)
+                                first_index=first_index, generate_fn=generate_fn)
     bounds = [len(prompts) * r // dims.sp for r in range(dims.sp + 1)]
     a, b = bounds[dims.sp_rank], bounds[dims.sp_rank + 1]
     mine = generate_rollout(engine, prompts[a:b], params, tokenizer, reward_fn, first_group_id=first_group_id + a,
-                            first_index=first_index + a * params.n) if b > a else []
+                            first_index=first_index + a * params.n, generate_fn=generate_fn) if b > a else []
     return [s for part in dims.all_gather_objects(mine, group=dims.sp_group) for s in part]
 
 
@@ -90,7 +103,7 @@ def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfi
         prompts = data.next_batch(n_prompts)
         first = (step * cfg.max_sampling_attempts + attempts) * 10**6 + dims.dp_rank * len(prompts)
         samples = _generate_shared(engine, prompts, params, tokenizer, reward_fn, dims, first_group_id=first,
-                                   first_index=dims.dp_rank * len(prompts) * params.n)
+                                   first_index=dims.dp_rank * len(prompts) * params.n, generate_fn=cfg.generate_fn)
         if cfg.overlong_penalty.max_len:
             op = cfg.overlong_penalty
             for s in samples:
@@ -132,9 +145,15 @@ def _cut_to_batch_size(kept: list[Sample], batch_size: int, dims: ParallelDims) 
 
 def rollout_metrics(samples: list[Sample], dims: ParallelDims) -> dict:
     """Global means over every rank's generated samples (before any filtering)."""
-    n, r, r2, length, trunc = dims.all_reduce_sum([
+    n, r, r2, length, trunc, turned, turns, masked = dims.all_reduce_sum([
         len(samples), sum(s.reward for s in samples), sum(s.reward ** 2 for s in samples),
-        sum(len(s.response_ids) for s in samples), sum(s.finish_reason == "length" for s in samples)])
+        sum(len(s.response_ids) for s in samples), sum(s.finish_reason == "length" for s in samples),
+        sum("turns" in s.metadata for s in samples), sum(s.metadata.get("turns", 0) for s in samples),
+        sum(len(s.response_ids) - s.num_loss_tokens for s in samples)])
     mean = r / n
-    return {"rollout/reward_mean": mean, "rollout/reward_std": max(r2 / n - mean ** 2, 0.0) ** 0.5,
-            "rollout/response_len": length / n, "rollout/truncated_frac": trunc / n, "rollout/gen_tokens": length}
+    out = {"rollout/reward_mean": mean, "rollout/reward_std": max(r2 / n - mean ** 2, 0.0) ** 0.5,
+           "rollout/response_len": length / n, "rollout/truncated_frac": trunc / n,
+           "rollout/gen_tokens": length - masked}
+    if turned:  # samples of a generate function: policy turns, and the share of tokens it did not generate
+        out.update({"rollout/turns": turns / turned, "rollout/observation_frac": masked / max(length, 1)})
+    return out

@@ -83,6 +83,7 @@ def server_args(cfg: SGLangConfig, *, dtype: torch.dtype, gpu_id: int | None, co
 
 
 class SGLangEngine:
+    thread_safe = True  # requests go out over a pooled HTTP session: callers may generate concurrently
     def __init__(self, cfg: SGLangConfig, model_cfg, tokenizer, dims, *, log_dir: str | None = None):
         from slime.models.loading import resolve_dtype
 

@@ -65,7 +65,7 @@ def compute_advantages(samples: list[Sample], cfg: AlgoConfig, dims: ParallelDim
         else:
             adv, m = grpo_advantages(all_scores, groups, normalize_std=cfg.normalize_std and est == "grpo")
         metrics.update({k: float(v) for k, v in m.items()})  # over the whole batch already
-        token_adv = adv[mine][:, None].expand(-1, width)
+        token_adv = adv[mine][:, None] * mask  # observation tokens (mask 0) are not actions
     elif est in ("reinforce_pp", "reinforce_pp_baseline"):
         scores = rewards
         if est == "reinforce_pp_baseline":

@@ -21,7 +21,7 @@ from slime.data.prompts import PromptSource, sft_samples
 from slime.distributed.parallel_dims import ParallelDims
 from slime.models.loading import load_processor, load_tokenizer
 from slime.rollout.engine import make_engine
-from slime.rollout.rewards import make_reward_fn, needs_label
+from slime.rollout.rewards import needs_label, reward_fn_from_config
 from slime.rollout.rollout import collect_rollout
 from slime.trainer.advantages import compute_advantages
 from slime.trainer.checkpoint import load_checkpoint, save_checkpoint
@@ -51,10 +51,11 @@ def sync_weights(actor: PolicyEngine, engine, version: int, bucket_mb: float) ->
 def logprob_metrics(samples, dims: ParallelDims) -> dict:
     """How far the trainer's logprobs are from the engine's (rollout/training mismatch), and KL to the
     reference: token means over every rank."""
-    sums = {"diff": sum(float((s.old_logprobs - s.rollout_logprobs).abs().sum()) for s in samples),
-            "n": sum(len(s.response_ids) for s in samples)}
+    # Over the tokens the policy generated (mask 1): observations carry rollout logprob 0 by convention.
+    sums = {"diff": sum(float(((s.old_logprobs - s.rollout_logprobs).abs() * s.loss_mask).sum()) for s in samples),
+            "n": sum(s.num_loss_tokens for s in samples)}
     if samples[0].ref_logprobs is not None:
-        sums["kl"] = sum(float((s.old_logprobs - s.ref_logprobs).sum()) for s in samples)
+        sums["kl"] = sum(float(((s.old_logprobs - s.ref_logprobs) * s.loss_mask).sum()) for s in samples)
     g = dict(zip(sums, dims.all_reduce_sum(list(sums.values()))))
     n = max(g["n"], 1.0)
     out = {"rollout/train_logprob_abs_diff": g["diff"] / n}
@@ -128,8 +129,7 @@ def run(cfg: Config) -> dict:
     ref = PolicyEngine.reference(cfg, dims) if cfg.algo.needs_reference and not sft else None
     critic = PolicyEngine.critic(cfg, dims) if cfg.algo.advantage_estimator == "gae" and not sft else None
     trained = {"actor": actor, **({"critic": critic} if critic is not None else {})}
-    reward_fn = make_reward_fn(cfg.rollout.reward.fn, granularity=cfg.rollout.reward.granularity,
-                               timeout=cfg.rollout.reward.timeout)
+    reward_fn = reward_fn_from_config(cfg.rollout.reward)
 
     identity, start_step = checkpoint_identity(cfg), 0
     if cfg.checkpoint.resume:

@@ -1,0 +1,169 @@
+"""User generate functions: multi-turn rollouts, tool calls, anything beyond one completion per sample.
+
+`rollout.generate_fn = "package.module:function"` replaces the single-turn generation. The function is
+called once per prompt (one group of `rollout.n_samples_per_prompt` samples) with a `RolloutContext` and
+returns the group's samples; sync and async functions both work:
+
+    def my_rollout(ctx: RolloutContext) -> list[Sample]:
+        out = []
+        for _ in range(ctx.n):
+            traj = ctx.trajectory()
+            gen = traj.generate(stop_token_ids=[...])      # the policy's turn: loss and logprobs
+            traj.observe(ctx.tokenizer(tool_output, add_special_tokens=False).input_ids)  # mask 0
+            traj.generate()
+            out.append(traj.sample(reward=None))           # None: the configured reward scores it
+        return out
+
+A trajectory only appends token ids: the context sent to the engine is always the prompt ids plus every
+id appended so far, never re-tokenised text, so the trainer scores exactly the tokens the engine saw.
+Generated tokens carry loss (mask 1) and the engine's logprobs; observations carry neither (mask 0,
+logprob 0), so they are excluded from the policy loss, the KL terms, the entropy and the mismatch metrics.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from slime.data.prompts import Prompt
+from slime.data.sample import Sample, as_token_tensor
+from slime.rollout.engine import Generation, RolloutEngine, SamplingParams
+
+
+class Trajectory:
+    """One sample built turn by turn."""
+
+    def __init__(self, ctx: "RolloutContext"):
+        self.ctx = ctx
+        self.response_ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.finish_reason = "stop"
+        self.turns = 0
+
+    @property
+    def context_ids(self) -> list[int]:
+        return self.ctx.prompt.prompt_ids + self.response_ids
+
+    @property
+    def remaining(self) -> int:
+        """Tokens left of rollout.max_response_len for this trajectory (generated and observed together)."""
+        return self.ctx.params.max_new_tokens - len(self.response_ids)
+
+    def generate(self, *, max_new_tokens: int | None = None, stop_token_ids: tuple[int, ...] | list[int] = (),
+                 temperature: float | None = None) -> Generation:
+        """The policy's next turn from everything so far; its tokens carry loss and logprobs."""
+        budget = min(max_new_tokens or self.remaining, self.remaining)
+        if budget <= 0:
+            self.finish_reason = "length"
+            return Generation([], [], "length")
+        gen = self.ctx.generate(self.context_ids, max_new_tokens=budget, stop_token_ids=stop_token_ids,
+                                temperature=temperature)
+        self.response_ids += gen.response_ids
+        self.mask += [1] * len(gen.response_ids)
+        self.logprobs += gen.logprobs
+        self.finish_reason = gen.finish_reason
+        self.turns += 1
+        return gen
+
+    async def agenerate(self, **kwargs) -> Generation:
+        """`generate` for async generate functions: the request runs in a worker thread, so the groups'
+        trajectories wait on the engine concurrently."""
+        return await asyncio.to_thread(self.generate, **kwargs)
+
+    def observe(self, ids: list[int]) -> None:
+        """Append tokens the policy did not choose (a tool's output, the user's next message): no loss."""
+        ids = list(ids)[:max(self.remaining, 0)]
+        self.response_ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+
+    def sample(self, *, reward: float | None = None, metadata: dict | None = None) -> Sample:
+        p = self.ctx.prompt
+        s = Sample(prompt_ids=list(p.prompt_ids), response_ids=list(self.response_ids), response_mask=list(self.mask),
+                   rollout_logprobs=as_token_tensor(self.logprobs), prompt_text=p.prompt_text,
+                   response_text=self.ctx.tokenizer.decode(self.response_ids, skip_special_tokens=True),
+                   label=p.label, metadata={**p.metadata, **(metadata or {}), "turns": self.turns},
+                   finish_reason=self.finish_reason)
+        if reward is not None:
+            s.metadata["given_reward"] = float(reward)
+        return s
+
+
+@dataclasses.dataclass
+class RolloutContext:
+    prompt: Prompt
+    params: SamplingParams
+    tokenizer: Any
+    engine: RolloutEngine
+    lock: threading.Lock | None = None
+
+    @property
+    def n(self) -> int:
+        """Samples to return for this prompt (rollout.n_samples_per_prompt)."""
+        return self.params.n
+
+    def trajectory(self) -> Trajectory:
+        return Trajectory(self)
+
+    def generate(self, input_ids: list[int], *, max_new_tokens: int, stop_token_ids=(), temperature=None
+                 ) -> Generation:
+        """One completion of `input_ids` with the run's sampling settings (EOS always stops)."""
+        params = dataclasses.replace(self.params, n=1, max_new_tokens=max_new_tokens,
+                                     stop_token_ids=tuple(self.params.stop_token_ids) + tuple(stop_token_ids),
+                                     temperature=self.params.temperature if temperature is None else temperature)
+        mm = [self.prompt.mm] if self.prompt.mm is not None else None
+        if self.lock is None:
+            return self.engine.generate([list(input_ids)], params, mm=mm)[0][0]
+        with self.lock:  # an in-process engine serves one call at a time
+            return self.engine.generate([list(input_ids)], params, mm=mm)[0][0]
+
+
+def load_generate_fn(spec: str) -> Callable:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"rollout.generate_fn={spec!r} must look like 'package.module:function'")
+    import importlib
+
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ModuleNotFoundError, AttributeError) as e:
+        raise ValueError(f"rollout.generate_fn={spec!r}: {e}") from e
+    if not callable(fn):
+        raise ValueError(f"rollout.generate_fn={spec!r} is not callable")
+    return fn
+
+
+def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: list[Prompt], params: SamplingParams,
+                    tokenizer) -> list[list[Sample]]:
+    """The user's samples per prompt, checked: every group has n samples whose token fields line up."""
+    lock = None if getattr(engine, "thread_safe", False) else threading.Lock()
+    contexts = [RolloutContext(p, params, tokenizer, engine, lock) for p in prompts]
+    if inspect.iscoroutinefunction(fn):
+        async def all_groups():
+            return await asyncio.gather(*(fn(ctx) for ctx in contexts))
+        groups = asyncio.run(all_groups())
+    elif lock is None and len(contexts) > 1:  # an engine that serves concurrent requests: one thread per group
+        with ThreadPoolExecutor(max_workers=min(len(contexts), 64), thread_name_prefix="generate_fn") as pool:
+            groups = list(pool.map(fn, contexts))
+    else:
+        groups = [fn(ctx) for ctx in contexts]
+    for ctx, group in zip(contexts, groups):
+        if not isinstance(group, (list, tuple)) or len(group) != params.n or \
+                not all(isinstance(s, Sample) for s in group):
+            raise TypeError(f"rollout.generate_fn {spec} must return a list of {params.n} Sample objects per prompt "
+                            f"(RolloutContext.trajectory().sample()), got {type(group).__name__} for prompt row "
+                            f"{ctx.prompt.index}")
+        for s in group:
+            r = len(s.response_ids)
+            if r == 0:
+                raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has no "
+                                 "response tokens; call trajectory.generate() at least once")
+            if len(s.loss_mask) != r or s.rollout_logprobs is None or len(s.rollout_logprobs) != r:
+                raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has "
+                                 f"{r} response tokens but {len(s.loss_mask)} mask entries and "
+                                 f"{None if s.rollout_logprobs is None else len(s.rollout_logprobs)} logprobs")
+    return [list(g) for g in groups]

@@ -1,0 +1,207 @@
+"""Rewards that score a batch at a time: a remote reward server over HTTP, and a reward model checkpoint.
+
+`rollout.reward.fn` picks them by prefix (alone or as a weighted entry, e.g. ``{"http://rm:8000/score": 1.0,
+"format": 0.1}``):
+
+- ``"http://host:port/path"`` / ``"https://..."``: `RemoteReward`. Each request POSTs up to
+  ``rollout.reward.batch_size`` samples as JSON::
+
+      {"samples": [{"index": 3, "prompt": "...", "response": "...", "label": "...", "metadata": {...}}, ...]}
+
+  and expects ``{"rewards": [r_0, r_1, ...]}`` back, one per sample, in order; each r is a number or a dict
+  with a "reward" key plus extra numbers (logged like a user function's). At most
+  ``rollout.reward.max_concurrency`` requests are in flight; each may take ``rollout.reward.timeout``
+  seconds. A connection error, a timeout, a 5xx or 429 answer and a malformed body are retried
+  ``rollout.reward.max_retries`` times with exponential backoff; then the run stops with the endpoint, the
+  samples of the batch and what went wrong named. Other 4xx answers (the request is wrong) stop at once.
+  A reward is never silently zero.
+- ``"model:PATH"``: `RewardModel`, a Hugging Face sequence-classification checkpoint with one output
+  (``num_labels=1``) loaded on every rank and scored there on that rank's samples, ``batch_size`` at a
+  time, in eval mode under no_grad. It reads ``prompt_text + response_text`` with its own tokenizer (the
+  prompt as the policy saw it, chat template included), so a reward model trained on another template
+  should be served remotely instead.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import threading
+import time
+from typing import Any
+
+import requests
+import torch
+
+from slime.data.sample import Sample
+
+logger = logging.getLogger(__name__)
+
+MODEL_PREFIX = "model:"
+
+
+def is_remote(spec: str) -> bool:
+    return spec.startswith(("http://", "https://"))
+
+
+def is_reward_model(spec: str) -> bool:
+    return spec.startswith(MODEL_PREFIX)
+
+
+def _label(label: Any) -> Any:
+    return label if label is None or isinstance(label, (str, int, float, bool, list, dict)) else str(label)
+
+
+def _describe(samples: list[Sample]) -> str:
+    idx = [s.index for s in samples]
+    first = samples[0]
+    return (f"samples index={idx[0]}..{idx[-1]} ({len(idx)})" if len(idx) > 1 else f"sample index={idx[0]}") + \
+        f", first prompt {first.prompt_text[-60:]!r}"
+
+
+class RewardServerError(RuntimeError):
+    """A reward server failed a batch after every retry (or refused it outright)."""
+
+
+class _Retryable(Exception):
+    pass
+
+
+class RemoteReward:
+    """A reward server reached over HTTP (see the module docstring for the protocol)."""
+
+    batched = True
+
+    def __init__(self, url: str, *, batch_size: int = 16, timeout: float = 60.0, max_retries: int = 3,
+                 retry_backoff: float = 1.0, max_concurrency: int = 8) -> None:
+        if batch_size < 1 or max_concurrency < 1 or max_retries < 0 or timeout <= 0 or retry_backoff < 0:
+            raise ValueError(f"remote reward {url}: batch_size and max_concurrency must be >= 1, max_retries and "
+                             f"retry_backoff >= 0, timeout > 0")
+        self.url, self.batch_size, self.timeout = url, batch_size, timeout
+        self.max_retries, self.retry_backoff, self.max_concurrency = max_retries, retry_backoff, max_concurrency
+        self._local = threading.local()  # one pooled session per worker thread
+
+    @property
+    def _session(self) -> requests.Session:
+        if not hasattr(self._local, "session"):
+            self._local.session = requests.Session()
+        return self._local.session
+
+    def payload(self, samples: list[Sample]) -> dict:
+        return {"samples": [{"index": s.index, "prompt": s.prompt_text, "response": s.response_text,
+                             "label": _label(s.label), "metadata": _jsonable(s.metadata)} for s in samples]}
+
+    async def score_batch(self, samples: list[Sample]) -> list[Any]:
+        """The server's value for every sample (numbers or dicts with a "reward" key), in order."""
+        sem = asyncio.Semaphore(self.max_concurrency)
+        batches = [samples[i:i + self.batch_size] for i in range(0, len(samples), self.batch_size)]
+
+        async def one(batch):
+            async with sem:
+                return await asyncio.to_thread(self._post, batch)
+
+        return [v for values in await asyncio.gather(*(one(b) for b in batches)) for v in values]
+
+    def _post(self, batch: list[Sample]) -> list[Any]:
+        body = self.payload(batch)
+        for attempt in range(self.max_retries + 1):
+            try:
+                return self._attempt(body, batch)
+            except _Retryable as e:
+                why = str(e)
+                if attempt == self.max_retries:
+                    break
+                delay = self.retry_backoff * 2 ** attempt * (1 + 0.25 * random.random())
+                logger.warning("reward server %s: %s; retry %d/%d in %.1fs", self.url, why, attempt + 1,
+                               self.max_retries, delay)
+                time.sleep(delay)
+        raise RewardServerError(
+            f"reward server {self.url} failed for {_describe(batch)} after {self.max_retries + 1} attempts: {why}. "
+            "Check the server (its log, that it answers {'rewards': [...]} with one value per sample) or raise "
+            "rollout.reward.timeout / max_retries")
+
+    def _attempt(self, body: dict, batch: list[Sample]) -> list[Any]:
+        try:
+            r = self._session.post(self.url, json=body, timeout=self.timeout)
+        except requests.Timeout:
+            raise _Retryable(f"no answer within rollout.reward.timeout={self.timeout}s") from None
+        except requests.ConnectionError as e:
+            raise _Retryable(f"cannot connect ({type(e).__name__})") from None
+        if r.status_code >= 500 or r.status_code == 429:
+            raise _Retryable(f"HTTP {r.status_code}: {r.text[:200]!r}")
+        if r.status_code >= 400:
+            raise RewardServerError(f"reward server {self.url} refused {_describe(batch)}: HTTP {r.status_code}: "
+                                    f"{r.text[:300]!r}; the request is wrong, so it is not retried")
+        try:
+            rewards = r.json()["rewards"]
+        except (ValueError, KeyError, TypeError):
+            raise _Retryable(f"malformed answer (want JSON {{'rewards': [...]}}): {r.text[:200]!r}") from None
+        if not isinstance(rewards, list) or len(rewards) != len(batch):
+            got = f"{len(rewards)} values" if isinstance(rewards, list) else type(rewards).__name__
+            raise _Retryable(f"malformed answer: 'rewards' must list {len(batch)} values, got {got}")
+        return rewards
+
+
+def _jsonable(obj: Any) -> Any:
+    """Metadata as JSON: numbers, strings, lists and dicts pass; anything else becomes its str."""
+    try:
+        json.dumps(obj, allow_nan=False)
+        return obj
+    except (TypeError, ValueError):
+        if isinstance(obj, dict):
+            return {str(k): _jsonable(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [_jsonable(v) for v in obj]
+        if isinstance(obj, float) and not math.isfinite(obj):
+            return str(obj)
+        return str(obj)
+
+
+class RewardModel:
+    """A sequence-classification checkpoint (one output) scoring prompt + response on this rank."""
+
+    batched = True
+
+    def __init__(self, spec: str, *, batch_size: int = 16, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.path = spec[len(MODEL_PREFIX):] if spec.startswith(MODEL_PREFIX) else spec
+        if not self.path:
+            raise ValueError(f"reward spec {spec!r}: give the checkpoint as 'model:PATH'")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        if dtype is None:
+            dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+            self.model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=dtype)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"reward model {spec!r}: cannot load a sequence-classification checkpoint from "
+                             f"{self.path!r}: {e}") from e
+        if self.model.config.num_labels != 1:
+            raise ValueError(f"reward model {spec!r} has num_labels={self.model.config.num_labels}; a reward model "
+                             "has one output (num_labels=1), its score")
+        if self.tokenizer.pad_token_id is None:  # batches are right-padded; the model reads the last real token
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.tokenizer.padding_side = "right"
+        self.model.to(device).eval()
+        self.device, self.batch_size = device, batch_size
+
+    def texts(self, samples: list[Sample]) -> list[str]:
+        return [s.prompt_text + s.response_text for s in samples]
+
+    @torch.no_grad()
+    def score_texts(self, texts: list[str]) -> list[float]:
+        out = []
+        for i in range(0, len(texts), self.batch_size):
+            enc = self.tokenizer(texts[i:i + self.batch_size], return_tensors="pt", padding=True,
+                                 add_special_tokens=False).to(self.device)
+            out += self.model(**enc).logits[:, 0].float().tolist()
+        return out
+
+    async def score_batch(self, samples: list[Sample]) -> list[float]:
+        return self.score_texts(self.texts(samples))

@@ -1,0 +1,43 @@
+"""Generate functions for tests: a scripted environment that always answers once between two policy turns,
+so every sample is multi-turn (the calculator example only is when the model calls it)."""
+from slime.rollout.custom import RolloutContext
+
+OBSERVATION = " ok:"
+
+
+def two_turns(ctx: RolloutContext):
+    samples = []
+    for k in range(ctx.n):
+        traj = ctx.trajectory()
+        traj.generate(max_new_tokens=3)
+        traj.observe(ctx.tokenizer(OBSERVATION, add_special_tokens=False).input_ids)
+        traj.generate(max_new_tokens=3)
+        samples.append(traj.sample())
+    return samples
+
+
+async def two_turns_async(ctx: RolloutContext):
+    return two_turns(ctx)
+
+
+def graded_by_length(ctx: RolloutContext):
+    """Gives its own reward: the sample's length (so the group is never constant)."""
+    samples = []
+    for k in range(ctx.n):
+        traj = ctx.trajectory()
+        traj.generate(max_new_tokens=1 + k)
+        samples.append(traj.sample(reward=float(len(traj.response_ids))))
+    return samples
+
+
+def wrong_count(ctx: RolloutContext):
+    return [ctx.trajectory().sample()]
+
+
+def infinite_reward(ctx: RolloutContext):
+    samples = []
+    for _ in range(ctx.n):
+        traj = ctx.trajectory()
+        traj.generate(max_new_tokens=2)
+        samples.append(traj.sample(reward=float("inf")))
+    return samples

@@ -1,0 +1,431 @@
+"""Custom rollouts (issue 14): user generate functions with observation tokens, the calculator tool example,
+reward servers over HTTP and reward models as checkpoints."""
+from __future__ import annotations
+
+import json
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, run_ranks
+from custom_rollouts import OBSERVATION
+from slime.config import AlgoConfig
+from slime.data.batch import build_micro_batch
+from slime.data.prompts import Prompt
+from slime.data.sample import Sample
+from slime.rollout.engine import Generation, SamplingParams
+from slime.rollout.reward_models import RemoteReward, RewardModel, RewardServerError
+from slime.rollout.rewards import make_reward_fn
+from slime.rollout.rollout import generate_rollout
+from slime.trainer.advantages import compute_advantages
+from slime.trainer.losses import actor_loss
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def hf_engine(tiny_model):
+    from slime.config import ModelConfig
+    from slime.rollout.hf_engine import HFEngine
+    from transformers import AutoTokenizer
+
+    return HFEngine(ModelConfig(path=str(tiny_model)), AutoTokenizer.from_pretrained(tiny_model),
+                    device=torch.device("cpu"))
+
+
+def prompts_of(tokenizer, texts, labels=None):
+    return [Prompt(prompt_ids=tokenizer(t).input_ids, prompt_text=t, label=(labels or [None] * len(texts))[i],
+                   metadata={}, index=i) for i, t in enumerate(texts)]
+
+
+def never_called(sample):
+    raise AssertionError("the reward function scored a sample its generate function had graded")
+
+
+# ----------------------------------------------------------------------------- generate functions
+
+
+@pytest.mark.parametrize("fn", ["two_turns", "two_turns_async"])
+def test_multi_turn_sample_appends_ids_and_its_logprobs_are_the_models(fn, hf_engine, tokenizer, tiny_model):
+    """Observation ids are appended as given (no re-tokenising), masked, logprob 0; every generated token's
+    rollout logprob is the model's logprob of it given everything before it, observation included."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, n=3)
+    samples = generate_rollout(hf_engine, prompts_of(tokenizer, ["12+3=", "7-4=", "45+45="]), params, tokenizer,
+                               make_reward_fn("e2e_rewards:digit_fraction"), first_group_id=0,
+                               generate_fn=f"custom_rollouts:{fn}")
+    obs = tokenizer(OBSERVATION, add_special_tokens=False).input_ids
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    assert len(samples) == 9 and [s.group_id for s in samples] == [0] * 3 + [1] * 3 + [2] * 3
+    for s in samples:
+        mask = s.response_mask
+        first = mask.index(0)  # the first turn's tokens, then the observation, then the second turn
+        assert 1 <= first <= 3 and mask[first:first + len(obs)] == [0] * len(obs)
+        assert s.response_ids[first:first + len(obs)] == obs
+        assert all(m == 1 for m in mask[first + len(obs):]) and s.metadata["turns"] == 2
+        assert torch.all(s.rollout_logprobs[torch.tensor(mask) == 0] == 0)
+        with torch.no_grad():
+            logits = model(torch.tensor([s.prompt_ids + s.response_ids])).logits[0].float()
+        p = len(s.prompt_ids)
+        ref = torch.log_softmax(logits[p - 1:-1], -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+        gen = torch.tensor(mask) == 1
+        torch.testing.assert_close(s.rollout_logprobs[gen], ref[gen], atol=1e-4, rtol=0)
+        assert 0 <= s.reward <= 1
+
+
+def test_generate_fn_reward_and_errors(hf_engine, tokenizer):
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, n=4)
+    prompts = prompts_of(tokenizer, ["1+1=", "2+2="])
+    graded = generate_rollout(hf_engine, prompts, params, tokenizer, make_reward_fn("test_custom_rollout:never_called"),
+                              first_group_id=5, generate_fn="custom_rollouts:graded_by_length")
+    assert [s.reward for s in graded] == [float(len(s.response_ids)) for s in graded]
+    assert [s.index for s in graded] == list(range(8)) and graded[4].group_id == 6
+    with pytest.raises(TypeError, match=r"custom_rollouts:wrong_count must return a list of 4 Sample.*row 0"):
+        generate_rollout(hf_engine, prompts, params, tokenizer, make_reward_fn("exact_match"), first_group_id=0,
+                         generate_fn="custom_rollouts:wrong_count")
+    with pytest.raises(ValueError, match=r"rollout.generate_fn='custom_rollouts:nope'.*nope"):
+        generate_rollout(hf_engine, prompts, params, tokenizer, make_reward_fn("exact_match"), first_group_id=0,
+                         generate_fn="custom_rollouts:nope")
+    with pytest.raises(ValueError, match="must look like 'package.module:function'"):
+        generate_rollout(hf_engine, prompts, params, tokenizer, make_reward_fn("exact_match"), first_group_id=0,
+                         generate_fn="custom_rollouts")
+
+
+def test_a_given_reward_must_be_finite(hf_engine, tokenizer):
+    with pytest.raises(ValueError, match=r"rollout.generate_fn custom_rollouts:infinite_reward returned inf for "
+                                         r"sample index=0"):
+        generate_rollout(hf_engine, prompts_of(tokenizer, ["1+1="]), SamplingParams(max_new_tokens=4, n=2), tokenizer,
+                         make_reward_fn("exact_match"), first_group_id=0, generate_fn="custom_rollouts:infinite_reward")
+
+
+class OneRank:
+    """The collectives of a world of one (the two-rank paths are covered by the launches below)."""
+
+    def all_gather_objects(self, obj, group=None):
+        return [obj]
+
+    def all_reduce_tensors(self, values, group=None, op=None):
+        return {k: float(v) for k, v in values.items()}
+
+    def all_reduce_sum(self, values, group=None):
+        return list(values)
+
+
+def _multi_turn_sample(mask: list[int], seed: int) -> Sample:
+    g = torch.Generator().manual_seed(seed)
+    r = len(mask)
+    s = Sample(prompt_ids=[3, 4, 5], response_ids=list(range(10, 10 + r)), response_mask=list(mask), reward=1.0)
+    s.old_logprobs = -torch.rand(r, generator=g)
+    s.ref_logprobs = -torch.rand(r, generator=g)
+    s.rollout_logprobs = -torch.rand(r, generator=g)
+    s.advantages = torch.randn(r, generator=g)
+    return s
+
+
+def test_observation_tokens_carry_no_policy_loss_kl_or_entropy():
+    """Changing everything at the mask-0 positions (logprobs, old/ref/rollout logprobs, advantages, entropy)
+    leaves the loss and every gradient unchanged, and the gradient there is exactly 0."""
+    algo = AlgoConfig(entropy_coef=0.01, use_kl_loss=True, kl_coef=0.1)
+    algo.tis.mode = "truncate"
+    mask = [1, 1, 0, 0, 0, 1, 1]
+    hole = torch.tensor(mask) == 0
+    results = []
+    for garbage in (0.0, 1.0):
+        s = _multi_turn_sample(mask, seed=0)
+        for name in ("old_logprobs", "ref_logprobs", "rollout_logprobs", "advantages"):
+            getattr(s, name)[hole] += 7.0 * garbage
+        mb = build_micro_batch([s], [0])
+        logp = (-torch.rand(7, generator=torch.Generator().manual_seed(1)) - 3.0 * garbage * hole).requires_grad_()
+        entropy = (torch.rand(7, generator=torch.Generator().manual_seed(2)) + 5.0 * garbage * hole).requires_grad_()
+        loss, sums = actor_loss(algo, mb, logp, entropy, num_tokens=4, num_seqs=1)
+        loss.backward()
+        assert torch.all(logp.grad[hole] == 0) and torch.all(entropy.grad[hole] == 0)
+        results.append((loss.detach(), logp.grad[~hole], entropy.grad[~hole], sums["kl_ref"], sums["entropy"]))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b)
+    assert results[0][3] != 0 and results[0][0] != 0
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "reinforce_pp", "gae"])
+def test_advantages_are_zero_on_observations(estimator):
+    """docs/algorithms.md: mask zeros are not actions. REINFORCE++ returns and GAE skip them: a hole changes
+    no advantage of the generated tokens (compared with the same sample without the observation)."""
+    dims = OneRank()
+    with_hole = [_multi_turn_sample([1, 1, 0, 0, 1], seed=k) for k in range(2)]
+    without = [_multi_turn_sample([1, 1, 1], seed=k) for k in range(2)]
+    for k, (s, t, r) in enumerate(zip(with_hole, without, (1.0, 0.0))):
+        s.reward, t.reward, s.index, t.index = r, r, k, k
+        s.group_id = t.group_id = 0
+        s.values = torch.tensor([0.1, 0.2, 9.0, 9.0, 0.3])
+        t.values = torch.tensor([0.1, 0.2, 0.3])
+    cfg = AlgoConfig(advantage_estimator=estimator, gamma=0.9, lam=0.8)
+    compute_advantages(with_hole, cfg, dims)
+    compute_advantages(without, cfg, dims)
+    for s, t in zip(with_hole, without):
+        assert torch.all(s.advantages[2:4] == 0)
+        torch.testing.assert_close(s.advantages[[0, 1, 4]], t.advantages, atol=1e-6, rtol=1e-5)
+        if estimator == "gae":
+            torch.testing.assert_close(s.returns[[0, 1, 4]], t.returns, atol=1e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the calculator example
+
+
+class ScriptedEngine:
+    """Answers each call with the next scripted text (a fixed policy), so the tool's control flow is exact."""
+
+    thread_safe = False
+
+    def __init__(self, tokenizer, replies):
+        self.tokenizer, self.replies, self.contexts = tokenizer, list(replies), []
+
+    def generate(self, prompts, params, mm=None):
+        self.contexts.append(list(prompts[0]))
+        ids = self.tokenizer(self.replies.pop(0), add_special_tokens=False).input_ids[:params.max_new_tokens]
+        stop = next((i for i, t in enumerate(ids) if t in params.stop_token_ids), None)
+        ids = ids if stop is None else ids[:stop + 1]
+        reason = "stop" if stop is not None else "length"
+        return [[Generation(ids, [-0.5] * len(ids), reason)]]
+
+
+def test_calculator_tool_appends_its_result_as_an_observation(tokenizer):
+    from examples.tool_calc import calculate, calculator_rollout
+    from slime.rollout.custom import RolloutContext
+
+    assert calculate("12+7") == "19" and calculate(" 6 * -3 ") == "-18" and calculate("1/0") is None
+    eos = tokenizer.eos_token
+    engine = ScriptedEngine(tokenizer, ["12+7=", "19" + eos, "3*4=", "12" + eos])
+    prompt = prompts_of(tokenizer, ["12+7="], labels=["19"])[0]
+    params = SamplingParams(max_new_tokens=32, n=2, stop_token_ids=(tokenizer.eos_token_id,))
+    first, second = calculator_rollout(RolloutContext(prompt, params, tokenizer, engine))
+    call = tokenizer("12+7=", add_special_tokens=False).input_ids
+    result = tokenizer("19\n", add_special_tokens=False).input_ids
+    assert first.response_ids[:len(call) + len(result)] == call + result
+    assert first.response_mask == [1] * len(call) + [0] * len(result) + [1] * (len(first.response_ids) - len(call) - len(result))
+    assert engine.contexts[1] == prompt.prompt_ids + call + result  # the second turn saw the observation's ids
+    assert first.metadata["given_reward"] == 1.0 and first.metadata["tool_calls"] == 1
+    assert second.metadata["given_reward"] == 0.0  # called the tool on 3*4, answered 12: wrong for 12+7
+
+
+# ----------------------------------------------------------------------------- reward servers
+
+
+class RewardServer:
+    """A local reward server whose behaviour the test sets: ok, error (500), hang, bad_json, bad_request."""
+
+    def __init__(self):
+        self.mode, self.fail_first, self.requests = "ok", 0, []
+        self.release = threading.Event()
+        self.in_flight = self.max_in_flight = 0
+        lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    server.requests.append(body)
+                    server.in_flight += 1
+                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                    failing = server.fail_first > 0
+                    server.fail_first -= failing
+                try:
+                    self._answer(body, failing)
+                finally:
+                    with lock:
+                        server.in_flight -= 1
+
+            def _answer(self, body, failing):
+                mode = "error" if failing else server.mode
+                if mode == "hang":
+                    server.release.wait()
+                    return
+                if mode in ("error", "bad_request"):
+                    self.send_response(500 if mode == "error" else 400)
+                    self.end_headers()
+                    self.wfile.write(b"boom")
+                    return
+                rewards = [{"reward": len(s["response"]), "has_label": float(s["label"] is not None)}
+                           for s in body["samples"]]
+                out = b"{not json" if mode == "bad_json" else json.dumps({"rewards": rewards}).encode()
+                if mode == "short":
+                    out = json.dumps({"rewards": rewards[:-1]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(out)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    s = RewardServer()
+    yield s
+    s.close()
+
+
+def text_samples(n):
+    return [Sample(prompt_ids=[1], response_ids=[2], prompt_text=f"q{i}", response_text="x" * i,
+                   label=str(i) if i % 2 else None, index=100 + i) for i in range(n)]
+
+
+def remote(server, **kw):
+    opts = dict(batch_size=3, max_concurrency=2, timeout=5.0, max_retries=2, retry_backoff=0.01) | kw
+    return make_reward_fn(server.url, **{k: v for k, v in opts.items()})
+
+
+def test_remote_reward_scores_in_batches_with_extras(server):
+    samples = text_samples(7)
+    rewards = remote(server).score(samples)
+    assert rewards == [float(i) for i in range(7)]
+    assert [len(r["samples"]) for r in server.requests] == [3, 3, 1]
+    assert server.max_in_flight <= 2
+    got = {s["index"]: s for r in server.requests for s in r["samples"]}
+    assert got[103] == {"index": 103, "prompt": "q3", "response": "xxx", "label": "3", "metadata": {}}
+    assert samples[3].metadata["reward_info"] == {"has_label": 1.0}
+    weighted = make_reward_fn({server.url: 2.0, "format": 1.0}, batch_size=4, retry_backoff=0.01)
+    assert weighted.score(text_samples(3)) == [0.0, 2.0, 4.0]
+
+
+def test_remote_reward_retries_a_failing_server_then_succeeds(server):
+    server.fail_first = 2
+    assert remote(server, batch_size=8).score(text_samples(4)) == [0.0, 1.0, 2.0, 3.0]
+    assert len(server.requests) == 3
+
+
+@pytest.mark.parametrize("mode, why, attempts", [
+    ("error", r"HTTP 500: 'boom'", 3),
+    ("bad_json", r"malformed answer \(want JSON", 3),
+    ("short", r"'rewards' must list 2 values, got 1", 3),
+    ("hang", r"no answer within rollout.reward.timeout=0.3s", 3),
+    ("bad_request", r"refused samples index=100..101 \(2\).*HTTP 400", 1),
+])
+def test_remote_reward_failures_name_the_endpoint_and_the_samples(server, mode, why, attempts):
+    server.mode = mode
+    with pytest.raises(RewardServerError, match=why) as e:
+        remote(server, batch_size=2, timeout=0.3).score(text_samples(2))
+    assert server.url in str(e.value) and "samples index=100..101" in str(e.value)
+    if attempts > 1:
+        assert f"after {attempts} attempts" in str(e.value)
+    assert len(server.requests) == attempts
+
+
+def test_remote_reward_that_nobody_serves():
+    from slime.utils.net import free_port
+
+    url = f"http://127.0.0.1:{free_port()}/score"
+    with pytest.raises(RewardServerError, match=rf"{url} failed for sample index=100.*cannot connect"):
+        make_reward_fn(url, max_retries=1, retry_backoff=0.01).score(text_samples(1))
+
+
+def test_remote_reward_specs_are_checked():
+    with pytest.raises(ValueError, match="granularity 'group' must be one user function"):
+        make_reward_fn("http://127.0.0.1:1/x", granularity="group")
+    with pytest.raises(ValueError, match="batch_size and max_concurrency must be >= 1"):
+        RemoteReward("http://127.0.0.1:1/x", batch_size=0)
+
+
+# ----------------------------------------------------------------------------- reward models
+
+
+def make_reward_model(model_dir: Path, out: Path, num_labels: int = 1) -> Path:
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    if out.exists():
+        return out
+    cfg = AutoConfig.from_pretrained(model_dir, num_labels=num_labels)
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(cfg).save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_rm(tiny_model, tmp_path_factory):
+    return make_reward_model(tiny_model, tmp_path_factory.mktemp("rm") / "tiny-rm")
+
+
+def test_reward_model_scores_batches_as_one_by_one(tiny_rm):
+    """Right-padded batches score each sample at its own last token: the same as scoring it alone."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    samples = [Sample(prompt_ids=[1], response_ids=[2], prompt_text=f"{i}+{i}=", response_text="7" * (1 + 3 * i),
+                      index=i) for i in range(5)]
+    rm = RewardModel(f"model:{tiny_rm}", batch_size=4)
+    got = make_reward_fn(f"model:{tiny_rm}", batch_size=4).score(samples)
+    tok = AutoTokenizer.from_pretrained(tiny_rm)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_rm).eval()
+    with torch.no_grad():
+        want = [model(**tok(s.prompt_text + s.response_text, return_tensors="pt", add_special_tokens=False)
+                      ).logits[0, 0].item() for s in samples]
+    assert got == pytest.approx(want, abs=1e-5)
+    assert rm.score_texts([samples[4].prompt_text + samples[4].response_text]) == pytest.approx(want[4:], abs=1e-5)
+    assert len(set(round(w, 4) for w in want)) == 5  # a random head: the texts get different scores
+
+
+def test_reward_model_must_have_one_output(tiny_model, tmp_path):
+    path = make_reward_model(tiny_model, tmp_path / "two-labels", num_labels=2)
+    with pytest.raises(ValueError, match="num_labels=2; a reward model has one output"):
+        make_reward_fn(f"model:{path}")
+    with pytest.raises(ValueError, match="cannot load a sequence-classification checkpoint"):
+        make_reward_fn(f"model:{tmp_path / 'missing'}")
+
+
+# ----------------------------------------------------------------------------- the loop on 2 ranks
+
+
+def launch(tiny_model, task_dir, run_dir, *overrides, config="examples/cpu_tiny_grpo.yaml"):
+    run_ranks([str(REPO / "run.py"), "--config", str(REPO / config), f"model.path={tiny_model}",
+               f"data.path={task_dir / 'train.jsonl'}", f"log.run_dir={run_dir}", "rollout.batch_size=4",
+               "rollout.n_samples_per_prompt=4", "rollout.max_response_len=10", "train.max_tokens_per_gpu=96",
+               "eval.path=null", "checkpoint.export_hf=false", *overrides])
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_rank_multi_turn_run_with_a_reward_model(tiny_model, task_dir, tiny_rm, tmp_path):
+    """Step 1 of a multi-turn run: the trainer's logprobs of the generated tokens are the engine's (as in a
+    single-turn run), so the first PPO step starts at ratio 1; the reward model scores on each rank."""
+    rows = launch(tiny_model, task_dir, tmp_path / "run", "train.num_steps=2", "rollout.generate_fn=custom_rollouts:two_turns",
+                  f"rollout.reward.fn=model:{tiny_rm}", "train.lr=1e-3")
+    first = rows[0]
+    assert first["rollout/turns"] == 2.0 and 0 < first["rollout/observation_frac"] < 1
+    assert first["rollout/train_logprob_abs_diff"] < 1e-4
+    assert abs(first["train/ppo_kl"]) < 1e-6
+    assert first["rollout/reward_std"] > 0 and first["train/grad_norm"] > 0
+    assert [r["step"] for r in rows] == [1, 2]
+
+
+def test_two_rank_async_generate_fn_with_gae(tiny_model, task_dir, tmp_path):
+    rows = launch(tiny_model, task_dir, tmp_path / "run", "train.num_steps=1", "algo.advantage_estimator=gae",
+                  "rollout.generate_fn=custom_rollouts:two_turns_async", "rollout.reward.fn=e2e_rewards:digit_fraction")
+    assert rows[0]["rollout/turns"] == 2.0 and rows[0]["rollout/train_logprob_abs_diff"] < 1e-4
+    assert math.isfinite(rows[0]["critic/value_loss"])
+
+
+def test_tool_example_runs(tmp_path):
+    rows = launch(REPO / "assets/tiny-arith", REPO / "assets/tiny-arith-data", tmp_path / "run", "train.num_steps=1",
+                  config="examples/cpu_tiny_tool_grpo.yaml")
+    assert rows[0]["rollout/turns"] >= 1.0 and math.isfinite(rows[0]["train/grad_norm"])
