@@ -240,6 +240,38 @@ def test_sampled_logprobs_are_those_of_the_temperature_scaled_policy(engines):
 
 
 @needs_sglang
+@pytest.mark.parametrize("fn", ["two_turns", "two_turns_async"])
+def test_multi_turn_generate_fn_on_sglang(engines, fn, tiny_model):
+    """A generate function on the SGLang engine (one thread per prompt for the sync one): observation ids
+    are appended as given, and every generated token's logprob is the HF model's given all before it."""
+    from custom_rollouts import OBSERVATION
+    from slime.data.prompts import Prompt
+    from slime.rollout.rewards import make_reward_fn
+    from slime.rollout.rollout import generate_rollout
+
+    from slime.models.loading import load_tokenizer
+
+    ours, hf, prompts = engines
+    tokenizer = load_tokenizer(ModelConfig(path=str(tiny_model)))
+    rows = [Prompt(prompt_ids=p, prompt_text=tokenizer.decode(p), label=None, metadata={}, index=i)
+            for i, p in enumerate(prompts)]
+    samples = generate_rollout(ours, rows, SamplingParams(max_new_tokens=12, temperature=1.0, n=2), tokenizer,
+                               make_reward_fn("e2e_rewards:digit_fraction"), first_group_id=0,
+                               generate_fn=f"custom_rollouts:{fn}")
+    obs = tokenizer(OBSERVATION, add_special_tokens=False).input_ids
+    assert len(samples) == 8
+    for s in samples:
+        first = s.response_mask.index(0)
+        assert s.response_ids[first:first + len(obs)] == obs and s.metadata["turns"] == 2
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            logits = hf.model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1].float()
+        want = torch.log_softmax(logits, -1).gather(-1, ids[0, len(s.prompt_ids):, None]).squeeze(-1)
+        gen = torch.tensor(s.response_mask) == 1
+        torch.testing.assert_close(s.rollout_logprobs[gen], want[gen], atol=2e-3, rtol=0)
+
+
+@needs_sglang
 def test_abort_returns_partial_generations(engines):
     """Responses cannot end before max_new_tokens (ignore_eos) and 8 x 480 decode steps take seconds
     here, so an abort sent once requests are in flight always finds work to cut short; a slower
