@@ -107,7 +107,8 @@ class SGLangConfig:
     ranks_per_engine: int = field(0, "colocated: trainer ranks sharing one engine; 0 = tp_size (one per TP group).")
     num_engines: int = field(1, "disaggregated: servers rank 0 launches (on GPUs base_gpu_id, base_gpu_id + tp_size, ...).")
     base_gpu_id: int = field(-1, "disaggregated: first GPU of the engines; -1 = the GPU after the trainer's.")
-    urls: list = field([], "Use these running servers (http://127.0.0.1:PORT) instead of launching any.")
+    urls: list = field([], "Use these running servers (http://HOST:PORT, on this node or another) instead of "
+                           "launching any.")
     mem_fraction: float = field(0.0, "--mem-fraction-static of each server; 0 = SGLang's default.")
     max_concurrency: int = field(64, "Requests in flight per rank.")
     startup_timeout: float = field(900.0, "Seconds to wait for a server to answer /health.")

@@ -343,6 +343,31 @@ def test_two_rank_grpo_run_on_sglang(tiny_model, task_dir, tmp_path):
 
 
 @needs_sglang
+def test_two_node_run_with_a_disaggregated_engine(tiny_model, task_dir, tmp_path):
+    """Two torchrun nodes of one rank, the rendezvous at this machine's network address (not loopback): node
+    0 launches the server on that address, node 1 generates on it, weights go over a group hosted there."""
+    from test_multi_node import two_nodes
+    from slime.utils.net import address_toward, is_loopback
+
+    address = address_toward("10.255.255.255")  # the address of the default route's interface
+    if is_loopback(address):
+        pytest.skip("this machine has no non-loopback address")
+    run_dir, marker = tmp_path / "run", f"nodes-{os.getpid()}"
+    outs = two_nodes([str(REPO / "run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"),
+                      f"model.path={tiny_model}", f"data.path={task_dir / 'train.jsonl'}", f"log.run_dir={run_dir}",
+                      "rollout.reward.fn=e2e_rewards:digit_fraction", "rollout.batch_size=4",
+                      "rollout.n_samples_per_prompt=4", "rollout.max_response_len=6", "train.lr=5e-3",
+                      "train.max_tokens_per_gpu=64", "train.num_steps=2", "checkpoint.export_hf=false",
+                      "eval.path=null", "rollout.engine=sglang", "rollout.sglang.mode=disaggregated",
+                      f"rollout.sglang.python={SGLANG_PYTHON}", f"rollout.sglang.extra_args={json.dumps(CPU_ARGS)}",
+                      f"rollout.sglang.env={json.dumps(server_env(marker))}"], master_addr=address, timeout=1200)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert f"server(s) ['http://{address}:" in outs[0] and len(rows) == 2
+    assert rows[1]["rollout/train_logprob_abs_diff"] < 1e-3  # node 1 generated on the weights pushed after step 1
+    assert not server_processes(marker), "the run left SGLang server processes behind"
+
+
+@needs_sglang
 def test_killed_server_is_detected_and_reported(server, engines):
     """Runs last: kills the module's server (SIGKILL to its main process, as an OOM killer would)."""
     ours, _, prompts = engines

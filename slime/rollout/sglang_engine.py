@@ -35,6 +35,7 @@ from slime.multimodal.images import to_png_base64
 from slime.multimodal.processor import MultimodalInputs
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
 from slime.rollout.sglang_server import HOST, SGLangClient, SGLangServer, SGLangServerError
+from slime.utils.net import address_toward, node_address, url_host
 from slime.rollout.sglang_weights import dtype_name, serialize_flat_bucket, split_by_dtype
 from slime.utils.net import free_port
 
@@ -52,12 +53,15 @@ class EnginePlan:
     ranks_of_engine: tuple[tuple[int, ...], ...]  # colocated: the ranks whose GPUs the engine uses
 
 
-def plan_engines(cfg: SGLangConfig, world_size: int) -> EnginePlan:
+def plan_engines(cfg: SGLangConfig, world_size: int, ranks_per_node: int | None = None) -> EnginePlan:
     if cfg.mode == "colocated":
         k = cfg.ranks_per_engine or cfg.tp_size
         if world_size % k:
             raise ValueError(f"rollout.sglang.ranks_per_engine (or tp_size) = {k} must divide the world size "
                              f"{world_size}")
+        if ranks_per_node is not None and ranks_per_node % k:
+            raise ValueError(f"rollout.sglang.ranks_per_engine (or tp_size) = {k} must divide the ranks per node "
+                             f"({ranks_per_node}): a colocated engine serves ranks of its own node")
         n = world_size // k
         if cfg.urls and len(cfg.urls) != n:
             raise ValueError(f"rollout.sglang.urls lists {len(cfg.urls)} servers but colocated mode on {world_size} "
@@ -88,7 +92,7 @@ class SGLangEngine:
         from slime.models.loading import resolve_dtype
 
         self.cfg, self.dims = cfg, dims
-        self.plan = plan_engines(cfg, dims.world_size)
+        self.plan = plan_engines(cfg, dims.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size)))
         self.colocated = cfg.mode == "colocated"
         self.eos_id = tokenizer.eos_token_id
         self._version = 0
@@ -113,8 +117,9 @@ class SGLangEngine:
                 mine = [e for e in range(self.plan.num_engines) if self.plan.owner_of_engine[e] == dims.rank]
                 log_dir = Path(log_dir) / "sglang" if log_dir else Path(tempfile.mkdtemp(prefix="slime-sglang-"))
                 python = cfg.python or os.environ.get("SLIME_SGLANG_PYTHON") or sys.executable
+                host = node_address(dims.world_size)  # 127.0.0.1 unless ranks on other nodes use the server
                 for e in mine:
-                    server = SGLangServer(python, model_cfg.path, port=free_port(), env=cfg.env,
+                    server = SGLangServer(python, model_cfg.path, port=free_port(), env=cfg.env, host=host,
                                           args=server_args(cfg, dtype=resolve_dtype(model_cfg.dtype),
                                                            gpu_id=self._gpu_of(e), colocated=self.colocated),
                                           log_path=log_dir / f"engine{e}.log")
@@ -325,10 +330,12 @@ class SGLangEngine:
         port, tp = free_port(), self.cfg.tp_size
         world = 1 + len(self.owned) * tp
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # The engines connect back to this rank: at the address on the route to them (127.0.0.1 when local).
+        master = address_toward(url_host(self.owned[0].url)) if self.owned else HOST
         calls = [self._pool.submit(c.post, "/init_weights_update_group", {
-            "master_address": HOST, "master_port": port, "rank_offset": 1 + e * tp, "world_size": world,
+            "master_address": master, "master_port": port, "rank_offset": 1 + e * tp, "world_size": world,
             "group_name": GROUP_NAME, "backend": backend}, retries=0) for e, c in enumerate(self.owned)]
-        self._group = self.dims.new_external_group(host=HOST, port=port, world_size=world, group_name=GROUP_NAME,
+        self._group = self.dims.new_external_group(host=master, port=port, world_size=world, group_name=GROUP_NAME,
                                                    backend=backend, timeout_s=self.cfg.request_timeout)
         if backend == "nccl":
             self._group_device = torch.device("cuda", torch.cuda.current_device())

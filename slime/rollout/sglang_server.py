@@ -4,7 +4,8 @@ Processes: each server starts in a session of its own, so the server and every p
 (scheduler, detokenizer, resource tracker) are stopped together by one `killpg`. Every server this
 process started is stopped by `shutdown`, at interpreter exit, on SIGTERM (what torchrun sends the
 surviving ranks when one fails), and, on Linux, by the kernel when the launching process dies
-without cleaning up (PR_SET_PDEATHSIG). Only 127.0.0.1 is ever contacted.
+without cleaning up (PR_SET_PDEATHSIG). A server listens on 127.0.0.1 unless the job spans nodes
+(then on the launching node's address, for ranks on the other nodes).
 
 Client: JSON over HTTP with the standard library (no extra dependency in the trainer's Python).
 Every call is bounded: a timeout per attempt and a retry count. A refused or timed-out call first
@@ -59,12 +60,12 @@ def _die_with_parent() -> None:
 
 
 class SGLangServer:
-    """One `python -m sglang.launch_server` process on 127.0.0.1:`port`, logging to `log_path`."""
+    """One `python -m sglang.launch_server` process on `host`:`port`, logging to `log_path`."""
 
     def __init__(self, python: str, model_path: str, *, port: int, args: list[str], env: dict[str, str],
-                 log_path: Path):
-        self.port, self.log_path = port, Path(log_path)
-        self.cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", HOST,
+                 log_path: Path, host: str = HOST):
+        self.host, self.port, self.log_path = host, port, Path(log_path)
+        self.cmd = [python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host,
                     "--port", str(port), *args]
         # The launcher's rendezvous variables would make SGLang's own process group join ours
         # (TORCHELASTIC_USE_AGENT_STORE sends its store lookup to torchrun's store, and hangs).
@@ -75,7 +76,7 @@ class SGLangServer:
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,10 @@
 """Network helpers shared by the launcher set-up and the SGLang servers."""
 from __future__ import annotations
 
+import ipaddress
+import os
 import socket
+from urllib.parse import urlparse
 
 HOST = "127.0.0.1"
 
@@ -11,3 +14,42 @@ def free_port(host: str = HOST) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def url_host(url: str) -> str:
+    return urlparse(url).hostname or ""
+
+
+def address_toward(host: str) -> str:
+    """This machine's address on the route to `host`: what a process there can connect back to. A UDP
+    socket's connect picks the route without sending anything; a loopback `host` gives 127.0.0.1."""
+    if is_loopback(host):
+        return HOST
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def single_node(world_size: int) -> bool:
+    """Whether every rank of the job runs on this machine (the launchers set LOCAL_WORLD_SIZE per node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size
+
+
+def node_address(world_size: int) -> str:
+    """The address ranks on other nodes reach this one at: 127.0.0.1 for a one-node job, else the address on
+    the route to the rendezvous host (MASTER_ADDR), which every node reaches."""
+    if single_node(world_size):
+        return HOST
+    return address_toward(os.environ.get("MASTER_ADDR", HOST))

@@ -1,0 +1,72 @@
+"""Multi-node launch, on one machine: two torchrun "nodes" of one rank each (LOCAL_RANK 0 on both, a rendezvous
+over TCP) run the same job as one node of two ranks, step for step."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, run_ranks
+from slime.utils.net import free_port
+
+TIME_KEYS = ("time/", "perf/")
+JOB = ["--config", str(REPO / "examples/cpu_tiny_grpo.yaml"), "rollout.reward.fn=e2e_rewards:digit_fraction",
+       "rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=6", "train.lr=5e-3",
+       "train.max_tokens_per_gpu=64", "eval.path=null", "train.num_steps=2", "checkpoint.export_hf=false"]
+
+
+def two_nodes(args: list[str], master_addr: str = "127.0.0.1", timeout: int = 600) -> list[str]:
+    """`torchrun --nnodes 2 --nproc_per_node 1 --node_rank k` for k = 0, 1, as on two hosts (the master address
+    is the first node's); both must exit 0. Returns their output."""
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                               "--node_rank", str(k), "--master_addr", master_addr, "--master_port", str(port),
+                               *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for k in range(2)]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for k, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"node {k} exited {p.returncode}:\n{out[-6000:]}"
+    return outs
+
+
+def metrics(run_dir):
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(TIME_KEYS)}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_nodes_of_one_rank_run_the_job_of_one_node_with_two(tiny_model, task_dir, tmp_path):
+    common = [f"model.path={tiny_model}", f"data.path={task_dir / 'train.jsonl'}"]
+    run_ranks([str(REPO / "run.py"), *JOB, *common, f"log.run_dir={tmp_path / 'one_node'}"])
+    outs = two_nodes([str(REPO / "run.py"), *JOB, *common, f"log.run_dir={tmp_path / 'two_nodes'}"])
+    want, got = metrics(tmp_path / "one_node"), metrics(tmp_path / "two_nodes")
+    assert [r["step"] for r in got] == [1, 2]
+    for a, b in zip(want, got):
+        assert sorted(a) == sorted(b)
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    assert "step 2/2" in outs[0] and "step 2/2" not in outs[1]  # rank 0 logs; the other node's rank does not
+    assert (tmp_path / "two_nodes/checkpoints/step_2").is_dir()
+
+
+def test_node_addresses_and_engine_placement(monkeypatch):
+    from slime.config import SGLangConfig
+    from slime.rollout.sglang_engine import plan_engines
+    from slime.utils.net import address_toward, is_loopback, node_address, url_host
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert node_address(8) == "127.0.0.1"  # one node: servers stay on loopback
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    assert node_address(8) == "127.0.0.1"  # two nodes whose rendezvous is this machine
+    assert address_toward("127.0.0.1") == "127.0.0.1" and is_loopback("localhost") and not is_loopback("10.0.0.1")
+    assert url_host("http://10.1.2.3:30000/generate") == "10.1.2.3"
+    assert plan_engines(SGLangConfig(ranks_per_engine=4), 8, ranks_per_node=4).num_engines == 2
+    with pytest.raises(ValueError, match=r"must divide the ranks per node \(4\)"):
+        plan_engines(SGLangConfig(ranks_per_engine=8), 8, ranks_per_node=4)
