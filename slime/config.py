@@ -197,6 +197,10 @@ class AlgoConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = field("k3", "KL estimator (k3: low-variance, clamped).")
     router_aux_loss_coef: float = field(0.0, "Mixture of experts: weight of the router's load-balancing loss "
                                              "(0 = only logged; RL runs usually keep the router as it is).")
+    old_logprobs: Literal["recompute", "train_forward"] = field(
+        "recompute", "pi_old: 'recompute' = a forward pass over the batch before the update; 'train_forward' = the "
+        "update's own forward, detached (on-policy with train.num_mini_batches=1, where the two are the same "
+        "weights: saves one forward pass; not with kl_in_reward, whose advantages need pi_old first).")
     gamma: float = field(1.0, "Discount for token-level estimators (REINFORCE++, GAE).")
     lam: float = field(0.95, "GAE lambda.")
     tis: TISConfig = dataclasses.field(default_factory=TISConfig)
@@ -324,6 +328,10 @@ class Config:
             raise ValueError("data.path is required: a .jsonl or .parquet prompt file")
         if self.parallel.sp > 1 and not self.train.packing:
             raise ValueError("parallel.sp > 1 cuts packed rows into shards: it needs train.packing=true")
+        if self.algo.old_logprobs == "train_forward" and (self.train.num_mini_batches > 1 or self.algo.kl_in_reward):
+            raise ValueError("algo.old_logprobs=train_forward takes pi_old from the update's own forward, which is "
+                             "pi_old only for the first optimizer step and after the advantages: it needs "
+                             "train.num_mini_batches=1 and algo.kl_in_reward=false (use algo.old_logprobs=recompute)")
         if self.algo.policy_loss != "sft" and self.algo.advantage_estimator in ("grpo", "dr_grpo", "rloo") \
                 and self.rollout.n_samples_per_prompt < 2:
             raise ValueError(f"algo.advantage_estimator={self.algo.advantage_estimator} needs "

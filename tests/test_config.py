@@ -93,3 +93,10 @@ def test_ds_config_auto_fields_filled(tmp_path):
     layout.write_text(json.dumps({"expert_parallel": {"enabled": True, "autoep_size": 2}}))
     with pytest.raises(ValueError, match="parallel.ep"):  # set in one place only: the run config
         build_ds_config(cfg.train, layout, bf16=False)
+
+
+def test_old_logprobs_from_the_update_need_one_mini_batch_and_no_kl_in_reward():
+    for bad in (["train.num_mini_batches=2"], ["algo.kl_in_reward=true", "algo.kl_coef=0.1"]):
+        with pytest.raises(ValueError, match="algo.old_logprobs=train_forward .* train.num_mini_batches=1"):
+            load_config(None, BASE + ["algo.old_logprobs=train_forward", *bad])
+    assert load_config(None, BASE + ["algo.old_logprobs=train_forward"]).algo.old_logprobs == "train_forward"

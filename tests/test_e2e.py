@@ -46,3 +46,20 @@ def test_resume_reproduces_next_step_metrics(tiny_model, task_dir, tmp_path):
     for key, value in a[2].items():
         if not key.startswith(TIME_KEYS):
             assert b[2][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def test_old_logprobs_from_the_update_forward_match_the_recomputed_ones(tiny_model, task_dir, tmp_path):
+    """algo.old_logprobs=train_forward skips the scoring pass; on-policy with one mini-batch pi_old is the same
+    weights, so the step (loss, gradient norm, the next rollout) is the recomputed run's."""
+    rows = {}
+    for mode in ("recompute", "train_forward"):
+        launch(tiny_model, task_dir, tmp_path / mode, "train.num_steps=2", "checkpoint.export_hf=false",
+               f"algo.old_logprobs={mode}")
+        rows[mode] = read_metrics(tmp_path / mode)
+    a, b = rows["recompute"], rows["train_forward"]
+    assert "rollout/train_logprob_abs_diff" in a[0] and "rollout/train_logprob_abs_diff" not in b[0]
+    assert b[0]["train/ppo_kl"] == 0.0 and b[0]["train/train_rollout_logprob_abs_diff"] < 1e-5
+    for step_a, step_b in zip(a, b):
+        for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy", "rollout/reward_mean",
+                    "rollout/response_len"):
+            assert step_b[key] == pytest.approx(step_a[key], rel=1e-4, abs=1e-6), key

@@ -66,20 +66,25 @@ def logprob_metrics(samples, dims: ParallelDims) -> dict:
 
 def score_batch(batch: RankBatch, cfg: Config, actor: PolicyEngine, ref: PolicyEngine | None,
                 critic: PolicyEngine | None, dims: ParallelDims) -> dict:
-    """Everything the loss needs before the update: pi_old and reference logprobs, values, advantages."""
-    for s, lp in zip(batch.samples, actor.score(batch)):
-        s.old_logprobs = lp
-    bad = sum(not bool(torch.isfinite(s.old_logprobs).all()) for s in batch.samples)
-    if dims.all_reduce_sum([float(bad)], group=dims.world_group)[0]:
-        raise RuntimeError("the trainer's logprobs of this batch are not finite: the weights have blown up (a "
-                           f"learning rate far too high? train.lr={cfg.train.lr:g}) or the model is broken")
+    """Everything the loss needs before the update: pi_old and reference logprobs, values, advantages.
+    With algo.old_logprobs=train_forward pi_old comes from the update's own forward instead."""
+    if cfg.algo.old_logprobs == "recompute":
+        for s, lp in zip(batch.samples, actor.score(batch)):
+            s.old_logprobs = lp
+        bad = sum(not bool(torch.isfinite(s.old_logprobs).all()) for s in batch.samples)
+        if dims.all_reduce_sum([float(bad)], group=dims.world_group)[0]:
+            raise RuntimeError("the trainer's logprobs of this batch are not finite: the weights have blown up (a "
+                               f"learning rate far too high? train.lr={cfg.train.lr:g}) or the model is broken")
     if ref is not None:
         for s, lp in zip(batch.samples, ref.score(batch)):
             s.ref_logprobs = lp
     if critic is not None:
         for s, v in zip(batch.samples, critic.score(batch)):
             s.values = v
-    return {**compute_advantages(batch.samples, cfg.algo, dims), **logprob_metrics(batch.samples, dims)}
+    metrics = compute_advantages(batch.samples, cfg.algo, dims)
+    if cfg.algo.old_logprobs == "recompute":  # else the update reports train/train_rollout_logprob_abs_diff
+        metrics.update(logprob_metrics(batch.samples, dims))
+    return metrics
 
 
 def checkpoint_identity(cfg: Config) -> dict:

@@ -69,6 +69,8 @@ def _actor_loss(algo: AlgoConfig, mb: MicroBatch, logp: torch.Tensor, entropy: t
         sums["loss"] = loss.detach()
         return loss, sums
     old = mb.field("old_logprobs")
+    if old is None:  # algo.old_logprobs=train_forward: on-policy, this forward's weights are pi_old
+        old = logp.detach()
     per_token, m = policy_token_loss(algo, logp, old, mb.field("advantages"), mask, seq_ids)
     sums.update(pg_clipfrac=m["clip_frac"] * n_local, ppo_kl=m["ppo_kl"] * n_local)
     rollout = mb.field("rollout_logprobs")
