@@ -23,6 +23,7 @@ from slime.rollout.rewards import make_reward_fn
 from slime.rollout.rollout import generate_rollout
 from slime.trainer.advantages import compute_advantages
 from slime.trainer.losses import actor_loss
+from one_rank import OneRank
 
 
 @pytest.fixture(scope="module")
@@ -107,19 +108,6 @@ def test_a_given_reward_must_be_finite(hf_engine, tokenizer):
                                          r"sample index=0"):
         generate_rollout(hf_engine, prompts_of(tokenizer, ["1+1="]), SamplingParams(max_new_tokens=4, n=2), tokenizer,
                          make_reward_fn("exact_match"), first_group_id=0, generate_fn="custom_rollouts:infinite_reward")
-
-
-class OneRank:
-    """The collectives of a world of one (the two-rank paths are covered by the launches below)."""
-
-    def all_gather_objects(self, obj, group=None):
-        return [obj]
-
-    def all_reduce_tensors(self, values, group=None, op=None):
-        return {k: float(v) for k, v in values.items()}
-
-    def all_reduce_sum(self, values, group=None):
-        return list(values)
 
 
 def _multi_turn_sample(mask: list[int], seed: int) -> Sample:

@@ -30,6 +30,7 @@ from slime.rollout.engine import SamplingParams
 from slime.rollout.sglang_engine import SGLangEngine, plan_engines, server_args
 from slime.rollout.sglang_server import SGLangClient, SGLangServer, SGLangServerError, free_port
 from slime.rollout.sglang_weights import FlatBucket, serialize_flat_bucket, split_by_dtype
+from one_rank import OneRank
 
 SGLANG_PYTHON = os.environ.get("SLIME_SGLANG_PYTHON", "")
 needs_sglang = pytest.mark.skipif(
@@ -65,17 +66,6 @@ def server_processes(marker: str) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
     return pids
-
-
-class OneRank:
-    """The slice of ParallelDims the engine uses, for a single process without torch.distributed."""
-    world_size, rank, local_rank, is_main, world_group = 1, 0, 0, True, None
-
-    def all_gather_objects(self, obj, group=None):
-        return [obj]
-
-    def barrier(self):
-        pass
 
 
 # -- without SGLang ---------------------------------------------------------------------------------

@@ -31,16 +31,7 @@ from slime.models.loading import load_tokenizer  # noqa: E402
 from slime.rollout.engine import SamplingParams  # noqa: E402
 from slime.rollout.sglang_engine import SGLangEngine, server_args  # noqa: E402
 from slime.rollout.sglang_server import SGLangServer, free_port  # noqa: E402
-
-
-class OneRank:
-    world_size, rank, local_rank, is_main, world_group = 1, 0, 0, True, None
-
-    def all_gather_objects(self, obj, group=None):
-        return [obj]
-
-    def barrier(self):
-        pass
+from tests.one_rank import OneRank  # noqa: E402
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:

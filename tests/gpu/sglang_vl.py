@@ -28,21 +28,12 @@ from slime.rollout.engine import SamplingParams  # noqa: E402
 from slime.rollout.hf_engine import HFEngine  # noqa: E402
 from slime.rollout.sglang_engine import SGLangEngine, server_args  # noqa: E402
 from slime.rollout.sglang_server import SGLangServer, free_port  # noqa: E402
+from tests.one_rank import OneRank  # noqa: E402
 
 CPU_LIMIT = ("SGLang's CPU build cannot serve Qwen2-VL: sglang.srt.multimodal.processors.qwen_vl fails to import "
              "because the placeholder sgl_kernel has no fused_sigmoid_mul_cpu op, so no multimodal processor is "
              "registered for Qwen2VLForConditionalGeneration; run tests/gpu/sglang_vl.py on a GPU")
 CPU_LIMIT_MARK = "No processor registered for architecture"
-
-
-class OneRank:
-    world_size, rank, local_rank, is_main, world_group = 1, 0, 0, True, None
-
-    def all_gather_objects(self, obj, group=None):
-        return [obj]
-
-    def barrier(self):
-        pass
 
 
 def vl_prompts(tokenizer, processor) -> tuple[list[list[int]], list]:
