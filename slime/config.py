@@ -138,6 +138,10 @@ class RolloutConfig:
     gen_batch_size: int = field(64, "hf engine: sequences generated per forward batch.")
     generate_fn: str | None = field(None, "'package.module:function' building each prompt's samples (multi-turn, "
                                           "tools; see docs/custom_rollouts.md); None = one completion per sample.")
+    one_step_off: bool = field(False, "Asynchronous rollout: generate step k+1's batch while training on step k's "
+                                      "(one-step-off-policy, as slime's train_async); the engine must not share the "
+                                      "trainer's GPUs (hf engine, or SGLang disaggregated). Use algo.tis to correct "
+                                      "the lag; rollout/policy_lag reports it.")
     sync_bucket_mb: float = field(64.0, "Size of the parameter buckets gathered and pushed to the engine.")
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)
@@ -328,6 +332,14 @@ class Config:
             raise ValueError("data.path is required: a .jsonl or .parquet prompt file")
         if self.parallel.sp > 1 and not self.train.packing:
             raise ValueError("parallel.sp > 1 cuts packed rows into shards: it needs train.packing=true")
+        if self.rollout.one_step_off:
+            why = ("rollout.dynamic_sampling=true (its attempts agree over ranks)" if self.rollout.dynamic_sampling
+                   else "parallel.sp > 1 (sp peers gather their generations)" if self.parallel.sp > 1
+                   else "SGLang in colocated mode (the engine sleeps while the trainer trains)"
+                   if self.rollout.engine == "sglang" and self.rollout.sglang.mode == "colocated" else None)
+            if why:
+                raise ValueError(f"rollout.one_step_off=true generates while the trainer trains, which does not work "
+                                 f"with {why}; change that setting or set rollout.one_step_off=false")
         if self.algo.old_logprobs == "train_forward" and (self.train.num_mini_batches > 1 or self.algo.kl_in_reward):
             raise ValueError("algo.old_logprobs=train_forward takes pi_old from the update's own forward, which is "
                              "pi_old only for the first optimizer step and after the advantages: it needs "

@@ -63,3 +63,33 @@ def test_old_logprobs_from_the_update_forward_match_the_recomputed_ones(tiny_mod
         for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy", "rollout/reward_mean",
                     "rollout/response_len"):
             assert step_b[key] == pytest.approx(step_a[key], rel=1e-4, abs=1e-6), key
+
+
+def test_one_step_off_rollout(tiny_model, task_dir, tmp_path):
+    """rollout.one_step_off: step k+1's batch is generated (by the weights after k updates) while step k
+    trains, so from step 2 on the samples lag the trainer by one update; evaluation and checkpoints still
+    happen, and the weights reach the engine (step 3's samples come from weights after 2 updates)."""
+    run_dir = tmp_path / "run"
+    launch(tiny_model, task_dir, run_dir, "train.num_steps=3", "rollout.one_step_off=true", "algo.tis.level=token",
+           f"eval.path={task_dir / 'eval.jsonl'}", "eval.max_prompts=8", "eval.interval=2", "checkpoint.interval=2")
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if "rollout/policy_lag" in r]
+    evals = [r["step"] for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in train] == [1, 2, 3] and [r["rollout/policy_lag"] for r in train] == [0.0, 1.0, 1.0]
+    assert evals == [0, 2, 3]
+    assert train[1]["rollout/train_logprob_abs_diff"] > 1e-4  # pi_old is one update past the generating weights
+    assert train[0]["rollout/train_logprob_abs_diff"] < 1e-5 and train[1]["train/tis_mean_weight"] != 1.0
+    assert (run_dir / "checkpoints/step_2").is_dir() and (run_dir / "checkpoints/step_3").is_dir()
+    state = json.loads((run_dir / "checkpoints/step_2/manifest.json").read_text())["loop_state"]["data"]
+    assert state["offset"] == 8  # before step 3's batch, which was in flight when step 2 was saved
+
+
+def test_one_step_off_refuses_layouts_it_cannot_overlap():
+    from slime.config import load_config
+
+    base = ["model.path=m", "data.path=d.jsonl", "rollout.one_step_off=true"]
+    for bad, words in ((["rollout.dynamic_sampling=true"], "dynamic_sampling"), (["parallel.sp=2"], "parallel.sp"),
+                       (["rollout.engine=sglang"], "colocated")):
+        with pytest.raises(ValueError, match=words):
+            load_config(None, base + bad)
+    assert load_config(None, base + ["rollout.engine=sglang", "rollout.sglang.mode=disaggregated"]).rollout.one_step_off

@@ -358,6 +358,26 @@ def test_two_node_run_with_a_disaggregated_engine(tiny_model, task_dir, tmp_path
 
 
 @needs_sglang
+def test_one_step_off_rollout_on_a_disaggregated_engine(tiny_model, task_dir, tmp_path):
+    """rollout.one_step_off with SGLang servers of their own: generation of step k+1 overlaps step k's training,
+    weight pushes happen between batches, and the samples lag the trainer by one update from step 2 on."""
+    run_dir, marker = tmp_path / "run", f"async-{os.getpid()}"
+    run_ranks([str(REPO / "run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"),
+               f"model.path={tiny_model}", f"data.path={task_dir / 'train.jsonl'}", f"log.run_dir={run_dir}",
+               "rollout.reward.fn=e2e_rewards:digit_fraction", "rollout.batch_size=4", "rollout.n_samples_per_prompt=4",
+               "rollout.max_response_len=6", "train.lr=5e-3", "train.max_tokens_per_gpu=64", "train.num_steps=3",
+               "checkpoint.export_hf=false", "checkpoint.save_final=false", "eval.path=null", "rollout.engine=sglang",
+               "rollout.sglang.mode=disaggregated", "rollout.one_step_off=true", "algo.tis.level=token",
+               f"rollout.sglang.python={SGLANG_PYTHON}", f"rollout.sglang.extra_args={json.dumps(CPU_ARGS)}",
+               f"rollout.sglang.env={json.dumps(server_env(marker))}"], timeout=1200)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/policy_lag"] for r in rows] == [0.0, 1.0, 1.0]
+    assert "sglang/sync_gb_per_s" not in rows[0] and all("sglang/sync_gb_per_s" in r for r in rows[1:])
+    assert rows[0]["rollout/train_logprob_abs_diff"] < 1e-3 < rows[1]["rollout/train_logprob_abs_diff"]
+    assert not server_processes(marker), "the run left SGLang server processes behind"
+
+
+@needs_sglang
 def test_killed_server_is_detected_and_reported(server, engines):
     """Runs last: kills the module's server (SIGKILL to its main process, as an OOM killer would)."""
     ours, _, prompts = engines

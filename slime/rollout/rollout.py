@@ -92,7 +92,6 @@ def groups_with_signal(samples: list[Sample]) -> list[list[Sample]]:
 def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfig, tokenizer, reward_fn,
                     dims: ParallelDims, *, step: int) -> tuple[list[Sample], dict]:
     """This rank's share of the step's batch (its own generations) and global rollout metrics."""
-    params = sampling_params(cfg)
     kept: list[Sample] = []  # this rank's kept samples
     generated: list[Sample] = []
     attempts, n_kept_groups = 0, 0
@@ -100,15 +99,8 @@ def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfi
     while True:
         need = cfg.batch_size - n_kept_groups
         n_prompts = math.ceil(need * cfg.over_sample_factor / dims.dp) * dims.dp if cfg.dynamic_sampling else None
-        prompts = data.next_batch(n_prompts)
-        first = (step * cfg.max_sampling_attempts + attempts) * 10**6 + dims.dp_rank * len(prompts)
-        samples = _generate_shared(engine, prompts, params, tokenizer, reward_fn, dims, first_group_id=first,
-                                   first_index=dims.dp_rank * len(prompts) * params.n, generate_fn=cfg.generate_fn)
-        if cfg.overlong_penalty.max_len:
-            op = cfg.overlong_penalty
-            for s in samples:
-                s.reward += overlong_penalty(len(s.response_ids), max_len=op.max_len, buffer_len=op.buffer_len,
-                                             factor=op.factor)
+        samples = _draw_and_generate(engine, data, cfg, tokenizer, reward_fn, dims, step=step, attempt=attempts,
+                                     n_prompts=n_prompts)
         generated += samples
         attempts += 1
         if not cfg.dynamic_sampling:
@@ -132,6 +124,72 @@ def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfi
     metrics.update({"rollout/sampling_attempts": attempts, "rollout/kept_groups": n_kept_groups,
                     "rollout/kept_samples": int(dims.all_reduce_sum([len(kept)])[0])})
     return kept, metrics
+
+
+def _draw_and_generate(engine, data: PromptSource, cfg: RolloutConfig, tokenizer, reward_fn, dims: ParallelDims, *,
+                       step: int, attempt: int, n_prompts: int | None) -> list[Sample]:
+    """One sampling attempt on this rank: draw prompts, generate, score, shape. Each sample records the engine
+    weight version that generated it (metadata weight_version)."""
+    params = sampling_params(cfg)
+    version = engine.weight_version
+    prompts = data.next_batch(n_prompts)
+    first = (step * cfg.max_sampling_attempts + attempt) * 10**6 + dims.dp_rank * len(prompts)
+    samples = _generate_shared(engine, prompts, params, tokenizer, reward_fn, dims, first_group_id=first,
+                               first_index=dims.dp_rank * len(prompts) * params.n, generate_fn=cfg.generate_fn)
+    if cfg.overlong_penalty.max_len:
+        op = cfg.overlong_penalty
+        for s in samples:
+            s.reward += overlong_penalty(len(s.response_ids), max_len=op.max_len, buffer_len=op.buffer_len,
+                                         factor=op.factor)
+    for s in samples:
+        s.metadata["weight_version"] = version
+    return samples
+
+
+class RolloutAhead:
+    """One-step-off-policy rollout (rollout.one_step_off): step k+1's batch is generated in a background thread
+    while the trainer trains on step k's. The thread runs no collective (the trainer's collectives run at the
+    same time): it draws this rank's prompts, generates and scores; the metrics, which reduce over ranks, are
+    computed when the batch is taken. The caller pushes weights only between `take` and the next `start`,
+    when nothing is generating."""
+
+    def __init__(self, engine, data: PromptSource, cfg: RolloutConfig, tokenizer, reward_fn, dims: ParallelDims):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.engine, self.data, self.cfg, self.tokenizer, self.reward_fn, self.dims = \
+            engine, data, cfg, tokenizer, reward_fn, dims
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead")
+        self._future = None
+        self.data_state = data.state_dict()
+        """The prompt source's position before the batch in flight: what a checkpoint must record, so that a
+        resumed run generates that batch again."""
+
+    def start(self, step: int) -> None:
+        assert self._future is None, "a rollout is already in flight"
+        self.data_state = self.data.state_dict()
+        self._future = self._pool.submit(_draw_and_generate, self.engine, self.data, self.cfg, self.tokenizer,
+                                         self.reward_fn, self.dims, step=step, attempt=0, n_prompts=None)
+
+    @property
+    def in_flight(self) -> bool:
+        return self._future is not None
+
+    def take(self, trainer_version: int) -> tuple[list[Sample], dict]:
+        """Wait for the batch in flight; its samples and metrics (a collective: every rank calls it)."""
+        future, self._future = self._future, None
+        samples = future.result()
+        metrics = rollout_metrics(samples, self.dims)
+        lag, n = self.dims.all_reduce_sum([sum(trainer_version - s.metadata["weight_version"] for s in samples),
+                                           len(samples)])
+        metrics.update({"rollout/sampling_attempts": 1, "rollout/kept_groups": self.cfg.batch_size,
+                        "rollout/kept_samples": int(n), "rollout/policy_lag": lag / max(n, 1)})
+        return samples, metrics
+
+    def close(self) -> None:
+        if self._future is not None:
+            self._future.result()  # let a generation in flight finish before the engine goes away
+            self._future = None
+        self._pool.shutdown()
 
 
 def _cut_to_batch_size(kept: list[Sample], batch_size: int, dims: ParallelDims) -> list[Sample]:

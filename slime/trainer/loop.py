@@ -22,7 +22,7 @@ from slime.distributed.parallel_dims import ParallelDims
 from slime.models.loading import load_processor, load_tokenizer
 from slime.rollout.engine import make_engine
 from slime.rollout.rewards import needs_label, reward_fn_from_config
-from slime.rollout.rollout import collect_rollout
+from slime.rollout.rollout import RolloutAhead, collect_rollout
 from slime.trainer.advantages import compute_advantages
 from slime.trainer.checkpoint import load_checkpoint, save_checkpoint
 from slime.trainer.layout import RankBatch, distribute
@@ -162,10 +162,16 @@ def run(cfg: Config) -> dict:
         if eval_prompts is not None and (done == start_step or last or done % cfg.eval.interval == 0):
             log.log(done, evaluate(engine, eval_prompts, cfg, tokenizer, reward_fn, dims))
 
+    # One-step-off rollout: the batch of step k+1 is generated while step k trains. Weights are pushed (and
+    # evaluation runs) only while nothing generates: after the batch in flight is taken, before the next starts.
+    ahead = RolloutAhead(engine, data, cfg.rollout, tokenizer, reward_fn, dims) \
+        if cfg.rollout.one_step_off and not sft else None
+    pending_eval: list[int] = []
+
     def checkpoint(done: int) -> Path:
-        return save_checkpoint(trained, ckpt_dir, step=done,
-                               loop_state={"data": data.state_dict()}, dims=dims, identity=identity,
-                               keep=cfg.checkpoint.keep)
+        data_state = ahead.data_state if ahead is not None and ahead.in_flight else data.state_dict()
+        return save_checkpoint(trained, ckpt_dir, step=done, loop_state={"data": data_state}, dims=dims,
+                               identity=identity, keep=cfg.checkpoint.keep)
 
     phase = Phase()
     maybe_eval(start_step)
@@ -176,6 +182,19 @@ def run(cfg: Config) -> dict:
             phase.now = "rollout"
             if sft:
                 local, metrics = sft_samples(data.next_batch(), tokenizer), {}
+            elif ahead is not None:
+                if not ahead.in_flight:
+                    ahead.start(step)
+                local, metrics = ahead.take(trainer_version=step)
+                metrics["time/rollout"] = time.time() - t0  # the wait for the batch generated during the last step
+                if step > start_step:  # the previous update, now that nothing generates
+                    metrics.update(sync_weights(actor, engine, version=step, bucket_mb=bucket_mb))
+                    metrics.update(engine.metrics())
+                for done_before in pending_eval:
+                    log.log(done_before, evaluate(engine, eval_prompts, cfg, tokenizer, reward_fn, dims))
+                pending_eval.clear()
+                if step + 1 < cfg.train.num_steps:
+                    ahead.start(step + 1)  # with the weights of `step` updates, while this step trains
             else:
                 if colocate:
                     actor.offload()  # every state, parameters included, off the GPU while the engine is awake
@@ -200,8 +219,10 @@ def run(cfg: Config) -> dict:
 
             done = step + 1
             phase.now = "weight sync"
-            if engine is not None and (not sft or (eval_prompts and (done % cfg.eval.interval == 0 or
-                                                                     done == cfg.train.num_steps))):
+            last = done == cfg.train.num_steps
+            if ahead is not None and not last:
+                pass  # pushed at the next step, once the batch in flight is taken
+            elif engine is not None and (not sft or (eval_prompts and (done % cfg.eval.interval == 0 or last))):
                 if colocate:
                     actor.offload(params=False)  # the gather below still needs the ZeRO-3 partitions
                 metrics.update(sync_weights(actor, engine, version=done, bucket_mb=bucket_mb))
@@ -214,7 +235,11 @@ def run(cfg: Config) -> dict:
                 metrics["perf/gen_tokens_per_s"] = metrics["rollout/gen_tokens"] / metrics["time/rollout"]
             log.log(done, metrics)
             phase.now = "evaluation"
-            maybe_eval(done)
+            if ahead is not None and not last:
+                if eval_prompts is not None and done % cfg.eval.interval == 0:
+                    pending_eval.append(done)  # the engine is generating: evaluated after the next push
+            else:
+                maybe_eval(done)
             phase.now = "checkpoint"
             stopping = dims.all_reduce_sum([float(stop.requested)], group=dims.world_group)[0] > 0
             if stopping or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0) or \
@@ -224,9 +249,13 @@ def run(cfg: Config) -> dict:
                 log.close()
                 logger.warning("stopped by signal after step %d of %d; checkpoint %s saved. Run the same command "
                                "again to continue from it", done, cfg.train.num_steps, saved)
+                if ahead is not None:
+                    ahead.close()
                 if engine is not None:
                     engine.shutdown()
                 raise SystemExit(stop.exit_code)
+    if ahead is not None:
+        ahead.close()
     if cfg.checkpoint.export_hf and start_step < cfg.train.num_steps:
         savers = [tokenizer] + ([processor.image_processor] if processor is not None else [])
         actor.export_hf(str(run_dir / "hf"), *savers, bucket_mb=bucket_mb)
