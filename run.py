@@ -34,11 +34,13 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"dry run: {e}")
         return
 
+    from slime.distributed.parallel_dims import leave
     from slime.trainer.loop import run
     from slime.utils.logging import setup_logging
 
     setup_logging()
     run(cfg)
+    leave()  # every rank finished: part from the others before the interpreter tears the groups down
 
 
 if __name__ == "__main__":

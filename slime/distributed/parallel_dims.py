@@ -180,3 +180,12 @@ class ParallelDims:
 
     def destroy_group(self, group: dist.ProcessGroup) -> None:
         dist.destroy_process_group(group)
+
+
+def leave() -> None:
+    """Leave torch.distributed cleanly at the end of a program: every rank waits for the others, then the
+    groups are destroyed. A rank that exits while the others still talk to it, or with gloo's threads
+    still running, can abort in their destructors ("terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -18,7 +18,7 @@ from deepspeed.utils import safe_get_full_grad
 
 from slime.config import load_config
 from slime.data.sample import Sample, as_token_tensor
-from slime.distributed.parallel_dims import ParallelDims
+from slime.distributed.parallel_dims import ParallelDims, leave
 from slime.rollout.hf_engine import HFEngine
 from slime.trainer.layout import distribute
 from slime.trainer.losses import actor_loss
@@ -105,3 +105,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

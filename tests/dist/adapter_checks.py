@@ -14,7 +14,7 @@ import torch
 
 from dist.actor_checks import fixed_batch, gather_by_index, local_share
 from slime.config import load_config
-from slime.distributed.parallel_dims import ParallelDims
+from slime.distributed.parallel_dims import ParallelDims, leave
 from slime.rollout.hf_engine import HFEngine
 from slime.trainer.layout import distribute
 from slime.trainer.policy_engine import PolicyEngine
@@ -50,3 +50,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

@@ -12,6 +12,7 @@ from pathlib import Path
 from slime.config import load_config
 from slime.trainer.loop import run
 from slime.utils.logging import setup_logging
+from slime.distributed.parallel_dims import leave
 
 BASE = ["rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=6",
         "rollout.reward.fn=e2e_rewards:digit_fraction", "train.num_steps=2", "train.lr=5e-3",
@@ -38,3 +39,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

@@ -12,7 +12,7 @@ import torch
 
 from dist.actor_checks import fixed_batch, gather_by_index, local_share
 from slime.config import load_config
-from slime.distributed.parallel_dims import ParallelDims
+from slime.distributed.parallel_dims import ParallelDims, leave
 from slime.trainer.layout import distribute
 from slime.trainer.losses import actor_loss
 from slime.trainer.policy_engine import PolicyEngine
@@ -43,3 +43,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

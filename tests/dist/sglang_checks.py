@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dist.actor_checks import fixed_batch, local_share
 from slime.config import load_config
-from slime.distributed.parallel_dims import ParallelDims
+from slime.distributed.parallel_dims import ParallelDims, leave
 from slime.models.loading import load_tokenizer
 from slime.rollout.engine import SamplingParams, make_engine
 from slime.rollout.hf_engine import HFEngine
@@ -88,3 +88,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

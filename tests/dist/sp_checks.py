@@ -17,7 +17,7 @@ from deepspeed.utils import safe_get_full_grad
 from dist.actor_checks import gather_by_index, local_share
 from slime.config import load_config
 from slime.data.sample import Sample, as_token_tensor
-from slime.distributed.parallel_dims import ParallelDims
+from slime.distributed.parallel_dims import ParallelDims, leave
 from slime.trainer.layout import distribute
 from slime.trainer.losses import actor_loss
 from slime.trainer.policy_engine import PolicyEngine
@@ -62,3 +62,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()

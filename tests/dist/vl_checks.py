@@ -17,7 +17,7 @@ import torch
 from deepspeed.utils import safe_get_full_grad
 
 from slime.config import load_config
-from slime.distributed.parallel_dims import ParallelDims
+from slime.distributed.parallel_dims import ParallelDims, leave
 from dist.actor_checks import gather_by_index
 from slime.trainer.layout import MiniBatch, RankBatch, distribute
 from slime.trainer.losses import actor_loss
@@ -66,3 +66,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    leave()
