@@ -5,7 +5,8 @@
 Runs run.py on the tiny arithmetic prompts with a random model of the given size and the in-process hf
 engine, first synchronous, then one-step-off, and prints the median `time/step` of steps 2.. for each and
 the ratio. The overlap only pays where generation and training do not compete for the same compute (an
-engine on its own GPUs, or spare CPU cores); on a 2-core machine they do.
+engine on its own GPUs, or spare CPU cores: with one rank on a 2-core machine the generation thread
+gets the second core).
 """
 from __future__ import annotations
 
