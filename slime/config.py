@@ -135,6 +135,8 @@ class RolloutConfig:
     top_p: float = field(1.0, "Nucleus sampling threshold.")
     max_response_len: int = field(64, "Maximum new tokens per response.")
     stop_token_ids: list = field([], "Extra token ids that end a response (EOS always does).")
+    ignore_eos: bool = field(False, "Generate exactly max_response_len tokens: no stop token ends a response "
+                                    "(benchmarks at fixed lengths; SGLang's ignore_eos).")
     gen_batch_size: int = field(64, "hf engine: sequences generated per forward batch.")
     generate_fn: str | None = field(None, "'package.module:function' building each prompt's samples (multi-turn, "
                                           "tools; see docs/custom_rollouts.md); None = one completion per sample.")

@@ -67,3 +67,44 @@ def test_unmasked_packing_would_leak(model_dir):
     leaked = torch.log_softmax(logits.float(), -1)[mb.pred_index].gather(-1, mb.input_ids[mb.pred_index + 1, None])
     alone = torch.cat([per_sample_logprobs(model, s) for s in samples])
     assert (leaked.squeeze(-1) - alone).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("lengths", [[7] * 9, [1, 50, 3, 3, 49, 20, 1, 12, 30, 31, 2], [5], [40, 1]])
+def test_length_groups_cover_each_sample_once_within_the_padding_bound(lengths):
+    from slime.models.attention import PAD_AREA, attention_groups
+
+    bounds = (0, *torch.tensor(lengths).cumsum(0).tolist())
+    groups = attention_groups(bounds)
+    spans = sorted((s, s + n) for _, starts, lens in groups for s, n in zip(starts, lens))
+    assert spans == list(zip(bounds[:-1], bounds[1:]))
+    for lmax, _, lens in groups:
+        assert lmax == max(lens) and len(lens) * lmax ** 2 <= PAD_AREA * sum(n * n for n in lens)
+    if len(set(lengths)) == 1:
+        assert len(groups) == 1  # equal lengths: one sdpa call
+
+
+def test_grouped_attention_equals_one_call_per_sample():
+    """packed_sdpa (length groups, padded calls, gathered back) against plain sdpa on each sample alone:
+    outputs and the gradients of q, k, v, with GQA, over lengths that make several groups and 1-token samples."""
+    import torch.nn.functional as F
+
+    from slime.models.attention import attention_groups, packed_sdpa_forward
+
+    class Module:
+        training = False
+
+    lengths = [1, 50, 3, 3, 49, 20, 1, 12, 30, 31, 2]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    assert len(attention_groups(tuple(cu.tolist()))) > 2
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, int(cu[-1]), 16, generator=g, dtype=torch.float64, requires_grad=True)
+               for h in (4, 2, 2))
+    got = packed_sdpa_forward(Module, q, k, v, None, cu_seq_lens_q=cu)[0]
+    want = torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True,
+                                                     enable_gqa=True)
+                      for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())], 2).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    weights = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((got * weights).sum(), (q, k, v))
+    for a, b in zip(grads, torch.autograd.grad((want * weights).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -2,12 +2,18 @@
 
 A packed micro-batch is one row of concatenated samples with `cu_seqlens` marking sample borders.
 Attention must be causal *within* each sample and never cross a border. We register an attention
-function `packed_sdpa` with transformers' AttentionInterface that runs sdpa once per sample slice,
-which isolates samples exactly without building a (T, T) mask. On GPU, flash-attn's varlen kernel
-gets the same `cu_seq_lens_*` kwargs through transformers' own `flash_attention_2` path.
+function `packed_sdpa` with transformers' AttentionInterface that never builds a (T, T) mask: the
+samples are sorted by length and cut into groups of similar length; each group is gathered into a
+right-padded (n, H, L_max, D) batch and runs ONE causal sdpa call (a query never sees the padding at its
+row's end), and the outputs are gathered back to packed order. Within a group the padded area n * L_max^2
+is at most PAD_AREA times the real one, so padding cannot cost more than that in attention; one group per
+similar-length run replaces one sdpa call per sample (`python bench/packed_attention.py`, one layer's
+forward + backward, 1 thread: 64 x 71 tokens 120 -> 46 ms, a long-tailed batch of 64 252 -> 203 ms). On GPU, flash-attn's varlen kernel gets the same
+`cu_seq_lens_*` kwargs through transformers' own `flash_attention_2` path.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -15,6 +21,41 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 PACKED_SDPA = "packed_sdpa"
+PAD_AREA = 1.5  # a group's padded attention area (n * L_max^2) stays within this factor of sum(L^2)
+
+
+@functools.lru_cache(maxsize=64)
+def attention_groups(bounds: tuple[int, ...]) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """Sample borders -> groups of (L_max, starts, lengths), longest samples first, each group's padded
+    attention area within PAD_AREA of its real area."""
+    spans = sorted(((e - s, s) for s, e in zip(bounds[:-1], bounds[1:]) if e > s), key=lambda x: (-x[0], x[1]))
+    groups, current, area = [], [], 0
+    for length, start in spans:
+        if current and (len(current) + 1) * current[0][0] ** 2 > PAD_AREA * (area + length ** 2):
+            groups.append(current)
+            current, area = [], 0
+        current.append((length, start))
+        area += length ** 2
+    if current:
+        groups.append(current)
+    return [(g[0][0], tuple(s for _, s in g), tuple(n for n, _ in g)) for g in groups]
+
+
+@functools.lru_cache(maxsize=64)
+def _gather_plan(bounds: tuple[int, ...]):
+    """Per group: token index of each padded slot (n, L_max) and the flat slots holding real tokens; and
+    the permutation from the groups' concatenated real tokens back to packed order."""
+    plan, order = [], []
+    for lmax, starts, lengths in attention_groups(bounds):
+        steps = torch.arange(lmax)
+        real = steps < torch.tensor(lengths)[:, None]  # (n, L_max)
+        # Padding slots repeat the row's first token: only padded queries (discarded) ever attend to them.
+        slots = torch.where(real, torch.tensor(starts)[:, None] + steps, torch.tensor(starts)[:, None])
+        plan.append((slots, real.flatten().nonzero().squeeze(1)))
+        order.append(slots[real])
+    back = torch.empty(bounds[-1], dtype=torch.long)
+    back[torch.cat(order)] = torch.arange(bounds[-1])
+    return plan, back
 
 
 def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -25,15 +66,21 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
     if attention_mask is not None:
         raise ValueError("packed_sdpa expects no attention mask; pass cu_seq_lens_q instead of padding")
     cu = kwargs.get("cu_seq_lens_q")
-    bounds = cu.tolist() if cu is not None else [0, query.shape[2]]
     gqa = query.shape[1] != key.shape[1]
+    attend = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout if module.training else 0.0,
+                               is_causal=True, scale=scaling, enable_gqa=gqa)
+    bounds = tuple(cu.tolist()) if cu is not None else (0, query.shape[2])
+    if len(bounds) == 2:
+        return attend(query, key, value).transpose(1, 2).contiguous(), None
+    plan, back = _gather_plan(bounds)
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        outs.append(F.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-            dropout_p=dropout if module.training else 0.0, is_causal=True, scale=scaling, enable_gqa=gqa))
-    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
-    return out.transpose(1, 2).contiguous(), None
+    for slots, real in plan:  # (n, L_max) token indices -> (n, H, L_max, D)
+        index = slots.flatten().to(query.device)
+        q, k, v = (t[0].index_select(1, index).unflatten(1, slots.shape).transpose(0, 1) for t in (query, key, value))
+        o = attend(q, k, v).transpose(1, 2)  # (n, L_max, H, D)
+        outs.append(o.flatten(0, 1).index_select(0, real.to(o.device)))  # real tokens, in group order
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return out.index_select(0, back.to(out.device))[None], None
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)

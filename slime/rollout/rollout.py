@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 def sampling_params(cfg: RolloutConfig) -> SamplingParams:
     return SamplingParams(max_new_tokens=cfg.max_response_len, temperature=cfg.temperature, top_p=cfg.top_p,
-                          stop_token_ids=tuple(cfg.stop_token_ids), n=cfg.n_samples_per_prompt)
+                          stop_token_ids=tuple(cfg.stop_token_ids), n=cfg.n_samples_per_prompt, ignore_eos=cfg.ignore_eos)
 
 
 def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: SamplingParams, tokenizer, reward_fn,

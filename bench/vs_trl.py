@@ -1,0 +1,190 @@
+"""GRPO step time side by side with TRL's GRPOTrainer, at equal settings, with the machine's FLOP floor.
+
+    pip install -e ".[bench]"          # trl
+    python bench/vs_trl.py [--sizes small,medium] [--steps 5] [--reps 2]
+
+Per model size (random Qwen3 models built by data_tools, ~4M and ~25M parameters, the tiny char tokenizer),
+one process each, 1 thread, fp32: 16 prompts x 4 samples, at most 64 new tokens at temperature 1, one
+optimizer step per batch, no KL (TRL: beta=0, num_iterations=1). Runs alternate (TRL, ours, ours with
+algo.old_logprobs=train_forward, then again) so machine load hits all alike; each reports the median step
+time of steps 2..N. Printed: the step times, the ratio ours/TRL, our breakdown (rollout / scoring+update /
+sync), and the FLOP floor of a step from a 1-thread fp32 matmul peak measured in the same run: generation
+2 N T_gen, old-logprob forward 2 N T, forward+backward 6 N T (N parameters without embeddings, T tokens),
+with each run's efficiency = floor / step time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SIZES = {"small": dict(hidden=256, layers=6), "medium": dict(hidden=512, layers=10)}
+PROMPTS, SAMPLES, NEW_TOKENS, LR = 16, 4, 64, 1e-5
+
+
+def digit_reward(sample) -> float:
+    """Ours: share of digits in the response (the same as `trl_reward`)."""
+    text = sample.response_text
+    return sum(c.isdigit() for c in text) / max(len(text), 1)
+
+
+def trl_reward(completions, **_) -> list[float]:
+    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]
+
+
+def matmul_gflops(n: int = 512, seconds: float = 2.0) -> float:
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return 2 * n ** 3 * count / (time.perf_counter() - start) / 1e9
+
+
+def non_embedding_params(model_dir: Path) -> int:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+
+
+def worker_trl(model: Path, data: Path, out: Path, steps: int) -> None:
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(1)
+    times, marks = [], {}
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            marks["t"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - marks["t"])
+
+    lengths = []
+
+    class Lengths(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    cfg = GRPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=PROMPTS * SAMPLES,
+                     num_generations=SAMPLES, max_completion_length=NEW_TOKENS, temperature=1.0, beta=0.0,
+                     num_iterations=1, learning_rate=LR, max_steps=steps, logging_steps=1, report_to=[],
+                     use_cpu=True, bf16=False, save_strategy="no", gradient_accumulation_steps=1, seed=0,
+                     dataloader_num_workers=0, disable_tqdm=True,
+                     generation_kwargs={"min_new_tokens": NEW_TOKENS})  # fixed lengths, as ours with ignore_eos
+    tok = AutoTokenizer.from_pretrained(model)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+                          reward_funcs=trl_reward, args=cfg, train_dataset=load_dataset("json", data_files=str(data),
+                                                                                        split="train"),
+                          processing_class=tok, callbacks=[Clock(), Lengths()])
+    trainer.train()
+    out.joinpath("trl.json").write_text(json.dumps({"times": times, "response_len": lengths}))
+
+
+def run_ours(model: Path, data: Path, out: Path, steps: int, extra: list[str]) -> dict:
+    run_dir = out / ("ours" + "".join(e.split("=")[-1] for e in extra))
+    cmd = [sys.executable, str(REPO / "run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"),
+           f"model.path={model}", f"data.path={data}", f"log.run_dir={run_dir}", "data.apply_chat_template=false",
+           "data.shuffle=false", f"rollout.batch_size={PROMPTS}", f"rollout.n_samples_per_prompt={SAMPLES}",
+           f"rollout.max_response_len={NEW_TOKENS}", "rollout.ignore_eos=true", "rollout.temperature=1.0", "rollout.reward.fn=bench.vs_trl:digit_reward",
+           f"train.num_steps={steps}", f"train.lr={LR}", "train.warmup_steps=0", "train.max_tokens_per_gpu=16384",
+           "eval.path=null", "checkpoint.export_hf=false", "checkpoint.save_final=false", "checkpoint.interval=0",
+           *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    log = run_dir.with_suffix(".log")
+    with open(log, "w") as f:
+        if subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode:
+            sys.exit(f"our run failed, see {log}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"times": [r["time/step"] for r in rows], "response_len": [r["rollout/response_len"] for r in rows],
+            "rollout": [r["time/rollout"] for r in rows], "train": [r["time/train"] for r in rows],
+            "sync": [r.get("time/sync", 0.0) for r in rows]}
+
+
+def run_trl(model: Path, data: Path, out: Path, steps: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+    log = out / "trl.log"
+    with open(log, "w") as f:
+        if subprocess.run([sys.executable, __file__, "--worker-trl", str(model), str(data), str(out), str(steps)],
+                          env=env, stdout=f, stderr=subprocess.STDOUT).returncode:
+            sys.exit(f"the TRL run failed, see {log}")
+    return json.loads((out / "trl.json").read_text())
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs[1:]) if len(xs) > 1 else xs[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="small,medium")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=2, help="alternating repetitions of each run")
+    ap.add_argument("--worker-trl", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker_trl:
+        m, d, o, s = args.worker_trl
+        worker_trl(Path(m), Path(d), Path(o), int(s))
+        return
+    from data_tools.make_tiny_model import make_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="vs-trl-"))
+    rows = [json.loads(line) for line in (REPO / "assets/tiny-arith-data/train.jsonl").read_text().splitlines()]
+    data = work / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "label": r["label"]}) + "\n" for r in rows[:256]))
+    peak = matmul_gflops()
+    print(f"1-thread fp32 matmul peak: {peak:.0f} GFLOP/s")
+    for size in args.sizes.split(","):
+        model = make_tiny_model(work / size, arch="qwen3", seed=0, heads=4, kv_heads=2, **SIZES[size])
+        n = non_embedding_params(model)
+        runs = {"trl": [], "ours": [], "ours_train_forward": []}
+        for rep in range(args.reps):
+            out = work / f"{size}-{rep}"
+            out.mkdir()
+            runs["trl"].append(run_trl(model, data, out, args.steps))
+            runs["ours"].append(run_ours(model, data, out, args.steps, []))
+            runs["ours_train_forward"].append(run_ours(model, data, out, args.steps,
+                                                       ["algo.old_logprobs=train_forward"]))
+        print(f"\n{size}: {n / 1e6:.1f}M parameters without embeddings; {PROMPTS}x{SAMPLES} samples, "
+              f"<= {NEW_TOKENS} new tokens, median of steps 2..{args.steps}, {args.reps} alternating runs each")
+        step = {}
+        for name, rs in runs.items():
+            t = statistics.median(med(r["times"]) for r in rs)
+            gen_len = statistics.median(med(r["response_len"]) for r in rs if r["response_len"])
+            gen_tokens = PROMPTS * SAMPLES * gen_len
+            all_tokens = gen_tokens + PROMPTS * SAMPLES * 7  # prompts are ~7 tokens
+            passes = 6 + (2 if name == "ours" else 0)  # fwd+bwd, plus the separate old-logprob forward
+            floor = (2 * n * gen_tokens + passes * n * all_tokens) / (peak * 1e9)
+            step[name] = t
+            extra = ""
+            if name.startswith("ours"):
+                extra = "  (rollout {:.2f} s, scoring+update {:.2f} s, sync {:.2f} s)".format(
+                    *(statistics.median(med(r[k]) for r in rs) for k in ("rollout", "train", "sync")))
+            print(f"  {name:20s} {t:6.2f} s/step  response {gen_len:5.1f} tokens  floor {floor:5.2f} s  "
+                  f"efficiency {floor / t:.2f}{extra}")
+        for name in ("ours", "ours_train_forward"):
+            print(f"  {name} / trl: {step[name] / step['trl']:.2f}x the step time")
+
+
+if __name__ == "__main__":
+    main()
