@@ -1,13 +1,14 @@
 """GRPO step time side by side with TRL's GRPOTrainer, at equal settings, with the machine's FLOP floor.
 
     pip install -e ".[bench]"          # trl
-    python bench/vs_trl.py [--sizes small,medium] [--steps 5] [--reps 2]
+    python bench/vs_trl.py [--sizes small,medium] [--steps 5] [--reps 2] [--whole-machine]
 
 Per model size (random Qwen3 models built by data_tools, ~4M and ~25M parameters, the tiny char tokenizer),
-one process each, 1 thread, fp32: 16 prompts x 4 samples, at most 64 new tokens at temperature 1, one
-optimizer step per batch, no KL (TRL: beta=0, num_iterations=1). Runs alternate (TRL, ours, ours with
-algo.old_logprobs=train_forward, then again) so machine load hits all alike; each reports the median step
-time of steps 2..N. Printed: the step times, the ratio ours/TRL, our breakdown (rollout / scoring+update /
+one process each, 1 thread, fp32: 16 prompts x 4 samples x exactly 64 new tokens at temperature 1 (EOS
+ignored on both sides: ours rollout.ignore_eos, TRL min_new_tokens), one optimizer step per batch, no KL
+(TRL: beta=0, num_iterations=1). Runs alternate (TRL, ours, ours with algo.old_logprobs=recompute, then
+again) so machine load hits all alike; each reports the median step time of steps 2..N. --whole-machine
+adds TRL with 2 threads against ours with 2 ranks. Printed: the step times, the ratio ours/TRL, our breakdown (rollout / scoring+update /
 sync), and the FLOP floor of a step from a 1-thread fp32 matmul peak measured in the same run: generation
 2 N T_gen, old-logprob forward 2 N T, forward+backward 6 N T (N parameters without embeddings, T tokens),
 with each run's efficiency = floor / step time.
@@ -29,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 SIZES = {"small": dict(hidden=256, layers=6), "medium": dict(hidden=512, layers=10)}
 PROMPTS, SAMPLES, NEW_TOKENS, LR = 16, 4, 64, 1e-5
+PROMPT_TOKENS = 7  # "37+48=" and the like, in the char tokenizer
 
 
 def digit_reward(sample) -> float:
@@ -63,13 +65,13 @@ def non_embedding_params(model_dir: Path) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
 
 
-def worker_trl(model: Path, data: Path, out: Path, steps: int) -> None:
+def worker_trl(model: Path, data: Path, out: Path, steps: int, threads: int) -> None:
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     times, marks = [], {}
 
     class Clock(TrainerCallback):
@@ -101,9 +103,11 @@ def worker_trl(model: Path, data: Path, out: Path, steps: int) -> None:
     out.joinpath("trl.json").write_text(json.dumps({"times": times, "response_len": lengths}))
 
 
-def run_ours(model: Path, data: Path, out: Path, steps: int, extra: list[str]) -> dict:
-    run_dir = out / ("ours" + "".join(e.split("=")[-1] for e in extra))
-    cmd = [sys.executable, str(REPO / "run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"),
+def run_ours(model: Path, data: Path, out: Path, steps: int, extra: list[str], ranks: int = 1) -> dict:
+    run_dir = out / f"ours{ranks}{''.join(e.split('=')[-1] for e in extra)}"
+    launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    f"--nproc_per_node={ranks}"]
+    cmd = [*launch, str(REPO / "run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"),
            f"model.path={model}", f"data.path={data}", f"log.run_dir={run_dir}", "data.apply_chat_template=false",
            "data.shuffle=false", f"rollout.batch_size={PROMPTS}", f"rollout.n_samples_per_prompt={SAMPLES}",
            f"rollout.max_response_len={NEW_TOKENS}", "rollout.ignore_eos=true", "rollout.temperature=1.0", "rollout.reward.fn=bench.vs_trl:digit_reward",
@@ -121,12 +125,14 @@ def run_ours(model: Path, data: Path, out: Path, steps: int, extra: list[str]) -
             "sync": [r.get("time/sync", 0.0) for r in rows]}
 
 
-def run_trl(model: Path, data: Path, out: Path, steps: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+def run_trl(model: Path, data: Path, out: Path, steps: int, threads: int = 1) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+    out = out / f"trl{threads}"
+    out.mkdir()
     log = out / "trl.log"
     with open(log, "w") as f:
-        if subprocess.run([sys.executable, __file__, "--worker-trl", str(model), str(data), str(out), str(steps)],
-                          env=env, stdout=f, stderr=subprocess.STDOUT).returncode:
+        if subprocess.run([sys.executable, __file__, "--worker-trl", str(model), str(data), str(out), str(steps),
+                           str(threads)], env=env, stdout=f, stderr=subprocess.STDOUT).returncode:
             sys.exit(f"the TRL run failed, see {log}")
     return json.loads((out / "trl.json").read_text())
 
@@ -140,11 +146,13 @@ def main() -> None:
     ap.add_argument("--sizes", default="small,medium")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--reps", type=int, default=2, help="alternating repetitions of each run")
-    ap.add_argument("--worker-trl", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--whole-machine", action="store_true",
+                    help="also TRL with 2 threads vs ours with 2 ranks of 1 thread (both use both cores)")
+    ap.add_argument("--worker-trl", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_trl:
-        m, d, o, s = args.worker_trl
-        worker_trl(Path(m), Path(d), Path(o), int(s))
+        m, d, o, s, t = args.worker_trl
+        worker_trl(Path(m), Path(d), Path(o), int(s), int(t))
         return
     from data_tools.make_tiny_model import make_tiny_model
 
@@ -157,34 +165,41 @@ def main() -> None:
     for size in args.sizes.split(","):
         model = make_tiny_model(work / size, arch="qwen3", seed=0, heads=4, kv_heads=2, **SIZES[size])
         n = non_embedding_params(model)
-        runs = {"trl": [], "ours": [], "ours_train_forward": []}
+        runs = {  # name -> (how to run it, separate old-logprob forward?)
+            "trl": (lambda o: run_trl(model, data, o, args.steps), False),
+            "ours": (lambda o: run_ours(model, data, o, args.steps, []), False),
+            "ours_recompute": (lambda o: run_ours(model, data, o, args.steps, ["algo.old_logprobs=recompute"]), True),
+        }
+        if args.whole_machine:
+            runs["trl_2_threads"] = (lambda o: run_trl(model, data, o, args.steps, threads=2), False)
+            runs["ours_2_ranks"] = (lambda o: run_ours(model, data, o, args.steps, [], ranks=2), False)
+        results = {name: [] for name in runs}
         for rep in range(args.reps):
             out = work / f"{size}-{rep}"
             out.mkdir()
-            runs["trl"].append(run_trl(model, data, out, args.steps))
-            runs["ours"].append(run_ours(model, data, out, args.steps, []))
-            runs["ours_train_forward"].append(run_ours(model, data, out, args.steps,
-                                                       ["algo.old_logprobs=train_forward"]))
-        print(f"\n{size}: {n / 1e6:.1f}M parameters without embeddings; {PROMPTS}x{SAMPLES} samples, "
-              f"<= {NEW_TOKENS} new tokens, median of steps 2..{args.steps}, {args.reps} alternating runs each")
+            for name, (fn, _) in runs.items():
+                results[name].append(fn(out))
+        print(f"\n{size}: {n / 1e6:.1f}M parameters without embeddings; {PROMPTS}x{SAMPLES} samples x {NEW_TOKENS} "
+              f"new tokens, median of steps 2..{args.steps}, {args.reps} alternating runs each")
         step = {}
-        for name, rs in runs.items():
+        for name, rs in results.items():
             t = statistics.median(med(r["times"]) for r in rs)
             gen_len = statistics.median(med(r["response_len"]) for r in rs if r["response_len"])
             gen_tokens = PROMPTS * SAMPLES * gen_len
-            all_tokens = gen_tokens + PROMPTS * SAMPLES * 7  # prompts are ~7 tokens
-            passes = 6 + (2 if name == "ours" else 0)  # fwd+bwd, plus the separate old-logprob forward
-            floor = (2 * n * gen_tokens + passes * n * all_tokens) / (peak * 1e9)
+            all_tokens = gen_tokens + PROMPTS * SAMPLES * PROMPT_TOKENS
+            passes = 6 + (2 if runs[name][1] else 0)  # fwd+bwd, plus a separate old-logprob forward
+            cores = 2 if name.endswith(("threads", "ranks")) else 1
+            floor = (2 * n * gen_tokens + passes * n * all_tokens) / (cores * peak * 1e9)
             step[name] = t
             extra = ""
             if name.startswith("ours"):
                 extra = "  (rollout {:.2f} s, scoring+update {:.2f} s, sync {:.2f} s)".format(
                     *(statistics.median(med(r[k]) for r in rs) for k in ("rollout", "train", "sync")))
-            print(f"  {name:20s} {t:6.2f} s/step  response {gen_len:5.1f} tokens  floor {floor:5.2f} s  "
+            print(f"  {name:16s} {t:6.2f} s/step  response {gen_len:5.1f} tokens  floor {floor:5.2f} s  "
                   f"efficiency {floor / t:.2f}{extra}")
-        for name in ("ours", "ours_train_forward"):
-            print(f"  {name} / trl: {step[name] / step['trl']:.2f}x the step time")
-
+        for name, base in (("ours", "trl"), ("ours_recompute", "trl"), ("ours_2_ranks", "trl_2_threads")):
+            if name in step:
+                print(f"  {name} / {base}: {step[name] / step[base]:.2f}x the step time")
 
 if __name__ == "__main__":
     main()

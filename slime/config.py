@@ -203,10 +203,11 @@ class AlgoConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = field("k3", "KL estimator (k3: low-variance, clamped).")
     router_aux_loss_coef: float = field(0.0, "Mixture of experts: weight of the router's load-balancing loss "
                                              "(0 = only logged; RL runs usually keep the router as it is).")
-    old_logprobs: Literal["recompute", "train_forward"] = field(
-        "recompute", "pi_old: 'recompute' = a forward pass over the batch before the update; 'train_forward' = the "
+    old_logprobs: Literal["auto", "recompute", "train_forward"] = field(
+        "auto", "pi_old: 'recompute' = a forward pass over the batch before the update; 'train_forward' = the "
         "update's own forward, detached (on-policy with train.num_mini_batches=1, where the two are the same "
-        "weights: saves one forward pass; not with kl_in_reward, whose advantages need pi_old first).")
+        "weights: saves one forward pass; not with kl_in_reward, whose advantages need pi_old first); 'auto' = "
+        "train_forward where it is the same, else recompute.")
     gamma: float = field(1.0, "Discount for token-level estimators (REINFORCE++, GAE).")
     lam: float = field(0.95, "GAE lambda.")
     tis: TISConfig = dataclasses.field(default_factory=TISConfig)
@@ -342,7 +343,10 @@ class Config:
             if why:
                 raise ValueError(f"rollout.one_step_off=true generates while the trainer trains, which does not work "
                                  f"with {why}; change that setting or set rollout.one_step_off=false")
-        if self.algo.old_logprobs == "train_forward" and (self.train.num_mini_batches > 1 or self.algo.kl_in_reward):
+        one_update = self.train.num_mini_batches == 1 and not self.algo.kl_in_reward
+        if self.algo.old_logprobs == "auto":  # the scoring pass is redundant when pi_old is the update's weights
+            self.algo.old_logprobs = "train_forward" if one_update else "recompute"
+        if self.algo.old_logprobs == "train_forward" and not one_update:
             raise ValueError("algo.old_logprobs=train_forward takes pi_old from the update's own forward, which is "
                              "pi_old only for the first optimizer step and after the advantages: it needs "
                              "train.num_mini_batches=1 and algo.kl_in_reward=false (use algo.old_logprobs=recompute)")

@@ -100,3 +100,7 @@ def test_old_logprobs_from_the_update_need_one_mini_batch_and_no_kl_in_reward():
         with pytest.raises(ValueError, match="algo.old_logprobs=train_forward .* train.num_mini_batches=1"):
             load_config(None, BASE + ["algo.old_logprobs=train_forward", *bad])
     assert load_config(None, BASE + ["algo.old_logprobs=train_forward"]).algo.old_logprobs == "train_forward"
+    # auto (the default): the scoring pass only where the update's forward is not pi_old
+    assert load_config(None, BASE).algo.old_logprobs == "train_forward"
+    for recompute in (["train.num_mini_batches=2"], ["algo.kl_in_reward=true", "algo.kl_coef=0.1"]):
+        assert load_config(None, BASE + recompute).algo.old_logprobs == "recompute"
