@@ -57,7 +57,9 @@ def test_old_logprobs_from_the_update_forward_match_the_recomputed_ones(tiny_mod
                f"algo.old_logprobs={mode}")
         rows[mode] = read_metrics(tmp_path / mode)
     a, b = rows["recompute"], rows["train_forward"]
-    assert "rollout/train_logprob_abs_diff" in a[0] and "rollout/train_logprob_abs_diff" not in b[0]
+    # the mismatch metric: from the scoring pass, or from the update's forward (the same weights)
+    assert b[0]["rollout/train_logprob_abs_diff"] == b[0]["train/train_rollout_logprob_abs_diff"]
+    assert b[0]["rollout/train_logprob_abs_diff"] == pytest.approx(a[0]["rollout/train_logprob_abs_diff"], abs=1e-6)
     assert b[0]["train/ppo_kl"] == 0.0 and b[0]["train/train_rollout_logprob_abs_diff"] < 1e-5
     for step_a, step_b in zip(a, b):
         for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/entropy", "rollout/reward_mean",

@@ -2,6 +2,12 @@
 
 The copy is a plain (unpartitioned) model: generation never touches the ZeRO-3 module, and the
 trainer pushes gathered weights into it after every step, exactly as it would to SGLang.
+
+Text prompts decode in our own loop over the model's forward with a KV cache: the n samples of a prompt
+are rows of one batch, and a row that has stopped leaves the batch (its cache rows are dropped), so
+responses of very different lengths cost what they generate, not n x the longest (HF's generate keeps
+finished rows to the end). Image-text prompts use HF's generate, which knows each family's multimodal
+rope and pixel inputs.
 """
 from __future__ import annotations
 
@@ -9,13 +15,14 @@ import logging
 from typing import Iterable
 
 import torch
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 
 from slime.models.loading import load_model, resolve_dtype
 from slime.multimodal.processor import MultimodalInputs
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
 
 logger = logging.getLogger(__name__)
+NO_TOKEN = 2**40  # a stop id no token has (ignore_eos): generate fills a None from the model's own eos
 
 
 class HFEngine:
@@ -45,6 +52,14 @@ class HFEngine:
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams,
                         mm: list[MultimodalInputs | None]) -> list[list[Generation]]:
+        if all(m is None for m in mm):
+            try:
+                gens = self._decode([p for p in prompts for _ in range(params.n)], params)
+            except RuntimeError as e:
+                if "probability tensor contains" not in str(e):
+                    raise
+                raise self._not_finite() from e
+            return [gens[k:k + params.n] for k in range(0, len(gens), params.n)]
         extra, n_return = {}, params.n
         if any(m is not None for m in mm):
             # Image inputs follow their rows, so each prompt is repeated n times here rather than expanded
@@ -66,21 +81,20 @@ class HFEngine:
         stops = [] if params.ignore_eos else [self.eos_id, *params.stop_token_ids]
         greedy = params.temperature == 0
         # A fresh GenerationConfig: the model's own defaults (top_k=50, repetition penalty, ...)
-        # would change the sampling distribution away from the logprobs we report.
+        # would change the sampling distribution away from the logprobs we report. top_k=0, not None:
+        # generate fills a None from the global defaults, which is top_k=50.
         gen_cfg = GenerationConfig(
             do_sample=not greedy, temperature=None if greedy else params.temperature,
-            top_p=None if greedy or params.top_p >= 1 else params.top_p, top_k=None,
+            top_p=None if greedy or params.top_p >= 1 else params.top_p, top_k=0,
             max_new_tokens=params.max_new_tokens, num_return_sequences=n_return,
-            eos_token_id=stops or None, pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True)
+            eos_token_id=stops or [NO_TOKEN], pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True)
         try:
             res = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                       generation_config=gen_cfg, **extra)
         except RuntimeError as e:
             if "probability tensor contains" not in str(e):
                 raise
-            raise RuntimeError(f"the policy's next-token probabilities are not finite (inf or NaN logits) with the "
-                               f"weights of version {self._version}: training has blown the weights up (a learning "
-                               "rate far too high?), or a checkpoint holds such weights") from e
+            raise self._not_finite() from e
         new = res.sequences[:, width:].cpu()  # (B*n, L)
         logits = torch.stack(res.logits, dim=1).float().cpu()  # (B*n, L, V) raw logits
         logps = torch.log_softmax(logits / (1.0 if greedy else params.temperature), dim=-1)
@@ -94,6 +108,65 @@ class HFEngine:
             end = end or len(toks)
             gens.append(Generation(toks[:end], token_logps[row, :end].tolist(), reason))
         return [gens[k:k + params.n] for k in range(0, len(gens), params.n)]  # n generations per prompt, in order
+
+    def _not_finite(self) -> RuntimeError:
+        return RuntimeError(f"the policy's next-token probabilities are not finite (inf or NaN logits) with the "
+                            f"weights of version {self._version}: training has blown the weights up (a learning "
+                            "rate far too high?), or a checkpoint holds such weights")
+
+    def _decode(self, rows: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """One response per row: left-padded prefill, then one token per step for the rows still going.
+
+        Sampling is HF's: softmax(logits / T), nucleus filtering as TopPLogitsWarper, one multinomial draw;
+        the reported logprob is that of the temperature-scaled distribution before top-p (as SGLang's)."""
+        greedy, stops = params.temperature == 0, set() if params.ignore_eos else {self.eos_id, *params.stop_token_ids}
+        stop_ids = torch.tensor(sorted(t for t in stops if t is not None), dtype=torch.long, device=self.device)
+        width = max(len(p) for p in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(rows):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                            use_cache=True, logits_to_keep=1).logits[:, -1]
+        live = torch.arange(len(rows), device=self.device)  # the original row of each row still decoding
+        next_pos = positions[:, -1] + 1
+        tokens, logps = [[] for _ in rows], [[] for _ in rows]
+        finished = [False] * len(rows)
+        for step in range(params.max_new_tokens):
+            scores = logits.float() / (1.0 if greedy else params.temperature)
+            logp = torch.log_softmax(scores, dim=-1)
+            if greedy:
+                tok = scores.argmax(-1)
+            else:
+                if params.top_p < 1:
+                    ordered, order = scores.sort(-1)
+                    drop = ordered.softmax(-1).cumsum(-1) <= 1 - params.top_p
+                    drop[:, -1] = False  # the most likely token always stays
+                    scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+                tok = torch.multinomial(scores.softmax(-1), 1).squeeze(1)
+            tok_logp = logp.gather(1, tok[:, None]).squeeze(1)
+            for r, t, lp in zip(live.tolist(), tok.tolist(), tok_logp.tolist()):
+                tokens[r].append(t)
+                logps[r].append(lp)
+            going = ~torch.isin(tok, stop_ids)
+            for r in live[~going].tolist():
+                finished[r] = True
+            if step + 1 == params.max_new_tokens or not going.any():
+                break
+            if not going.all():  # stopped rows leave the batch, their cache rows with them
+                keep = going.nonzero().squeeze(1)
+                live, tok, next_pos, mask = live[keep], tok[keep], next_pos[keep], mask[keep]
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+            mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
+            logits = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                                past_key_values=cache, use_cache=True).logits[:, -1]
+            next_pos = next_pos + 1
+        return [Generation(t, lp, "stop" if done else "length") for t, lp, done in zip(tokens, logps, finished)]
 
     def update_weights(self, buckets: Iterable[NamedTensors], version: int) -> None:
         """Load checkpoint-named tensors (as SGLang would) into the in-memory parameters."""

@@ -1,0 +1,90 @@
+"""The hf engine's own decoding loop against HF's generate and against a full forward of what it generated."""
+import pytest
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from data_tools.make_tiny_model import make_tiny_model
+from slime.config import ModelConfig
+from slime.rollout.engine import SamplingParams
+from slime.rollout.hf_engine import HFEngine
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("hf-engine") / "m", arch="qwen3", seed=1)
+    return HFEngine(ModelConfig(path=str(path), dtype="float32"), AutoTokenizer.from_pretrained(path),
+                    device=torch.device("cpu"))
+
+
+NEVER = 10**9
+PROMPTS = [[5, 17, 33], [40, 41, 42, 43, 44, 45, 46], [9], [100, 7, 7, 7, 12]]
+
+
+def hf_generate(engine, prompts, params):
+    """HF's generate on left-padded rows, its defaults kept out: top_k=0 (None would mean 50) and, for
+    ignore_eos, a stop id no token has (None would mean the model's eos)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[engine.pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    greedy = params.temperature == 0
+    stops = [NEVER] if params.ignore_eos else [engine.eos_id, *params.stop_token_ids]
+    cfg = GenerationConfig(do_sample=not greedy, temperature=None if greedy else params.temperature,
+                           top_p=None if greedy or params.top_p >= 1 else params.top_p, top_k=0,
+                           max_new_tokens=params.max_new_tokens, num_return_sequences=params.n,
+                           eos_token_id=stops, pad_token_id=engine.pad_id, output_logits=True,
+                           return_dict_in_generate=True)
+    res = engine.model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
+    logps = torch.log_softmax(torch.stack(res.logits, 1).float() / (1.0 if greedy else params.temperature), -1)
+    new = res.sequences[:, width:]
+    return new, logps.gather(-1, new[..., None]).squeeze(-1)
+
+
+def teacher_forced(engine, prompt, response, temperature):
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = engine.model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampling_draws_what_hf_generate_draws(engine, temperature, top_p):
+    """Without stops no row leaves the batch, so the random stream is consumed as HF's generate does:
+    the same seed gives the same tokens, and the same logprobs."""
+    params = SamplingParams(max_new_tokens=12, temperature=temperature, top_p=top_p, n=3, ignore_eos=True)
+    torch.manual_seed(3)
+    ours = engine.generate(PROMPTS, params)
+    torch.manual_seed(3)
+    tokens, logps = hf_generate(engine, PROMPTS, params)
+    flat = [g for group in ours for g in group]
+    assert [g.response_ids for g in flat] == tokens.tolist()
+    torch.testing.assert_close(torch.tensor([g.logprobs for g in flat]), logps, rtol=1e-5, atol=1e-5)
+    assert all(g.finish_reason == "length" for g in flat)
+
+
+def test_greedy_with_stops_equals_hf_generate(engine):
+    stops = tuple(range(20, 60))  # common enough that rows stop at different steps
+    params = SamplingParams(max_new_tokens=16, temperature=0, stop_token_ids=stops, n=1)
+    ours = [g for group in engine.generate(PROMPTS, params) for g in group]
+    tokens, _ = hf_generate(engine, PROMPTS, params)
+    for g, row in zip(ours, tokens.tolist()):
+        end = next((i + 1 for i, t in enumerate(row) if t in stops or t == engine.eos_id), len(row))
+        assert g.response_ids == row[:end]
+
+
+def test_rows_that_stop_leave_the_batch_and_the_others_continue_on_their_own_context(engine):
+    """Stops make rows leave at different steps (their cache rows are dropped); every response's logprobs
+    must still be those of a full forward over its own prompt + response, and stop exactly at a stop token."""
+    stops = tuple(range(20, 45))
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, stop_token_ids=stops, n=4)
+    torch.manual_seed(0)
+    groups = engine.generate(PROMPTS, params)
+    lengths = {len(g.response_ids) for group in groups for g in group}
+    assert len(lengths) >= 4, lengths  # rows really left at different steps
+    for prompt, group in zip(PROMPTS, groups):
+        for g in group:
+            ended = g.response_ids[-1] in stops
+            assert g.finish_reason == ("stop" if ended else "length")
+            assert not any(t in stops for t in g.response_ids[:-1])
+            assert ended or len(g.response_ids) == params.max_new_tokens
+            torch.testing.assert_close(torch.tensor(g.logprobs), teacher_forced(engine, prompt, g.response_ids, 1.0),
+                                       rtol=1e-4, atol=1e-4)
