@@ -186,11 +186,12 @@ def test_resume_refuses_another_model_and_applies_a_changed_lr(model, task_dir, 
     from data_tools.make_tiny_model import make_tiny_model
 
     run_dir = tmp_path / "run"
-    launch(model, task_dir, run_dir, "train.num_steps=1", "train.warmup_steps=0")
+    constant = ("train.warmup_steps=0", "train.lr_schedule=constant")  # the step-2 lr is then train.lr itself
+    launch(model, task_dir, run_dir, "train.num_steps=1", *constant)
     other = make_tiny_model(tmp_path / "other", arch="qwen2", seed=0, layers=3)
-    proc = launch(other, task_dir, run_dir, "train.num_steps=2", "train.warmup_steps=0", check=False)
+    proc = launch(other, task_dir, run_dir, "train.num_steps=2", *constant, check=False)
     assert proc.returncode != 0 and "resuming would load another model's weights" in proc.stderr + proc.stdout
-    proc = launch(model, task_dir, run_dir, "train.num_steps=2", "train.warmup_steps=0", "train.lr=1e-3")
+    proc = launch(model, task_dir, run_dir, "train.num_steps=2", *constant, "train.lr=1e-3")
     assert "train.lr 0.005 -> 0.001" in proc.stdout + proc.stderr
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["train/lr"] == pytest.approx(1e-3)

@@ -215,9 +215,11 @@ def run(cfg: Config) -> dict:
                 metrics.update(critic.train_step(batch, functools.partial(critic_loss, cfg.algo.critic)))
             if critic is None or step >= cfg.algo.critic.warmup_steps:
                 metrics.update(actor.train_step(batch, functools.partial(actor_loss, cfg.algo)))
-                if "train/train_rollout_logprob_abs_diff" in metrics and cfg.algo.old_logprobs == "train_forward":
-                    # the mismatch metric of the scoring pass, measured by the update's forward (the same weights)
-                    metrics["rollout/train_logprob_abs_diff"] = metrics["train/train_rollout_logprob_abs_diff"]
+                if cfg.algo.old_logprobs == "train_forward":  # the scoring pass's metrics, from the update's forward
+                    if "train/train_rollout_logprob_abs_diff" in metrics:
+                        metrics["rollout/train_logprob_abs_diff"] = metrics["train/train_rollout_logprob_abs_diff"]
+                    if "train/old_kl_ref_k1" in metrics:
+                        metrics["rollout/kl_ref_k1"] = metrics.pop("train/old_kl_ref_k1")
             t_train = time.time() - t1
 
             done = step + 1

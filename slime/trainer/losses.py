@@ -69,7 +69,8 @@ def _actor_loss(algo: AlgoConfig, mb: MicroBatch, logp: torch.Tensor, entropy: t
         sums["loss"] = loss.detach()
         return loss, sums
     old = mb.field("old_logprobs")
-    if old is None:  # algo.old_logprobs=train_forward: on-policy, this forward's weights are pi_old
+    from_update = old is None
+    if from_update:  # algo.old_logprobs=train_forward: on-policy, this forward's weights are pi_old
         old = logp.detach()
     per_token, m = policy_token_loss(algo, logp, old, mb.field("advantages"), mask, seq_ids)
     sums.update(pg_clipfrac=m["clip_frac"] * n_local, ppo_kl=m["ppo_kl"] * n_local)
@@ -90,6 +91,8 @@ def _actor_loss(algo: AlgoConfig, mb: MicroBatch, logp: torch.Tensor, entropy: t
         if algo.use_kl_loss:
             loss = loss + algo.kl_coef * aggregate_loss(kl, mask, seq_ids, **agg)
         sums["kl_ref"] = (kl.detach() * mask).sum()
+        if from_update:  # what the scoring pass would report as rollout/kl_ref_k1
+            sums["old_kl_ref_k1"] = ((old - ref) * mask).sum()
     sums.update(loss=loss.detach(), pg_loss=pg_loss.detach())
     return loss, sums
 
