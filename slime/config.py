@@ -423,12 +423,20 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise AssertionError(f"unsupported annotation {tp} for {key}")
 
 
+# Other names users know a setting by (`async` is a Python keyword, so not a field name).
+ALIASES = {"rollout.async": "rollout.one_step_off"}
+
+
 def _build(cls: type, raw: dict, prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in raw.items():
         full = f"{prefix}.{key}" if prefix else key
+        if full in ALIASES:
+            alias, key, full = full, ALIASES[full].rsplit(".", 1)[-1], ALIASES[full]
+            if key in raw:
+                raise ValueError(f"{full} is set twice, also by its alias {alias}; keep one")
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""

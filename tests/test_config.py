@@ -104,3 +104,9 @@ def test_old_logprobs_from_the_update_need_one_mini_batch_and_no_kl_in_reward():
     assert load_config(None, BASE).algo.old_logprobs == "train_forward"
     for recompute in (["train.num_mini_batches=2"], ["algo.kl_in_reward=true", "algo.kl_coef=0.1"]):
         assert load_config(None, BASE + recompute).algo.old_logprobs == "recompute"
+
+
+def test_rollout_async_is_another_name_for_one_step_off():
+    assert load_config(None, BASE + ["rollout.async=true"]).rollout.one_step_off is True
+    with pytest.raises(ValueError, match="rollout.one_step_off is set twice, also by its alias rollout.async"):
+        load_config(None, BASE + ["rollout.async=true", "rollout.one_step_off=false"])
