@@ -110,3 +110,14 @@ def test_rollout_async_is_another_name_for_one_step_off():
     assert load_config(None, BASE + ["rollout.async=true"]).rollout.one_step_off is True
     with pytest.raises(ValueError, match="rollout.one_step_off is set twice, also by its alias rollout.async"):
         load_config(None, BASE + ["rollout.async=true", "rollout.one_step_off=false"])
+
+
+def test_rollout_settings_reach_the_engine_sampling_params():
+    from slime.rollout.rollout import sampling_params
+
+    cfg = load_config(None, BASE + ["rollout.ignore_eos=true", "rollout.stop_token_ids=[7, 9]", "rollout.top_p=0.9",
+                                    "rollout.max_response_len=12", "rollout.n_samples_per_prompt=3"])
+    params = sampling_params(cfg.rollout)
+    assert (params.ignore_eos, params.stop_token_ids, params.top_p, params.max_new_tokens, params.n) == \
+        (True, (7, 9), 0.9, 12, 3)
+    assert sampling_params(load_config(None, BASE).rollout).ignore_eos is False
