@@ -42,20 +42,21 @@ def attention_groups(bounds: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]
 
 
 @functools.lru_cache(maxsize=64)
-def _gather_plan(bounds: tuple[int, ...]):
+def _gather_plan(bounds: tuple[int, ...], device: torch.device):
     """Per group: token index of each padded slot (n, L_max) and the flat slots holding real tokens; and
-    the permutation from the groups' concatenated real tokens back to packed order."""
+    the permutation from the groups' concatenated real tokens back to packed order. Built once per micro-
+    batch and device (every layer reuses it)."""
     plan, order = [], []
     for lmax, starts, lengths in attention_groups(bounds):
         steps = torch.arange(lmax)
         real = steps < torch.tensor(lengths)[:, None]  # (n, L_max)
         # Padding slots repeat the row's first token: only padded queries (discarded) ever attend to them.
         slots = torch.where(real, torch.tensor(starts)[:, None] + steps, torch.tensor(starts)[:, None])
-        plan.append((slots, real.flatten().nonzero().squeeze(1)))
+        plan.append((slots.flatten().to(device), slots.shape, real.flatten().nonzero().squeeze(1).to(device)))
         order.append(slots[real])
     back = torch.empty(bounds[-1], dtype=torch.long)
     back[torch.cat(order)] = torch.arange(bounds[-1])
-    return plan, back
+    return plan, back.to(device)
 
 
 def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -72,15 +73,14 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
     bounds = tuple(cu.tolist()) if cu is not None else (0, query.shape[2])
     if len(bounds) == 2:
         return attend(query, key, value).transpose(1, 2).contiguous(), None
-    plan, back = _gather_plan(bounds)
+    plan, back = _gather_plan(bounds, query.device)
     outs = []
-    for slots, real in plan:  # (n, L_max) token indices -> (n, H, L_max, D)
-        index = slots.flatten().to(query.device)
-        q, k, v = (t[0].index_select(1, index).unflatten(1, slots.shape).transpose(0, 1) for t in (query, key, value))
+    for index, shape, real in plan:  # (n, L_max) token indices -> (n, H, L_max, D)
+        q, k, v = (t[0].index_select(1, index).unflatten(1, shape).transpose(0, 1) for t in (query, key, value))
         o = attend(q, k, v).transpose(1, 2)  # (n, L_max, H, D)
-        outs.append(o.flatten(0, 1).index_select(0, real.to(o.device)))  # real tokens, in group order
+        outs.append(o.flatten(0, 1).index_select(0, real))  # real tokens, in group order
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
-    return out.index_select(0, back.to(out.device))[None], None
+    return out.index_select(0, back)[None], None
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
