@@ -88,3 +88,23 @@ def test_rows_that_stop_leave_the_batch_and_the_others_continue_on_their_own_con
             assert ended or len(g.response_ids) == params.max_new_tokens
             torch.testing.assert_close(torch.tensor(g.logprobs), teacher_forced(engine, prompt, g.response_ids, 1.0),
                                        rtol=1e-4, atol=1e-4)
+
+
+def test_engine_attention_keeps_grouped_kv_heads_and_equals_hf_sdpa(engine, monkeypatch):
+    """The engine's attention (gqa_sdpa) gives HF sdpa's logits on a left-padded batch, without repeating the
+    KV heads (HF's sdpa copies them whenever there is a mask: the whole cache, every layer, every step)."""
+    import transformers.integrations.sdpa_attention as hf_sdpa
+    from transformers import AutoModelForCausalLM
+
+    assert engine.model.config.num_key_value_heads < engine.model.config.num_attention_heads
+    width = max(len(p) for p in PROMPTS)
+    ids = torch.tensor([[engine.pad_id] * (width - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    reference = AutoModelForCausalLM.from_pretrained(engine.model.name_or_path, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        want = reference(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda *a: pytest.fail("the engine repeated the KV heads"))
+        got = engine.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)

@@ -19,6 +19,8 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 PACKED_SDPA = "packed_sdpa"
 PAD_AREA = 1.5  # a group's padded attention area (n * L_max^2) stays within this factor of sum(L^2)
@@ -84,6 +86,25 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
+
+GQA_SDPA = "gqa_sdpa"  # the hf engine's attention
+
+
+def gqa_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """HF's sdpa, except that on CPU grouped KV heads are not copied: HF repeats them to the query heads whenever
+    there is a mask (left padding in generation), which copies the whole KV cache in every layer at every decode
+    step (on CUDA masked GQA falls back to the math kernel, so there HF's way stays)."""
+    if attention_mask is None or query.device.type != "cpu" or query.shape[1] == key.shape[1] \
+            or kwargs.get("position_bias") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                         dropout_p=dropout if module.training else 0.0, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GQA_SDPA, gqa_sdpa_forward)
+AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)  # the same boolean masks as sdpa
 
 
 def resolve_attn_implementation(requested: str) -> str:

@@ -17,6 +17,7 @@ from typing import Iterable
 import torch
 from transformers import DynamicCache, GenerationConfig
 
+from slime.models.attention import GQA_SDPA
 from slime.models.loading import load_model, resolve_dtype
 from slime.multimodal.processor import MultimodalInputs
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
@@ -27,7 +28,7 @@ NO_TOKEN = 2**40  # a stop id no token has (ignore_eos): generate fills a None f
 
 class HFEngine:
     def __init__(self, model_cfg, tokenizer, *, device: torch.device, batch_size: int = 64):
-        self.model, self.adapter = load_model(model_cfg, attn_implementation="sdpa", dtype=resolve_dtype(model_cfg.dtype))
+        self.model, self.adapter = load_model(model_cfg, attn_implementation=GQA_SDPA, dtype=resolve_dtype(model_cfg.dtype))
         self.model.to(device).eval()
         self.device, self.batch_size = device, batch_size
         self.pad_id = tokenizer.pad_token_id
