@@ -8,8 +8,9 @@ right-padded (n, H, L_max, D) batch and runs ONE causal sdpa call (a query never
 row's end), and the outputs are gathered back to packed order. Within a group the padded area n * L_max^2
 is at most PAD_AREA times the real one, so padding cannot cost more than that in attention; one group per
 similar-length run replaces one sdpa call per sample (`python bench/packed_attention.py`, one layer's
-forward + backward, 1 thread: 64 x 71 tokens 122 -> 46 ms, a long-tailed batch of 64 254 -> 183 ms). On GPU, flash-attn's varlen kernel gets the same
-`cu_seq_lens_*` kwargs through transformers' own `flash_attention_2` path.
+forward + backward, 1 thread: 64 x 71 tokens 122 -> 46 ms, a long-tailed batch of 64 254 -> 183 ms).
+On GPU, flash-attn's varlen kernel gets the same `cu_seq_lens_*` kwargs through transformers' own
+`flash_attention_2` path.
 """
 from __future__ import annotations
 
