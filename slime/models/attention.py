@@ -27,7 +27,6 @@ PACKED_SDPA = "packed_sdpa"
 PAD_AREA = 1.5  # a group's padded attention area (n * L_max^2) stays within this factor of sum(L^2)
 
 
-@functools.lru_cache(maxsize=64)
 def attention_groups(bounds: tuple[int, ...]) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
     """Sample borders -> groups of (L_max, starts, lengths), longest samples first, each group's padded
     attention area within PAD_AREA of its real area."""

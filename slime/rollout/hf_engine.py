@@ -71,14 +71,10 @@ class HFEngine:
             extra = {"pixel_values": torch.cat([m.pixel_values for m in images]).to(self.device, self.model.dtype),
                      "image_grid_thw": torch.cat([m.image_grid_thw for m in images]).to(self.device)}
             n_return = 1
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, p in enumerate(prompts):  # left padding: generation continues from the right edge
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
+        ids, mask = self._left_padded(prompts)
+        width = ids.shape[1]
         if extra:
-            extra["mm_token_type_ids"] = (ids == self.model.config.image_token_id).int().to(self.device)
+            extra["mm_token_type_ids"] = (ids == self.model.config.image_token_id).int()
         stops = [] if params.ignore_eos else [self.eos_id, *params.stop_token_ids]
         greedy = params.temperature == 0
         # A fresh GenerationConfig: the model's own defaults (top_k=50, repetition penalty, ...)
@@ -90,8 +86,7 @@ class HFEngine:
             max_new_tokens=params.max_new_tokens, num_return_sequences=n_return,
             eos_token_id=stops or [NO_TOKEN], pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True)
         try:
-            res = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                      generation_config=gen_cfg, **extra)
+            res = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg, **extra)
         except RuntimeError as e:
             if "probability tensor contains" not in str(e):
                 raise
@@ -110,6 +105,16 @@ class HFEngine:
             gens.append(Generation(toks[:end], token_logps[row, :end].tolist(), reason))
         return [gens[k:k + params.n] for k in range(0, len(gens), params.n)]  # n generations per prompt, in order
 
+    def _left_padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids and attention mask (B, width) on the device, left-padded: generation continues from the right edge."""
+        width = max(len(p) for p in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(rows):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        return ids.to(self.device), mask.to(self.device)
+
     def _not_finite(self) -> RuntimeError:
         return RuntimeError(f"the policy's next-token probabilities are not finite (inf or NaN logits) with the "
                             f"weights of version {self._version}: training has blown the weights up (a learning "
@@ -122,13 +127,7 @@ class HFEngine:
         the reported logprob is that of the temperature-scaled distribution before top-p (as SGLang's)."""
         greedy, stops = params.temperature == 0, set() if params.ignore_eos else {self.eos_id, *params.stop_token_ids}
         stop_ids = torch.tensor(sorted(t for t in stops if t is not None), dtype=torch.long, device=self.device)
-        width = max(len(p) for p in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, p in enumerate(rows):
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = self._left_padded(rows)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
