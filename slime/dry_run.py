@@ -6,7 +6,7 @@ the rollout engines and their GPUs) and a memory estimate per GPU, in two phases
 engine and the trainer take turns on the GPU:
 
 - training: ZeRO-3 model states (DeepSpeed's own estimate: 18 bytes per parameter over the ranks plus
-  the largest layer gathered), a frozen reference's bf16 partitions, a critic's states, activations at
+  the largest layer gathered; ZeRO-1/2: 2 bytes per parameter plus 18 over the ranks), a frozen reference's bf16 partitions, a critic's states, activations at
   `train.max_tokens_per_gpu` tokens (with and without gradient checkpointing), and one logits chunk;
 - rollout: the colocated SGLang engine at its static memory fraction (weights + KV cache), with the
   trainer's states offloaded.
@@ -24,6 +24,7 @@ import math
 import torch
 
 from slime.config import Config
+from slime.distributed.ds_config import build_ds_config, zero_stage
 
 GIB = 2**30
 SGLANG_DEFAULT_MEM_FRACTION = 0.88  # roughly what SGLang picks on an 80 GB GPU when none is given
@@ -70,13 +71,20 @@ def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
                       model_type=config.model_type)
 
 
-def zero3_states_bytes(params: int, largest_layer: int, gpus: int) -> int:
-    """DeepSpeed's estimate of ZeRO-3 model states per GPU without offload (bf16 params and grads, fp32
-    master weights and two Adam moments: 18 bytes per parameter over the ranks, plus the largest layer)."""
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+def model_states_bytes(stage: int, params: int, largest_layer: int, gpus: int) -> int:
+    """DeepSpeed's estimate of the model states per GPU without offload. ZeRO-3: bf16 params and grads, fp32
+    master weights and two Adam moments, 18 bytes per parameter over the ranks, plus the largest layer.
+    ZeRO-1/2 (DeepSpeed's ZeRO-2 estimate): the bf16 parameters whole on every rank (2 bytes per parameter) plus
+    the same 18 over the ranks; ZeRO-1 keeps its gradients whole, which this does not count."""
+    if stage == 3:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
 
-    _, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest_layer, num_gpus_per_node=gpus, num_nodes=1,
-                                                      cpu_offload=False, cpu_offload_params=False)
+        _, gpu, _ = estimate_zero3_model_states_mem_needs(params, largest_layer, num_gpus_per_node=gpus, num_nodes=1,
+                                                          cpu_offload=False, cpu_offload_params=False)
+        return gpu
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    _, gpu = estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=gpus, num_nodes=1, cpu_offload=False)
     return gpu
 
 
@@ -124,10 +132,15 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
     out["total_gpus"] = num_gpus + engine_gpus
     # training phase
     sft = cfg.algo.policy_loss == "sft"
-    actor = zero3_states_bytes(shape.params, shape.largest_layer // max(ep if shape.expert_params else 1, 1), num_gpus)
+    stage = zero_stage(build_ds_config(cfg.train, bf16=True))
+    actor = model_states_bytes(stage, shape.params, shape.largest_layer // max(ep if shape.expert_params else 1, 1),
+                               num_gpus)
     ref = 0
     if cfg.algo.needs_reference and not sft:
-        ref = 0 if cfg.algo.ref_offload else 2 * shape.params // num_gpus + 2 * shape.largest_layer
+        if stage < 3:  # a replicated reference
+            ref = 2 * shape.params
+        else:
+            ref = 0 if cfg.algo.ref_offload else 2 * shape.params // num_gpus + 2 * shape.largest_layer
     critic = actor if cfg.algo.advantage_estimator == "gae" and not sft else 0
     tokens = cfg.train.max_tokens_per_gpu
     act_ckpt = activation_bytes(shape, tokens, True)
@@ -135,7 +148,7 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
     acts = act_ckpt if cfg.model.gradient_checkpointing else act_full
     logits = 3 * 4 * min(cfg.train.logits_chunk_size, tokens) * shape.vocab
     training = actor + ref + critic + acts + logits + CONTEXT_GIB * GIB
-    out.update(actor_states=actor, reference=ref, critic_states=critic, activations=acts,
+    out.update(zero_stage=stage, actor_states=actor, reference=ref, critic_states=critic, activations=acts,
                activations_checkpointed=act_ckpt, activations_full=act_full, logits_chunk=logits,
                training_total=training)
     # rollout phase (colocated engine awake, trainer offloaded)
@@ -174,7 +187,7 @@ def report(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> str:
         f"layout: {p['world']} trainer ranks = dp {p['dp']} x sp {p['sp']}; ep {p['ep']} over dp; "
         f"{p['total_gpus']} GPUs in all",
         f"engines: {p['engines']}",
-        f"per GPU, training: ZeRO-3 actor states {g(p['actor_states'])}"
+        f"per GPU, training: ZeRO-{p['zero_stage']} actor states {g(p['actor_states'])}"
         + (f" + reference {g(p['reference'])}" if p["reference"] else "")
         + (f" + critic {g(p['critic_states'])}" if p["critic_states"] else "")
         + f" + activations {g(p['activations'])} at {cfg.train.max_tokens_per_gpu} tokens "

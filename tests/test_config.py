@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import REPO
 from slime.config import Config, describe, load_config
@@ -89,6 +90,10 @@ def test_ds_config_auto_fields_filled(tmp_path):
     bad.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}))
     with pytest.raises(ValueError, match="zero_optimization.reduce_bucket_size"):
         build_ds_config(cfg.train, bad, bf16=False)
+    zero0 = tmp_path / "zero0.json"
+    zero0.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    with pytest.raises(ValueError, match="zero_optimization.stage is 0; use 1, 2 or 3"):
+        build_ds_config(cfg.train, zero0, bf16=False)
     layout = tmp_path / "ep.json"
     layout.write_text(json.dumps({"expert_parallel": {"enabled": True, "autoep_size": 2}}))
     with pytest.raises(ValueError, match="parallel.ep"):  # set in one place only: the run config
@@ -121,3 +126,28 @@ def test_rollout_settings_reach_the_engine_sampling_params():
     assert (params.ignore_eos, params.stop_token_ids, params.top_p, params.max_new_tokens, params.n) == \
         (True, (7, 9), 0.9, 12, 3)
     assert sampling_params(load_config(None, BASE).rollout).ignore_eos is False
+
+
+def test_torch_adamw_runs_its_fused_kernel_and_deepspeeds_cuda_adam_gets_no_such_argument(monkeypatch):
+    cfg = load_config(None, BASE)
+    params = build_ds_config(cfg.train, bf16=False)["optimizer"]["params"]
+    assert params["torch_adam"] is True and params["fused"] is True  # CPU: torch.optim.AdamW(fused=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    params = build_ds_config(cfg.train, bf16=True)["optimizer"]["params"]
+    assert params["torch_adam"] is False and "fused" not in params
+
+
+def test_zero2_refuses_what_needs_partitioned_parameters():
+    from types import SimpleNamespace
+
+    from slime.distributed.parallelize import check_stage
+
+    cfg = load_config(None, BASE + ["train.ds_config=ds_configs/zero2.json"])
+    plain = SimpleNamespace(sp=1, ep=1)
+    check_stage(2, plain, cfg.train, offload_params=False)
+    check_stage(3, SimpleNamespace(sp=2, ep=2), cfg.train, offload_params=True)
+    for dims, offload, what in ((SimpleNamespace(sp=2, ep=1), False, "parallel.sp > 1"),
+                                (SimpleNamespace(sp=1, ep=2), False, "parallel.ep > 1"),
+                                (plain, True, "algo.ref_offload=true")):
+        with pytest.raises(ValueError, match=f"zero2.json sets ZeRO stage 2, but {what}.*use ds_configs/zero3.json"):
+            check_stage(2, dims, cfg.train, offload_params=offload)

@@ -65,6 +65,11 @@ def test_hand_computed_figures_for_qwen3_4b_on_8_gpus():
     assert p["logits_chunk"] == 3 * 4 * 2048 * V
     assert p["engine_weights"] == 2 * params and p["rollout_total"] == pytest.approx(0.7 * 80 * GIB + 1.5 * GIB)
     assert p["reference"] == 0 and p["critic_states"] == 0  # GRPO without KL: neither
+    z2 = plan(load_config(REPO / "examples/gpu_qwen3_4b_grpo_gsm8k.yaml", [
+        f"model.path={REPO / 'examples/model_configs/qwen3-4b'}", "train.ds_config=ds_configs/zero2.json",
+        "algo.kl_coef=0.01", "algo.use_kl_loss=true"]), 8)
+    assert z2["zero_stage"] == 2 and z2["actor_states"] == 2 * params + 18 * params // 8  # DeepSpeed's ZeRO-2 estimate
+    assert z2["reference"] == 2 * params  # replicated, bf16
 
 
 def test_too_few_gpus_warns_and_bad_layouts_fail():

@@ -126,7 +126,7 @@ def straight(model, task_dir, tmp_path_factory):
 def assert_same_run(run_dir, straight):
     """Every step once, the metrics of every step and the final weights bitwise those of the straight run."""
     got, want = read_metrics(run_dir), read_metrics(straight)
-    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 7))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, len(want) + 1))
     for a, b in zip(got, want):
         for key, value in b.items():
             if not key.startswith(("time/", "perf/")):
@@ -150,6 +150,18 @@ def test_corrupt_latest_checkpoint_is_reported_and_the_previous_one_resumes(mode
     assert "step_4: " in log and "does not match its checksum" in log
     assert "step_3: rng_rank1.pt has 4 bytes" in log and "resuming from the older checkpoint" in log
     assert_same_run(run_dir, straight)  # resumed at step 2, and every later step reproduced exactly
+
+
+def test_a_zero2_run_resumes_exactly(model, task_dir, tmp_path):
+    """ZeRO-2 lays its states out unlike ZeRO-3 (full parameters, flat optimizer partitions): a resume is exact too."""
+    zero2 = ("train.ds_config=ds_configs/zero2.json", "checkpoint.interval=1")
+    straight = tmp_path / "straight"
+    launch(model, task_dir, straight, "train.num_steps=4", *zero2)
+    run_dir = tmp_path / "run"
+    launch(model, task_dir, run_dir, "train.num_steps=2", *zero2)
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step_2"
+    launch(model, task_dir, run_dir, "train.num_steps=4", *zero2)
+    assert_same_run(run_dir, straight)
 
 
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_resumable(model, task_dir, straight, tmp_path):
@@ -182,7 +194,7 @@ def test_kill_9_of_the_whole_job_then_rerun_is_exact(model, task_dir, straight, 
     assert_same_run(run_dir, straight)  # metrics.jsonl holds each step once
 
 
-def test_resume_refuses_another_model_and_applies_a_changed_lr(model, task_dir, tmp_path):
+def test_resume_refuses_another_model_or_zero_stage_and_applies_a_changed_lr(model, task_dir, tmp_path):
     from data_tools.make_tiny_model import make_tiny_model
 
     run_dir = tmp_path / "run"
@@ -191,6 +203,9 @@ def test_resume_refuses_another_model_and_applies_a_changed_lr(model, task_dir, 
     other = make_tiny_model(tmp_path / "other", arch="qwen2", seed=0, layers=3)
     proc = launch(other, task_dir, run_dir, "train.num_steps=2", *constant, check=False)
     assert proc.returncode != 0 and "resuming would load another model's weights" in proc.stderr + proc.stdout
+    proc = launch(model, task_dir, run_dir, "train.num_steps=2", *constant, "train.ds_config=ds_configs/zero2.json",
+                  check=False)
+    assert proc.returncode != 0 and "holds ZeRO-3 states but train.ds_config sets ZeRO stage 2" in proc.stderr + proc.stdout
     proc = launch(model, task_dir, run_dir, "train.num_steps=2", *constant, "train.lr=1e-3")
     assert "train.lr 0.005 -> 0.001" in proc.stdout + proc.stderr
     rows = read_metrics(run_dir)

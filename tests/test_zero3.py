@@ -15,12 +15,14 @@ from dist.actor_checks import fixed_batch
 
 
 LAYOUTS = {"1rank-packed": (1, []), "2ranks-packed": (2, []),
-           "2ranks-padded": (2, ["train.packing=false", "train.micro_batch_size=2"])}
+           "2ranks-padded": (2, ["train.packing=false", "train.micro_batch_size=2"]),
+           "2ranks-zero2": (2, ["train.ds_config=ds_configs/zero2.json"])}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def checks(request, tiny_model, tmp_path_factory):
-    """The same global batch under three layouts: 1 vs 2 dp ranks, packed vs padded micro-batches."""
+    """The same global batch under four layouts: 1 vs 2 dp ranks, packed vs padded micro-batches, ZeRO-3 vs
+    ZeRO-2 (replicated parameters, sharded gradients and optimizer states)."""
     nproc, overrides = LAYOUTS[request.param]
     out = tmp_path_factory.mktemp(request.param)
     run_ranks([str(REPO / "tests/dist/actor_checks.py"), str(tiny_model), str(out), *overrides], nproc=nproc)

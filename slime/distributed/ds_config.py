@@ -13,6 +13,7 @@ import torch
 from slime.config import TrainConfig
 
 # Keys owned by the parallelize step; a DeepSpeed JSON that sets them would be a second place to set one thing.
+DROP = object()  # an "auto" field that does not apply here is removed
 LAYOUT_KEYS = {"expert_parallel": "parallel.ep", "sequence_parallel_size": "parallel.sp"}
 
 
@@ -26,16 +27,24 @@ def build_ds_config(train: TrainConfig, path: str | Path | None = None, *, bf16:
     for key, setting in LAYOUT_KEYS.items():
         if key in ds:
             raise ValueError(f"{path}: remove '{key}'; it is derived from the run config's {setting}")
+    torch_adam = not torch.cuda.is_available()  # DeepSpeed's fused Adam needs CUDA; on CPU, torch's AdamW
     auto = {
         "gradient_clipping": train.grad_clip,
         "bf16.enabled": bf16,
         "optimizer.params.lr": train.lr,
         "optimizer.params.betas": list(train.betas),
         "optimizer.params.weight_decay": train.weight_decay,
-        # DeepSpeed's fused Adam needs CUDA; on CPU fall back to torch's AdamW.
-        "optimizer.params.torch_adam": not torch.cuda.is_available(),
+        "optimizer.params.torch_adam": torch_adam,
+        # torch's one-pass AdamW kernel (CPU too): 12 ms instead of 123 ms per step for 24M parameters, 1 thread.
+        # DeepSpeed's own CUDA Adam is fused already and takes no such argument.
+        "optimizer.params.fused": True if torch_adam else DROP,
     }
     _fill(ds, auto, str(path))
+    stage = zero_stage(ds)
+    if stage not in (1, 2, 3):
+        raise ValueError(f"{path}: zero_optimization.stage is {stage}; use 1, 2 or 3 (stage 0 reports no gradient "
+                         "norm, which the skipped-step guard needs). ds_configs/zero2.json is the fast choice when "
+                         "a full copy of the model fits on every rank")
     # We set accumulation boundaries by hand (micro-batch counts vary per step), so DeepSpeed
     # must neither scale the loss by 1/gas nor step on its own schedule.
     ds["gradient_accumulation_steps"] = 1
@@ -43,8 +52,12 @@ def build_ds_config(train: TrainConfig, path: str | Path | None = None, *, bf16:
     return ds
 
 
+def zero_stage(ds: dict) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
 def _fill(node: dict, auto: dict, source: str, prefix: str = "") -> None:
-    for key, value in node.items():
+    for key, value in list(node.items()):
         full = f"{prefix}{key}"
         if isinstance(value, dict):
             _fill(value, auto, source, full + ".")
@@ -53,3 +66,5 @@ def _fill(node: dict, auto: dict, source: str, prefix: str = "") -> None:
                 raise ValueError(f"{source}: '{full}' is 'auto' but the run config has nothing to fill it with; "
                                  f"give it a value (auto is supported for: {', '.join(sorted(auto))})")
             node[key] = auto[full]
+            if node[key] is DROP:
+                del node[key]
