@@ -1,17 +1,20 @@
 """GRPO step time side by side with TRL's GRPOTrainer, at equal settings, with the machine's FLOP floor.
 
     pip install -e ".[bench]"          # trl
-    python bench/vs_trl.py [--sizes small,medium] [--steps 5] [--reps 2] [--whole-machine]
+    python bench/vs_trl.py [--sizes small,medium] [--steps 5] [--reps 2] [--whole-machine] [--recompute]
 
 Per model size (random Qwen3 models built by data_tools, ~4M and ~25M parameters, the tiny char tokenizer),
 one process each, 1 thread, fp32: 16 prompts x 4 samples x exactly 64 new tokens at temperature 1 (EOS
 ignored on both sides: ours rollout.ignore_eos, TRL min_new_tokens), one optimizer step per batch, no KL
-(TRL: beta=0, num_iterations=1). Runs alternate (TRL, ours, ours with algo.old_logprobs=recompute, then
-again) so machine load hits all alike; each reports the median step time of steps 2..N. --whole-machine
-adds TRL with 2 threads against ours with 2 ranks. Printed: the step times, the ratio ours/TRL, our breakdown (rollout / scoring+update /
-sync), and the FLOP floor of a step from a 1-thread fp32 matmul peak measured in the same run: generation
-2 N T_gen, old-logprob forward 2 N T, forward+backward 6 N T (N parameters without embeddings, T tokens),
-with each run's efficiency = floor / step time.
+(TRL: beta=0, num_iterations=1). Ours runs on ZeRO-3 (the default) and on ZeRO-2 (ds_configs/zero2.json,
+which keeps the whole model on every rank, as TRL does); --recompute adds ours with the separate
+old-logprob forward (algo.old_logprobs=recompute). Runs alternate (TRL, ours, ..., then again) so machine
+load hits all alike; each reports the median step time of steps 2..N. --whole-machine adds TRL with 2
+threads against ours with 2 ranks. Printed: the step times, the ratio ours/TRL against the issue's target,
+our breakdown (rollout / scoring+update / sync), and the FLOP floor of a step from a 1-thread fp32 matmul
+peak measured in the same run: generation 2 N T_gen, old-logprob forward 2 N T, forward+backward 6 N T
+(N parameters without embeddings, T tokens), with each run's efficiency = floor / step time (target >= 0.8
+on the ~25M model).
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ sys.path.insert(0, str(REPO))
 SIZES = {"small": dict(hidden=256, layers=6), "medium": dict(hidden=512, layers=10)}
 PROMPTS, SAMPLES, NEW_TOKENS, LR = 16, 4, 64, 1e-5
 PROMPT_TOKENS = 7  # "37+48=" and the like, in the char tokenizer
+ZERO2 = "train.ds_config=ds_configs/zero2.json"  # the full model and its gradients on every rank
+TARGET_RATIO, TARGET_EFFICIENCY = 0.75, 0.8  # issue 15's targets: ours/TRL step time, and floor/step time (~25M)
 
 
 def digit_reward(sample) -> float:
@@ -104,7 +109,7 @@ def worker_trl(model: Path, data: Path, out: Path, steps: int, threads: int) -> 
 
 
 def run_ours(model: Path, data: Path, out: Path, steps: int, extra: list[str], ranks: int = 1) -> dict:
-    run_dir = out / f"ours{ranks}{''.join(e.split('=')[-1] for e in extra)}"
+    run_dir = out / f"ours{ranks}{''.join(Path(e.split('=')[-1]).stem for e in extra)}"
     launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={ranks}"]
     cmd = [*launch, str(REPO / "run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"),
@@ -146,6 +151,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="small,medium")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--reps", type=int, default=2, help="alternating repetitions of each run")
+    ap.add_argument("--recompute", action="store_true",
+                    help="also ours with the separate old-logprob forward (algo.old_logprobs=recompute)")
     ap.add_argument("--whole-machine", action="store_true",
                     help="also TRL with 2 threads vs ours with 2 ranks of 1 thread (both use both cores)")
     ap.add_argument("--worker-trl", nargs=5, help=argparse.SUPPRESS)
@@ -168,11 +175,15 @@ def main() -> None:
         runs = {  # name -> (how to run it, separate old-logprob forward?)
             "trl": (lambda o: run_trl(model, data, o, args.steps), False),
             "ours": (lambda o: run_ours(model, data, o, args.steps, []), False),
-            "ours_recompute": (lambda o: run_ours(model, data, o, args.steps, ["algo.old_logprobs=recompute"]), True),
+            "ours_zero2": (lambda o: run_ours(model, data, o, args.steps, [ZERO2]), False),
         }
+        if args.recompute:
+            runs["ours_recompute"] = (lambda o: run_ours(model, data, o, args.steps, ["algo.old_logprobs=recompute"]),
+                                      True)
         if args.whole_machine:
             runs["trl_2_threads"] = (lambda o: run_trl(model, data, o, args.steps, threads=2), False)
             runs["ours_2_ranks"] = (lambda o: run_ours(model, data, o, args.steps, [], ranks=2), False)
+            runs["ours_zero2_2_ranks"] = (lambda o: run_ours(model, data, o, args.steps, [ZERO2], ranks=2), False)
         results = {name: [] for name in runs}
         for rep in range(args.reps):
             out = work / f"{size}-{rep}"
@@ -181,7 +192,7 @@ def main() -> None:
                 results[name].append(fn(out))
         print(f"\n{size}: {n / 1e6:.1f}M parameters without embeddings; {PROMPTS}x{SAMPLES} samples x {NEW_TOKENS} "
               f"new tokens, median of steps 2..{args.steps}, {args.reps} alternating runs each")
-        step = {}
+        step, efficiency = {}, {}
         for name, rs in results.items():
             t = statistics.median(med(r["times"]) for r in rs)
             gen_len = statistics.median(med(r["response_len"]) for r in rs if r["response_len"])
@@ -190,16 +201,23 @@ def main() -> None:
             passes = 6 + (2 if runs[name][1] else 0)  # fwd+bwd, plus a separate old-logprob forward
             cores = 2 if name.endswith(("threads", "ranks")) else 1
             floor = (2 * n * gen_tokens + passes * n * all_tokens) / (cores * peak * 1e9)
-            step[name] = t
+            step[name], efficiency[name] = t, floor / t
             extra = ""
             if name.startswith("ours"):
                 extra = "  (rollout {:.2f} s, scoring+update {:.2f} s, sync {:.2f} s)".format(
                     *(statistics.median(med(r[k]) for r in rs) for k in ("rollout", "train", "sync")))
             print(f"  {name:16s} {t:6.2f} s/step  response {gen_len:5.1f} tokens  floor {floor:5.2f} s  "
                   f"efficiency {floor / t:.2f}{extra}")
-        for name, base in (("ours", "trl"), ("ours_recompute", "trl"), ("ours_2_ranks", "trl_2_threads")):
+        for name, base in (("ours", "trl"), ("ours_zero2", "trl"), ("ours_recompute", "trl"),
+                           ("ours_2_ranks", "trl_2_threads"), ("ours_zero2_2_ranks", "trl_2_threads")):
             if name in step:
-                print(f"  {name} / {base}: {step[name] / step[base]:.2f}x the step time")
+                ratio = step[name] / step[base]
+                print(f"  {name} / {base}: {ratio:.2f}x the step time (target <= {TARGET_RATIO}: "
+                      f"{'met' if ratio <= TARGET_RATIO else 'NOT met'})")
+        if size == "medium":
+            for name in ("ours", "ours_zero2"):
+                print(f"  {name} efficiency {efficiency[name]:.2f} (target >= {TARGET_EFFICIENCY}: "
+                      f"{'met' if efficiency[name] >= TARGET_EFFICIENCY else 'NOT met'})")
 
 if __name__ == "__main__":
     main()
