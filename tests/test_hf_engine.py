@@ -108,3 +108,23 @@ def test_engine_attention_keeps_grouped_kv_heads_and_equals_hf_sdpa(engine, monk
         got = engine.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+def test_generation_bypasses_a_process_wide_linear_patch(engine, monkeypatch):
+    """A ZeRO-3 engine replaces torch.nn.functional.linear for the whole process (an autograd Function for
+    partitioned weights); the hf engine's whole weights call torch's own linear, with the same result."""
+    calls = []
+    original = torch.nn.functional.linear
+
+    def patched(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    params = SamplingParams(max_new_tokens=5, temperature=0, n=1, ignore_eos=True)
+    before = [g.response_ids for group in engine.generate(PROMPTS, params) for g in group]
+    monkeypatch.setattr(torch.nn.functional, "linear", patched)
+    after = [g.response_ids for group in engine.generate(PROMPTS, params) for g in group]
+    assert after == before and not calls
+    layer = torch.nn.Linear(3, 2)  # a module of our own still sees the patch: it is the engine's alone
+    layer(torch.randn(1, 3))
+    assert calls == [1]
