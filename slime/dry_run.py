@@ -6,7 +6,8 @@ the rollout engines and their GPUs) and a memory estimate per GPU, in two phases
 engine and the trainer take turns on the GPU:
 
 - training: ZeRO-3 model states (DeepSpeed's own estimate: 18 bytes per parameter over the ranks plus
-  the largest layer gathered; ZeRO-1/2: 2 bytes per parameter plus 18 over the ranks), a frozen reference's bf16 partitions, a critic's states, activations at
+  the largest layer gathered; ZeRO-1/2: 2 bytes per parameter plus 18 over the ranks), a frozen
+  reference's bf16 partitions (whole under ZeRO-1/2), a critic's states, activations at
   `train.max_tokens_per_gpu` tokens (with and without gradient checkpointing), and one logits chunk;
 - rollout: the colocated SGLang engine at its static memory fraction (weights + KV cache), with the
   trainer's states offloaded.
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import torch
 
 from slime.config import Config
 from slime.distributed.ds_config import build_ds_config, zero_stage
+from slime.distributed.parallelize import check_stage
 
 GIB = 2**30
 SGLANG_DEFAULT_MEM_FRACTION = 0.88  # roughly what SGLang picks on an 80 GB GPU when none is given
@@ -133,10 +136,12 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
     # training phase
     sft = cfg.algo.policy_loss == "sft"
     stage = zero_stage(build_ds_config(cfg.train, bf16=True))
+    needs_ref = cfg.algo.needs_reference and not sft
+    check_stage(stage, SimpleNamespace(sp=sp, ep=ep), cfg.train, offload_params=needs_ref and cfg.algo.ref_offload)
     actor = model_states_bytes(stage, shape.params, shape.largest_layer // max(ep if shape.expert_params else 1, 1),
                                num_gpus)
     ref = 0
-    if cfg.algo.needs_reference and not sft:
+    if needs_ref:
         if stage < 3:  # a replicated reference
             ref = 2 * shape.params
         else:

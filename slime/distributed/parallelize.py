@@ -33,7 +33,8 @@ def check_stage(stage: int, dims: ParallelDims, train: TrainConfig, offload_para
     """ZeRO-1/2 keep a full copy of the parameters on every rank; what needs partitioned parameters is refused."""
     if stage == 3:
         return
-    needs = [what for what, on in (("parallel.sp > 1 (Ulysses)", dims.sp > 1), ("parallel.ep > 1 (AutoEP)", dims.ep > 1),
+    needs = [what for what, on in (("parallel.sp > 1 (Ulysses)", dims.sp > 1),
+                                   ("parallel.ep > 1 (AutoEP)", dims.ep > 1),
                                    ("algo.ref_offload=true (parameter offload)", offload_params)) if on]
     if needs:
         raise ValueError(f"train.ds_config={train.ds_config} sets ZeRO stage {stage}, but {' and '.join(needs)} is "
