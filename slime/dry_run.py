@@ -10,7 +10,7 @@ engine and the trainer take turns on the GPU:
   reference's bf16 partitions (whole under ZeRO-1/2), a critic's states, activations at
   `train.max_tokens_per_gpu` tokens (with and without gradient checkpointing), and one logits chunk;
 - rollout: the colocated SGLang engine at its static memory fraction (weights + KV cache), with the
-  trainer's states offloaded.
+  actor's states offloaded (a reference's and a critic's stay on the GPU and are counted).
 
 Activations are a first-order estimate: per token and layer the bf16 tensors autograd keeps for a
 decoder layer with flash attention (no T^2 term): 2 x (4 H + 2 q + 2 kv + 3 I) bytes, I the MLP width
@@ -164,7 +164,9 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
         kv_per_token = 2 * shape.layers * shape.kv_dim * 2 // s.tp_size  # K and V, bf16
         out.update(engine_weights=weights, engine_pool=pool, kv_cache=max(pool - weights, 0),
                    kv_tokens=int(max(pool - weights, 0) // kv_per_token))
-        out["rollout_total"] = pool + (CONTEXT_GIB * GIB if s.mode == "colocated" else 0)
+        # only the actor's states leave the GPU while a colocated engine is awake; a reference and a critic stay
+        out["rollout_resident"] = ref + critic if s.mode == "colocated" else 0
+        out["rollout_total"] = pool + (CONTEXT_GIB * GIB + out["rollout_resident"] if s.mode == "colocated" else 0)
     else:
         out["engine_weights"] = 2 * shape.params if cfg.model.dtype != "float32" else 4 * shape.params
         out["rollout_total"] = out["engine_weights"] + CONTEXT_GIB * GIB
@@ -201,8 +203,10 @@ def report(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> str:
         + f" + logits chunk {g(p['logits_chunk'])} + context = {g(p['training_total'])}",
     ]
     if cfg.rollout.engine == "sglang":
+        resident = f" + reference/critic kept on the GPU {g(p['rollout_resident'])}" if p["rollout_resident"] else ""
         lines.append(f"per GPU, rollout: SGLang weights {g(p['engine_weights'])} + KV cache {g(p['kv_cache'])} "
-                     f"(~{p['kv_tokens']} tokens) = {g(p['rollout_total'])}; the trainer's states are offloaded")
+                     f"(~{p['kv_tokens']} tokens){resident} = {g(p['rollout_total'])}; the actor's states are "
+                     "offloaded")
     else:
         lines.append(f"per GPU, rollout: hf engine weights {g(p['engine_weights'])}")
     lines.append(f"CPU memory at load: about {g(p['cpu_load_bytes_per_node'])} per node (each rank reads the model)")

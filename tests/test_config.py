@@ -128,13 +128,18 @@ def test_rollout_settings_reach_the_engine_sampling_params():
     assert sampling_params(load_config(None, BASE).rollout).ignore_eos is False
 
 
-def test_torch_adamw_runs_its_fused_kernel_and_deepspeeds_cuda_adam_gets_no_such_argument(monkeypatch):
+def test_torch_adamw_runs_its_fused_kernel_and_deepspeeds_cuda_adam_gets_no_such_argument(monkeypatch, tmp_path):
     cfg = load_config(None, BASE)
     params = build_ds_config(cfg.train, bf16=False)["optimizer"]["params"]
     assert params["torch_adam"] is True and params["fused"] is True  # CPU: torch.optim.AdamW(fused=True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     params = build_ds_config(cfg.train, bf16=True)["optimizer"]["params"]
     assert params["torch_adam"] is False and "fused" not in params
+    own = tmp_path / "cpu_adam.json"  # a config that picks DeepSpeed's Adam itself: no fused for it either
+    own.write_text(json.dumps({"optimizer": {"type": "AdamW", "params": {"torch_adam": False, "fused": "auto"}},
+                               "zero_optimization": {"stage": 2}}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "fused" not in build_ds_config(cfg.train, own, bf16=False)["optimizer"]["params"]
 
 
 def test_zero2_refuses_what_needs_partitioned_parameters():

@@ -70,6 +70,7 @@ def test_hand_computed_figures_for_qwen3_4b_on_8_gpus():
         "algo.kl_coef=0.01", "algo.use_kl_loss=true"]), 8)
     assert z2["zero_stage"] == 2 and z2["actor_states"] == 2 * params + 18 * params // 8  # DeepSpeed's ZeRO-2 estimate
     assert z2["reference"] == 2 * params  # replicated, bf16
+    assert z2["rollout_total"] == pytest.approx(0.7 * 80 * GIB + 1.5 * GIB + 2 * params)  # and awake in rollout
     with pytest.raises(ValueError, match="sets ZeRO stage 2, but parallel.sp > 1"):  # as at launch
         plan(load_config(REPO / "examples/gpu_qwen3_4b_grpo_gsm8k.yaml", [
             f"model.path={REPO / 'examples/model_configs/qwen3-4b'}", "train.ds_config=ds_configs/zero2.json",

@@ -12,8 +12,8 @@ import torch
 
 from slime.config import TrainConfig
 
+FUSED = object()  # "fused": "auto" -> true where the resolved torch_adam is true, else the key is removed
 # Keys owned by the parallelize step; a DeepSpeed JSON that sets them would be a second place to set one thing.
-DROP = object()  # an "auto" field that does not apply here is removed
 LAYOUT_KEYS = {"expert_parallel": "parallel.ep", "sequence_parallel_size": "parallel.sp"}
 
 
@@ -35,16 +35,23 @@ def build_ds_config(train: TrainConfig, path: str | Path | None = None, *, bf16:
         "optimizer.params.betas": list(train.betas),
         "optimizer.params.weight_decay": train.weight_decay,
         "optimizer.params.torch_adam": torch_adam,
-        # torch's one-pass AdamW kernel (CPU too): 12 ms instead of 123 ms per step for 24M parameters, 1 thread.
-        # DeepSpeed's own CUDA Adam is fused already and takes no such argument.
-        "optimizer.params.fused": True if torch_adam else DROP,
+        "optimizer.params.fused": FUSED,
     }
     _fill(ds, auto, str(path))
+    params = ds.get("optimizer", {}).get("params", {})
+    if params.get("fused") is FUSED:
+        # torch's one-pass AdamW kernel (CPU too): 12 ms instead of 123 ms per step for 24M parameters, 1 thread.
+        # DeepSpeed's own Adams (CUDA, CPU offload) are fused already and take no such argument.
+        if params.get("torch_adam") is True:
+            params["fused"] = True
+        else:
+            del params["fused"]
     stage = zero_stage(ds)
     if stage not in (1, 2, 3):
-        raise ValueError(f"{path}: zero_optimization.stage is {stage}; use 1, 2 or 3 (stage 0 reports no gradient "
-                         "norm, which the skipped-step guard needs). ds_configs/zero2.json is the fast choice when "
-                         "a full copy of the model fits on every rank")
+        raise ValueError(f"{path}: zero_optimization.stage is {stage}; use 1, 2 or 3 (a stage-0 engine has no "
+                         "offload_states for colocated rollout, and in fp32 reports no gradient norm for the "
+                         "skipped-step guard). ds_configs/zero2.json is the fast choice when a full copy of the "
+                         "model fits on every rank")
     # We set accumulation boundaries by hand (micro-batch counts vary per step), so DeepSpeed
     # must neither scale the loss by 1/gas nor step on its own schedule.
     ds["gradient_accumulation_steps"] = 1
@@ -57,7 +64,7 @@ def zero_stage(ds: dict) -> int:
 
 
 def _fill(node: dict, auto: dict, source: str, prefix: str = "") -> None:
-    for key, value in list(node.items()):
+    for key, value in node.items():
         full = f"{prefix}{key}"
         if isinstance(value, dict):
             _fill(value, auto, source, full + ".")
@@ -66,5 +73,3 @@ def _fill(node: dict, auto: dict, source: str, prefix: str = "") -> None:
                 raise ValueError(f"{source}: '{full}' is 'auto' but the run config has nothing to fill it with; "
                                  f"give it a value (auto is supported for: {', '.join(sorted(auto))})")
             node[key] = auto[full]
-            if node[key] is DROP:
-                del node[key]

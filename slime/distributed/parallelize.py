@@ -37,8 +37,9 @@ def check_stage(stage: int, dims: ParallelDims, train: TrainConfig, offload_para
                                    ("parallel.ep > 1 (AutoEP)", dims.ep > 1),
                                    ("algo.ref_offload=true (parameter offload)", offload_params)) if on]
     if needs:
-        raise ValueError(f"train.ds_config={train.ds_config} sets ZeRO stage {stage}, but {' and '.join(needs)} is "
-                         "built and tested on ZeRO-3 only; use ds_configs/zero3.json")
+        raise ValueError(f"train.ds_config={train.ds_config} sets ZeRO stage {stage}, but {' and '.join(needs)} "
+                         f"{'is' if len(needs) == 1 else 'are'} built and tested on ZeRO-3 only; use "
+                         "ds_configs/zero3.json")
 
 
 def parallelize(model: torch.nn.Module, dims: ParallelDims, train: TrainConfig, *, lr: float | None,

@@ -32,7 +32,8 @@ def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def plain_linear(model: torch.nn.Module) -> None:
-    """Make the model's nn.Linear layers call torch's own linear. A ZeRO-3 engine replaces
+    """Make the model's nn.Linear layers call torch's own linear (layers that call F.linear themselves, such as
+    some MoE experts, keep the process-wide one: slower, as correct). A ZeRO-3 engine replaces
     torch.nn.functional.linear process-wide with an autograd Function for partitioned weights; the engine's
     weights are whole, and that Function costs ~10% of generation on the 3.6M model of bench/vs_trl.py.
     Per module, not by restoring the global: one-step-off rollout generates while the trainer trains."""

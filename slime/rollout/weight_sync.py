@@ -1,4 +1,5 @@
-"""Gather ZeRO-3 partitioned parameters in size-bounded buckets, named as in the checkpoint.
+"""Gather ZeRO-3 partitioned parameters (under ZeRO-1/2 they are whole already) in size-bounded buckets,
+named as in the checkpoint.
 
 Every rank must iterate the same buckets (the gather is a collective), so bucket boundaries depend
 only on parameter sizes, never on the rank (AutoEP expert tensors have the same local size on every rank). Each yielded bucket is a list of (checkpoint name, full

@@ -154,10 +154,11 @@ def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> d
             raise ValueError(f"{path} was written for {key}={manifest.get(key)!r} but this run has "
                              f"{identity.get(key)!r}: resuming would load another model's weights. Use a new "
                              "log.run_dir (or set checkpoint.resume=false there)")
-    if "zero_stage" in manifest and manifest["zero_stage"] != identity.get("zero_stage"):
-        raise ValueError(f"{path} holds ZeRO-{manifest['zero_stage']} states but train.ds_config sets ZeRO stage "
+    saved_stage = manifest.get("zero_stage", 3)  # recorded since ZeRO-2 was offered; before, the configs were ZeRO-3
+    if saved_stage != identity.get("zero_stage"):
+        raise ValueError(f"{path} holds ZeRO-{saved_stage} states but train.ds_config sets ZeRO stage "
                          f"{identity.get('zero_stage')}; DeepSpeed lays the states out per stage, so resume with a "
-                         f"ZeRO-{manifest['zero_stage']} config (or start a new log.run_dir)")
+                         f"ZeRO-{saved_stage} config (or start a new log.run_dir)")
     if manifest.get("world_size") != dims.world_size:
         raise ValueError(f"{path} was written by {manifest.get('world_size')} ranks, this run has {dims.world_size}; "
                          "resume with the same number of ranks (DeepSpeed's ZeRO partitions are per rank)")

@@ -231,7 +231,7 @@ def run(cfg: Config) -> dict:
                 pass  # pushed at the next step, once the batch in flight is taken
             elif engine is not None and (not sft or (eval_prompts and (done % cfg.eval.interval == 0 or last))):
                 if colocate:
-                    actor.offload(params=False)  # the gather below still needs the ZeRO-3 partitions
+                    actor.offload(params=False)  # the gather below still needs the parameters
                 metrics.update(sync_weights(actor, engine, version=done, bucket_mb=bucket_mb))
                 metrics.update(engine.metrics())
             metrics.update(data.skipped_metrics(dims.all_reduce_sum))
