@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from types import SimpleNamespace
 
 import torch
 
 from slime.config import Config
-from slime.distributed.ds_config import build_ds_config, zero_stage
-from slime.distributed.parallelize import check_stage
+from slime.distributed.ds_config import build_ds_config, check_stage, zero_stage
 
 GIB = 2**30
 SGLANG_DEFAULT_MEM_FRACTION = 0.88  # roughly what SGLang picks on an 80 GB GPU when none is given
@@ -137,7 +135,7 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
     sft = cfg.algo.policy_loss == "sft"
     stage = zero_stage(build_ds_config(cfg.train, bf16=True))
     needs_ref = cfg.algo.needs_reference and not sft
-    check_stage(stage, SimpleNamespace(sp=sp, ep=ep), cfg.train, offload_params=needs_ref and cfg.algo.ref_offload)
+    check_stage(stage, cfg.train, sp=sp, ep=ep, offload_params=needs_ref and cfg.algo.ref_offload)
     actor = model_states_bytes(stage, shape.params, shape.largest_layer // max(ep if shape.expert_params else 1, 1),
                                num_gpus)
     ref = 0

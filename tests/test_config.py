@@ -143,16 +143,12 @@ def test_torch_adamw_runs_its_fused_kernel_and_deepspeeds_cuda_adam_gets_no_such
 
 
 def test_zero2_refuses_what_needs_partitioned_parameters():
-    from types import SimpleNamespace
-
-    from slime.distributed.parallelize import check_stage
+    from slime.distributed.ds_config import check_stage
 
     cfg = load_config(None, BASE + ["train.ds_config=ds_configs/zero2.json"])
-    plain = SimpleNamespace(sp=1, ep=1)
-    check_stage(2, plain, cfg.train, offload_params=False)
-    check_stage(3, SimpleNamespace(sp=2, ep=2), cfg.train, offload_params=True)
-    for dims, offload, what in ((SimpleNamespace(sp=2, ep=1), False, "parallel.sp > 1"),
-                                (SimpleNamespace(sp=1, ep=2), False, "parallel.ep > 1"),
-                                (plain, True, "algo.ref_offload=true")):
+    check_stage(2, cfg.train, sp=1, ep=1, offload_params=False)
+    check_stage(3, cfg.train, sp=2, ep=2, offload_params=True)
+    for sp, ep, offload, what in ((2, 1, False, "parallel.sp > 1"), (1, 2, False, "parallel.ep > 1"),
+                                  (1, 1, True, "algo.ref_offload=true")):
         with pytest.raises(ValueError, match=f"zero2.json sets ZeRO stage 2, but {what}.*use ds_configs/zero3.json"):
-            check_stage(2, dims, cfg.train, offload_params=offload)
+            check_stage(2, cfg.train, sp=sp, ep=ep, offload_params=offload)

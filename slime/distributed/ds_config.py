@@ -63,6 +63,19 @@ def zero_stage(ds: dict) -> int:
     return int(ds.get("zero_optimization", {}).get("stage", 0))
 
 
+def check_stage(stage: int, train: TrainConfig, *, sp: int, ep: int, offload_params: bool) -> None:
+    """ZeRO-1/2 keep a full copy of the parameters on every rank; what needs partitioned parameters is refused."""
+    if stage == 3:
+        return
+    needs = [what for what, on in (("parallel.sp > 1 (Ulysses)", sp > 1),
+                                   ("parallel.ep > 1 (AutoEP)", ep > 1),
+                                   ("algo.ref_offload=true (parameter offload)", offload_params)) if on]
+    if needs:
+        raise ValueError(f"train.ds_config={train.ds_config} sets ZeRO stage {stage}, but {' and '.join(needs)} "
+                         f"{'is' if len(needs) == 1 else 'are'} built and tested on ZeRO-3 only; use "
+                         "ds_configs/zero3.json")
+
+
 def _fill(node: dict, auto: dict, source: str, prefix: str = "") -> None:
     for key, value in node.items():
         full = f"{prefix}{key}"

@@ -12,7 +12,7 @@ import deepspeed
 import torch
 
 from slime.config import TrainConfig
-from slime.distributed.ds_config import build_ds_config, zero_stage
+from slime.distributed.ds_config import build_ds_config, check_stage, zero_stage
 from slime.distributed.expert_parallel import expert_parallel_settings
 from slime.distributed.parallel_dims import ParallelDims
 
@@ -29,19 +29,6 @@ def layout_settings(dims: ParallelDims, model_type: str) -> dict:
     return {}
 
 
-def check_stage(stage: int, dims: ParallelDims, train: TrainConfig, offload_params: bool) -> None:
-    """ZeRO-1/2 keep a full copy of the parameters on every rank; what needs partitioned parameters is refused."""
-    if stage == 3:
-        return
-    needs = [what for what, on in (("parallel.sp > 1 (Ulysses)", dims.sp > 1),
-                                   ("parallel.ep > 1 (AutoEP)", dims.ep > 1),
-                                   ("algo.ref_offload=true (parameter offload)", offload_params)) if on]
-    if needs:
-        raise ValueError(f"train.ds_config={train.ds_config} sets ZeRO stage {stage}, but {' and '.join(needs)} "
-                         f"{'is' if len(needs) == 1 else 'are'} built and tested on ZeRO-3 only; use "
-                         "ds_configs/zero3.json")
-
-
 def parallelize(model: torch.nn.Module, dims: ParallelDims, train: TrainConfig, *, lr: float | None,
                 lr_lambda: Callable[[int], float] | None = None, offload_params: bool = False):
     """A ZeRO engine over dp (stage 3 by default; 1 or 2 from train.ds_config); with lr None an inference-only
@@ -49,14 +36,15 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, train: TrainConfig, 
     partitions in CPU memory (a frozen reference)."""
     bf16 = next(model.parameters()).dtype == torch.bfloat16
     ds_config = build_ds_config(train, bf16=bf16)
-    check_stage(zero_stage(ds_config), dims, train, offload_params)
+    stage = zero_stage(ds_config)
+    check_stage(stage, train, sp=dims.sp, ep=dims.ep, offload_params=offload_params)
     ds_config.update(layout_settings(dims, model.config.model_type))
     if offload_params:
         ds_config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if lr is None:
         ds_config.pop("optimizer", None)
         ds_config.pop("gradient_clipping", None)
-        if zero_stage(ds_config) < 3:  # DeepSpeed's ZeRO-1/2 need an optimizer; replicated parameters need no ZeRO
+        if stage < 3:  # DeepSpeed's ZeRO-1/2 need an optimizer; replicated parameters need no ZeRO
             ds_config["zero_optimization"] = {"stage": 0}
         model.requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=model, config=ds_config)

@@ -1,9 +1,9 @@
 """One policy-engine class in three roles: the trainable actor, the frozen reference, the critic.
 
 Each is an HF model (loaded through its family's adapter) wrapped in `PolicyModel` and handed to the
-parallelize step, which returns the DeepSpeed ZeRO engine (stage 3 unless train.ds_config sets 1 or 2). The forward, the micro-batch loop and
-gradient accumulation are written once here, so attention, position-id, multimodal and sequence-
-parallel changes land in one place.
+parallelize step, which returns the DeepSpeed ZeRO engine (stage 3 unless train.ds_config sets 1 or 2).
+The forward, the micro-batch loop and gradient accumulation are written once here, so attention,
+position-id, multimodal and sequence-parallel changes land in one place.
 
 Loss normalisation is explicit: every micro-batch contributes its additive share of the global
 loss (normalisers are global token/sequence counts of the mini-batch); the share is scaled by the
