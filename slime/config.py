@@ -265,6 +265,11 @@ class TrainConfig:
     max_tokens_per_gpu: int = field(4096, "Token budget of one training micro-batch (packed, no padding).")
     logprob_max_tokens_per_gpu: int = field(0, "Budget for no-grad logprob passes; 0 = 2 x max_tokens_per_gpu.")
     logits_chunk_size: int = field(1024, "Tokens per chunk when computing logprobs from hidden states.")
+    share_prompts: bool = field(
+        True, "The samples of one prompt in a packed micro-batch carry the prompt once: its forward and backward run "
+        "once and the responses attend to it (logprobs and gradients are those of separate copies). Applies where "
+        "the attention is packed_sdpa (CPU), parallel.sp=1 and the model is text-only and dense; false: every "
+        "sample carries its own prompt.")
     ds_config: str = field("ds_configs/zero3.json", "DeepSpeed JSON config; 'auto' fields are filled from this file.")
     seed: int = field(1234, "Seed for data order, sampling and initialisation.")
     max_skipped_steps: int = field(3, "Stop after this many consecutive optimizer steps skipped for a non-finite "

@@ -108,3 +108,102 @@ def test_grouped_attention_equals_one_call_per_sample():
     grads = torch.autograd.grad((got * weights).sum(), (q, k, v))
     for a, b in zip(grads, torch.autograd.grad((want * weights).sum(), (q, k, v))):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def grouped_samples(seed=0):
+    """GRPO-like: 3 prompts x 3 samples in mixed order, plus one sample with a prompt of its own and one whose
+    response is empty."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(5, 250, (n,), generator=g).tolist() for n in (5, 1, 9, 4)]
+    lengths = [int(n) for n in torch.randint(1, 12, (10,), generator=g)]
+    order = [0, 1, 2, 0, 1, 2, 3, 0, 1, 2]
+    lengths[4] = 0
+    return [Sample(prompt_ids=prompts[p], response_ids=torch.randint(5, 250, (n,), generator=g).tolist())
+            for p, n in zip(order, lengths)]
+
+
+def test_shared_prompt_layout():
+    """Hand-checked: the second sample of a prompt carries only its response, attends to the first one's prompt,
+    continues its positions and is scored from the prompt's last position."""
+    a = Sample(prompt_ids=[10, 11, 12], response_ids=[20, 21])
+    b = Sample(prompt_ids=[10, 11, 12], response_ids=[30, 31, 32])
+    c = Sample(prompt_ids=[40], response_ids=[41])
+    mb = build_micro_batch([a, b, c], [0, 1, 2], share_prompts=True)
+    assert mb.input_ids.tolist() == [10, 11, 12, 20, 21, 30, 31, 32, 40, 41]
+    assert mb.position_ids.tolist() == [0, 1, 2, 3, 4, 3, 4, 5, 0, 1]
+    assert mb.cu_seqlens.tolist() == [0, 5, 8, 10]
+    assert mb.prompt_prefixes.tolist() == [[0, 0], [0, 3], [0, 0]]
+    assert mb.pred_index.tolist() == [2, 3, 2, 5, 6, 8]
+    assert mb.target_ids.tolist() == [20, 21, 30, 31, 32, 41]
+    assert mb.response_lens == [2, 3, 1] and mb.seq_ids.tolist() == [0, 0, 1, 1, 1, 2]
+    plain = build_micro_batch([a, b, c], [0, 1, 2])
+    assert plain.prompt_prefixes is None and plain.input_ids.numel() == 13
+    assert plain.target_ids.tolist() == plain.input_ids[plain.pred_index + 1].tolist()
+
+
+def test_shared_prompt_attention_equals_separate_copies():
+    """packed_sdpa with prompt prefixes against the unshared layout (each sample with its own prompt copy): the
+    same outputs at every token, and the same q/k/v gradients, a shared token's being the sum over its copies."""
+    from slime.models.attention import packed_sdpa_forward
+
+    class Module:
+        training = False
+
+    samples = grouped_samples()
+    shared = build_micro_batch(samples, range(len(samples)), share_prompts=True)
+    plain = build_micro_batch(samples, range(len(samples)))
+    copy_of = []  # each unshared token's position in the shared row
+    for k, s in enumerate(samples):
+        (start, end), (ps, pe) = shared.cu_seqlens[k:k + 2].tolist(), shared.prompt_prefixes[k].tolist()
+        copy_of += [*range(ps, pe), *range(start, end)]
+    copy_of = torch.tensor(copy_of)
+    assert torch.equal(shared.input_ids[copy_of], plain.input_ids) and len(copy_of) > shared.input_ids.numel()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, shared.input_ids.numel(), 16, generator=g, dtype=torch.float64, requires_grad=True)
+               for h in (4, 2, 2))
+    got = packed_sdpa_forward(Module, q, k, v, None, cu_seq_lens_q=shared.cu_seqlens,
+                              prompt_prefixes=shared.prompt_prefixes)[0][0]
+    want = packed_sdpa_forward(Module, *(t.index_select(2, copy_of) for t in (q, k, v)), None,
+                               cu_seq_lens_q=plain.cu_seqlens)[0][0]
+    torch.testing.assert_close(got[copy_of], want, rtol=1e-12, atol=1e-12)
+    weights = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((got[copy_of] * weights).sum(), (q, k, v)),
+                    torch.autograd.grad((want * weights).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_shared_prompts_give_the_logprobs_and_gradients_of_separate_copies(model_dir):
+    model = PolicyModel(AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=PACKED_SDPA,
+                                                             dtype=torch.float64))
+    samples = grouped_samples(seed=1)
+    results = []
+    for share in (False, True):
+        mb = build_micro_batch(samples, range(len(samples)), share_prompts=share)
+        extra = {"prompt_prefixes": mb.prompt_prefixes} if share else {}
+        model.zero_grad()
+        logp, ent = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len,
+                          chunk_size=7, target_ids=mb.target_ids, **extra)
+        (logp * torch.linspace(-1, 1, len(logp), dtype=logp.dtype)).sum().backward()
+        results.append((mb.input_ids.numel(), logp.detach(), ent.detach(),
+                        {n: p.grad.clone() for n, p in model.named_parameters()}))
+        if share:  # control: the shared layout without its prefixes is a different computation
+            with torch.no_grad():
+                alone, _ = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len,
+                                 target_ids=mb.target_ids)
+            assert (alone - logp).abs().max() > 1e-3
+    (n_plain, lp_plain, ent_plain, g_plain), (n_shared, lp_shared, ent_shared, g_shared) = results
+    assert n_shared < n_plain
+    torch.testing.assert_close(lp_shared, lp_plain, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ent_shared, ent_plain, rtol=1e-10, atol=1e-10)
+    for name, grad in g_plain.items():  # the models' norms compute in fp32: gradients agree to its rounding
+        torch.testing.assert_close(g_shared[name], grad, rtol=1e-6, atol=1e-6 * grad.abs().max().item(),
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_shared_prompts_refused_where_attention_cannot_see_them(model_dir):
+    model = PolicyModel(AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa"))
+    samples = grouped_samples()
+    mb = build_micro_batch(samples, range(len(samples)), share_prompts=True)
+    with pytest.raises(ValueError, match="share_prompts.*packed_sdpa"):
+        model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len,
+              target_ids=mb.target_ids, prompt_prefixes=mb.prompt_prefixes)

@@ -59,6 +59,8 @@ def test_loss_and_grads_match_single_process_reference(checks, tiny_model, mode)
     assert result["modes"][mode]["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7)
     assert result["modes"][mode]["ppo_kl_sum"] == pytest.approx(0.0, abs=1e-6)  # old == current before the step
     assert result["modes"][mode]["micro_batches"] >= 2 * result["world"]  # the budget really split the batch
+    # Packed micro-batches carry a shared prompt once (train.share_prompts), padded ones never.
+    assert (result["modes"][mode]["shared_prompt_micro_batches"] > 0) == result["packing"]
     for name, p in model.named_parameters():
         torch.testing.assert_close(saved["grads"][name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 

@@ -5,9 +5,17 @@ position ids reset per sample and `cu_seqlens` marking borders. The padded basel
 (`build_padded_micro_batch`) instead right-pads each sample to the longest into a (B, L) batch;
 causal attention never looks right, so real tokens never see the padding and no mask is needed.
 Per-token training values live on the N response tokens, in sample order; `pred_index[j]` is the
-position whose hidden state predicts response token j (one to its left), `seq_ids[j]` the token's
+position whose hidden state predicts response token j (`target_ids[j]`), `seq_ids[j]` the token's
 sample within the batch, and `fields` holds the samples' per-token tensors (advantages, logprobs, ...)
 concatenated the same way.
+
+Shared prompts (`share_prompts=True`, packed only): the n samples of one prompt that land in the same
+micro-batch carry that prompt once. The first lays out prompt + response; each later one only its
+response, as a segment of its own whose `prompt_prefixes` entry names the first one's prompt span, which
+it attends to before its own tokens (packed_sdpa does this), with positions continuing after the prompt.
+Its first response token is predicted from the prompt's last position. Every logprob and gradient is that
+of the unshared layout; the prompt's forward and backward run once instead of n times (GRPO with n
+samples of a long prompt spends most of its tokens on prompt copies).
 
 An empty micro-batch (`build_micro_batch(samples, [])`) is one dummy token pair with no loss (and zeros
 in the per-token fields that `samples` carry, so loss code runs unchanged): a rank
@@ -33,6 +41,7 @@ class MicroBatch:
     cu_seqlens: torch.Tensor | None  # (S+1,) int32 when packed
     max_len: int
     pred_index: torch.Tensor  # (N,) long, into the flattened input_ids
+    target_ids: torch.Tensor  # (N,) long: the scored tokens (the response tokens, in sample order)
     seq_ids: torch.Tensor  # (N,) long in [0, S)
     loss_mask: torch.Tensor  # (N,) float
     indices: list[int]  # the samples' positions in the caller's list (empty for a dummy batch)
@@ -40,6 +49,9 @@ class MicroBatch:
     fields: dict[str, torch.Tensor]  # (N,) float per-token fields that every sample carries
     extra: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     """The model's extra inputs: image pixel patches concatenated in sample order, grids stacked."""
+    prompt_prefixes: torch.Tensor | None = None
+    """(S, 2) long, packed with shared prompts: per cu_seqlens segment, the span of the prompt it attends to
+    before its own tokens ((0, 0): none)."""
 
     @property
     def num_tokens(self) -> int:
@@ -75,21 +87,37 @@ Positions = Callable[[Sample], torch.Tensor]
 
 
 def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positions: Positions | None = None,
-                      pad_to: int = 1) -> MicroBatch:
+                      pad_to: int = 1, share_prompts: bool = False) -> MicroBatch:
     """`pad_to` (sequence parallel: sp): the row is padded to a multiple of it by a pad segment that is its
-    own document (own cu_seqlens entry, positions from 0, nothing scored), so it can be cut into equal shards."""
+    own document (own cu_seqlens entry, positions from 0, nothing scored), so it can be cut into equal shards.
+    `share_prompts`: samples with the same (text-only) prompt carry it once (the module docstring)."""
     rows = [samples[i] for i in indices] or [_DUMMY]
-    input_ids, position_ids, cu, pred, seq, resp_lens = [], [], [0], [], [], []
+    input_ids, position_ids, cu, pred, seq, resp_lens, prefixes = [], [], [0], [], [], [], []
+    first: dict[tuple[int, ...], int] = {}  # prompt -> where its one copy starts in the row
+    share_prompts = share_prompts and all(s.mm is None for s in rows)  # image rows keep their own layout
     for s_pos, s in enumerate(rows):
-        tokens = s.prompt_ids + s.response_ids
         start, p, r = cu[-1], len(s.prompt_ids), len(s.response_ids)
         if p == 0:
             raise ValueError(f"sample {s.index} has an empty prompt; there is no token to predict its first "
                              "response token")
-        input_ids.extend(tokens)
-        position_ids.append(positions(s) if positions is not None else torch.arange(len(tokens)))
-        cu.append(start + len(tokens))
-        pred.extend(range(start + p - 1, start + p + r - 1))
+        pos = positions(s) if positions is not None else torch.arange(p + r)
+        key = tuple(s.prompt_ids) if share_prompts else None
+        if key in first and r:  # the response alone, after the prompt's one copy
+            shared = first[key]
+            input_ids.extend(s.response_ids)
+            position_ids.append(pos[..., p:])
+            cu.append(start + r)
+            prefixes.append((shared, shared + p))
+            pred.append(shared + p - 1)
+            pred.extend(range(start, start + r - 1))
+        else:
+            if key is not None:
+                first.setdefault(key, start)
+            input_ids.extend(s.prompt_ids + s.response_ids)
+            position_ids.append(pos)
+            cu.append(start + p + r)
+            prefixes.append((0, 0))
+            pred.extend(range(start + p - 1, start + p + r - 1))
         seq.extend([s_pos] * r)
         resp_lens.append(r)
     fields = {}
@@ -107,6 +135,7 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positio
         rope_rows = position_ids[0].shape[:-1]
         position_ids.append(torch.arange(pad).expand(*rope_rows, pad))
         cu.append(cu[-1] + pad)
+        prefixes.append((0, 0))
     images = [s.mm for s in rows if s.mm is not None]
     extra = {}
     if images:  # image features go to the PROMPT's placeholders; a generated placeholder token is just text
@@ -122,12 +151,14 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positio
         cu_seqlens=torch.tensor(cu, dtype=torch.int32),
         max_len=max(b - a for a, b in zip(cu[:-1], cu[1:])),
         pred_index=torch.tensor(pred, dtype=torch.long),
+        target_ids=torch.tensor([t for s in rows for t in s.response_ids], dtype=torch.long),
         seq_ids=torch.tensor(seq, dtype=torch.long),
         loss_mask=torch.cat([s.loss_mask for s in rows]),
         indices=list(indices),
         response_lens=resp_lens,
         fields=fields,
         extra=extra,
+        prompt_prefixes=torch.tensor(prefixes, dtype=torch.long) if any(a != b for a, b in prefixes) else None,
     )
 
 

@@ -27,43 +27,65 @@ PACKED_SDPA = "packed_sdpa"
 PAD_AREA = 1.5  # a group's padded attention area (n * L_max^2) stays within this factor of sum(L^2)
 
 
+def _length_groups(lengths: list[int]) -> list[list[int]]:
+    """Sequence lengths -> groups of sequence numbers, longest first, each group's padded attention area
+    within PAD_AREA of its real area (empty sequences are left out)."""
+    order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: (-lengths[i], i))
+    groups, current, area = [], [], 0
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] ** 2 > PAD_AREA * (area + lengths[i] ** 2):
+            groups.append(current)
+            current, area = [], 0
+        current.append(i)
+        area += lengths[i] ** 2
+    if current:
+        groups.append(current)
+    return groups
+
+
 def attention_groups(bounds: tuple[int, ...]) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
     """Sample borders -> groups of (L_max, starts, lengths), longest samples first, each group's padded
     attention area within PAD_AREA of its real area."""
-    spans = sorted(((e - s, s) for s, e in zip(bounds[:-1], bounds[1:]) if e > s), key=lambda x: (-x[0], x[1]))
-    groups, current, area = [], [], 0
-    for length, start in spans:
-        if current and (len(current) + 1) * current[0][0] ** 2 > PAD_AREA * (area + length ** 2):
-            groups.append(current)
-            current, area = [], 0
-        current.append((length, start))
-        area += length ** 2
-    if current:
-        groups.append(current)
-    return [(g[0][0], tuple(s for _, s in g), tuple(n for n, _ in g)) for g in groups]
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    lengths = [e - s for s, e in spans]
+    return [(lengths[g[0]], tuple(spans[i][0] for i in g), tuple(lengths[i] for i in g))
+            for g in _length_groups(lengths)]
 
 
 @functools.lru_cache(maxsize=64)
-def _gather_plan(bounds: tuple[int, ...], device: torch.device):
-    """Per group: token index of each padded slot (n, L_max) and the flat slots holding real tokens; and
-    the permutation from the groups' concatenated real tokens back to packed order. Built once per micro-
-    batch and device (every layer reuses it)."""
+def _gather_plan(bounds: tuple[int, ...], prefixes: tuple[int, ...], device: torch.device):
+    """Per group: token index of each padded slot (n, L_max) and the flat slots whose outputs are kept; and
+    the permutation from the groups' concatenated kept outputs back to packed order. Built once per micro-
+    batch and device (every layer reuses it).
+
+    Segment k of the row (tokens bounds[k]:bounds[k+1]) attends first to its shared prompt, the tokens
+    prefixes[2k]:prefixes[2k+1] (an empty span when it has none), then causally to itself; only its own
+    tokens' outputs are kept (the prompt's are kept from the segment that holds it)."""
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    pre = list(zip(prefixes[0::2], prefixes[1::2])) if prefixes else [(0, 0)] * len(spans)
+    tokens = [torch.cat([torch.arange(ps, pe), torch.arange(s, e)]) for (s, e), (ps, pe) in zip(spans, pre)]
     plan, order = [], []
-    for lmax, starts, lengths in attention_groups(bounds):
-        steps = torch.arange(lmax)
-        real = steps < torch.tensor(lengths)[:, None]  # (n, L_max)
+    for group in _length_groups([len(t) for t in tokens]):
+        lmax = len(tokens[group[0]])
         # Padding slots repeat the row's first token: only padded queries (discarded) ever attend to them.
-        slots = torch.where(real, torch.tensor(starts)[:, None] + steps, torch.tensor(starts)[:, None])
-        plan.append((slots.flatten().to(device), slots.shape, real.flatten().nonzero().squeeze(1).to(device)))
-        order.append(slots[real])
+        slots = torch.stack([torch.cat([tokens[i], tokens[i][:1].expand(lmax - len(tokens[i]))]) for i in group])
+        steps = torch.arange(lmax)
+        own = torch.tensor([pre[i][1] - pre[i][0] for i in group])[:, None]
+        length = torch.tensor([len(tokens[i]) for i in group])[:, None]
+        kept = (steps >= own) & (steps < length)  # (n, L_max): the row's own tokens
+        plan.append((slots.flatten().to(device), slots.shape, kept.flatten().nonzero().squeeze(1).to(device)))
+        order.append(slots[kept])
     back = torch.empty(bounds[-1], dtype=torch.long)
     back[torch.cat(order)] = torch.arange(bounds[-1])
     return plan, back.to(device)
 
 
 def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                        sliding_window=None, **kwargs):
-    """query (1, H, T, D), key/value (1, Hkv, T, D) -> (1, T, H, D), causal inside each packed sample."""
+                        sliding_window=None, prompt_prefixes=None, **kwargs):
+    """query (1, H, T, D), key/value (1, Hkv, T, D) -> (1, T, H, D), causal inside each packed sample.
+
+    `prompt_prefixes` (S, 2): per segment of cu_seq_lens_q, the span of a shared prompt it attends to
+    before its own tokens (slime/data/batch.py, share_prompts)."""
     if sliding_window is not None:
         raise NotImplementedError("packed_sdpa does not implement sliding-window attention")
     if attention_mask is not None:
@@ -73,14 +95,15 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
     attend = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout if module.training else 0.0,
                                is_causal=True, scale=scaling, enable_gqa=gqa)
     bounds = tuple(cu.tolist()) if cu is not None else (0, query.shape[2])
-    if len(bounds) == 2:
+    prefixes = tuple(prompt_prefixes.flatten().tolist()) if prompt_prefixes is not None else ()
+    if len(bounds) == 2 and not any(prefixes):
         return attend(query, key, value).transpose(1, 2).contiguous(), None
-    plan, back = _gather_plan(bounds, query.device)
+    plan, back = _gather_plan(bounds, prefixes, query.device)
     outs = []
-    for index, shape, real in plan:  # (n, L_max) token indices -> (n, H, L_max, D)
+    for index, shape, kept in plan:  # (n, L_max) token indices -> (n, H, L_max, D)
         q, k, v = (t[0].index_select(1, index).unflatten(1, shape).transpose(0, 1) for t in (query, key, value))
         o = attend(q, k, v).transpose(1, 2)  # (n, L_max, H, D)
-        outs.append(o.flatten(0, 1).index_select(0, real))  # real tokens, in group order
+        outs.append(o.flatten(0, 1).index_select(0, kept))  # the rows' own tokens, in group order
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out.index_select(0, back)[None], None
 
@@ -119,6 +142,10 @@ def resolve_attn_implementation(requested: str) -> str:
     return PACKED_SDPA
 
 
-def packed_attention_kwargs(cu_seqlens: torch.Tensor, max_len: int) -> dict:
-    """The kwargs transformers forwards to the attention function (flash-attn varlen names)."""
-    return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_len, "max_length_k": max_len}
+def packed_attention_kwargs(cu_seqlens: torch.Tensor, max_len: int, prompt_prefixes: torch.Tensor | None = None) -> dict:
+    """The kwargs transformers forwards to the attention function (flash-attn varlen names; shared prompts are
+    packed_sdpa's own)."""
+    kwargs = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_len, "max_length_k": max_len}
+    if prompt_prefixes is not None:
+        kwargs["prompt_prefixes"] = prompt_prefixes
+    return kwargs

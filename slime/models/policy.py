@@ -20,7 +20,7 @@ import torch.utils.checkpoint as ckpt
 
 from slime.distributed.ulysses import SequenceShard, gather_shards
 from slime.models.adapters import ModelAdapter, get_adapter
-from slime.models.attention import packed_attention_kwargs
+from slime.models.attention import PACKED_SDPA, packed_attention_kwargs
 
 
 def logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,30 +84,40 @@ class PolicyModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
                 pred_index: torch.Tensor, *, max_len: int, temperature: float = 1.0, chunk_size: int = 1024,
+                target_ids: torch.Tensor | None = None, prompt_prefixes: torch.Tensor | None = None,
                 **extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
         """input_ids (T,) packed or (B, L) right-padded; position_ids of the same shape, or with a leading
-        axis of rope rows (mrope); pred_index (N,) positions of the flattened tokens whose NEXT token is
-        scored; `extra`: the adapter's extra inputs (image tensors).
+        axis of rope rows (mrope); pred_index (N,) positions of the flattened tokens whose hidden states
+        score target_ids (N,) (default: the next token of each); prompt_prefixes: shared prompts
+        (slime/data/batch.py); `extra`: the adapter's extra inputs (image tensors).
 
-        Returns logprobs (N,) and entropies (N,) of input_ids[pred_index + 1] at `temperature` (and, for a
-        mixture of experts, the router's aux loss and balance sums of this rank's tokens), or values (N,)
-        of the states at pred_index (the state before each response token).
+        Returns logprobs (N,) and entropies (N,) of the targets at `temperature` (and, for a mixture of
+        experts, the router's aux loss and balance sums of this rank's tokens), or values (N,) of the
+        states at pred_index (the state before each response token).
         """
         if input_ids.dim() == 1:
             input_ids, position_ids = input_ids[None], position_ids[..., None, :]
-        kwargs = packed_attention_kwargs(cu_seqlens, max_len) if cu_seqlens is not None else {}
+        if prompt_prefixes is not None and (self.sp is not None
+                                            or self.hf.config._attn_implementation != PACKED_SDPA):
+            raise ValueError("shared prompts (train.share_prompts) need the packed_sdpa attention and no sequence "
+                             f"parallelism; this model runs {self.hf.config._attn_implementation!r}"
+                             f"{' with sp' if self.sp is not None else ''}: build its micro-batches unshared")
+        kwargs = packed_attention_kwargs(cu_seqlens, max_len, prompt_prefixes) if cu_seqlens is not None else {}
         start, end = self.sp.bounds(input_ids.shape[-1]) if self.sp is not None else (0, input_ids.shape[-1])
         hidden = self.adapter.hidden_states(self.hf, input_ids, position_ids, extra, shard=(start, end), **kwargs)
         router = None
         if isinstance(hidden, tuple):  # MoE: (hidden, router logits of this rank's tokens)
             hidden, logits = hidden
             router = self.adapter.router_stats(self.hf, logits) if self.head == "logprobs" else None
-        mine = pred_index if self.sp is None else pred_index[(pred_index >= start) & (pred_index < end)]
+        mine = pred_index
+        targets = target_ids if target_ids is not None else input_ids.flatten()[pred_index + 1]
+        if self.sp is not None:  # the scored positions of this shard (a target may lie in the next shard)
+            here = (pred_index >= start) & (pred_index < end)
+            mine, targets = pred_index[here], targets[here]
         hidden = hidden.flatten(0, 1)[mine - start]  # (n, H): the scored positions of this shard
         if self.head == "value":
             out = (self.value_head(hidden).squeeze(-1).float(),)
         else:
-            targets = input_ids.flatten()[mine + 1]  # (n,); the next token may lie in the next shard
             out = self.logprob_head(hidden, targets, temperature=temperature, chunk_size=chunk_size)
         if self.sp is not None:  # every sp peer gets the whole micro-batch's values, in order
             local = (end - start)

@@ -29,16 +29,18 @@ class Layout:
 
     The balancing cost of a sample is `default_cost` at the model's hidden size plus `patch_cost` per
     image patch (the vision tower's work); `positions` gives a sample's position ids (mrope rows for
-    image-text models).
+    image-text models); `share_prompts`: siblings of a prompt in one micro-batch carry it once (batch.py).
     """
 
     def __init__(self, *, packing: bool, max_tokens: int, micro_batch_size: int, hidden_size: int = 4096,
-                 patch_cost: float = 0.0, positions: Positions | None = None, sp: int = 1, budget_key: str = ""):
+                 patch_cost: float = 0.0, positions: Positions | None = None, sp: int = 1, budget_key: str = "",
+                 share_prompts: bool = False):
         # With sequence parallelism a micro-batch is cut over sp ranks: it holds up to sp x the per-GPU budget.
         self.packing, self.max_tokens, self.micro_batch_size = packing, max_tokens * sp, micro_batch_size
         self.cost_fn = functools.partial(default_cost, hidden_size=hidden_size)
         self.patch_cost, self.positions, self.sp = patch_cost, positions, sp
         self.per_gpu, self.budget_key = max_tokens, budget_key
+        self.share_prompts = share_prompts and sp == 1  # the prompt's one copy must sit in every sibling's shard
 
     @classmethod
     def for_training(cls, train: TrainConfig, **model_terms) -> "Layout":
@@ -82,7 +84,7 @@ class Layout:
 
     def build(self, samples: Sequence[Sample], idx: list[int]) -> MicroBatch:
         if self.packing:
-            return build_micro_batch(samples, idx, self.positions, pad_to=self.sp)
+            return build_micro_batch(samples, idx, self.positions, pad_to=self.sp, share_prompts=self.share_prompts)
         return build_padded_micro_batch(samples, idx, self.positions)
 
     def stats(self, lengths: Sequence[int], plan: Plan) -> dict:

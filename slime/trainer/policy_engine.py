@@ -29,7 +29,7 @@ from slime.distributed.parallel_dims import ParallelDims
 from slime.distributed.expert_parallel import ExpertGather, expert_units
 from slime.distributed.parallelize import parallelize
 from slime.distributed.ulysses import SequenceShard, check_heads, register_ulysses_attention
-from slime.models.attention import resolve_attn_implementation
+from slime.models.attention import PACKED_SDPA, resolve_attn_implementation
 from slime.models.export import save_hf_dir
 from slime.models.loading import load_model, resolve_dtype
 from slime.models.policy import PolicyModel
@@ -89,8 +89,12 @@ class PolicyEngine:
         self.engine = parallelize(module, dims, train, lr=None if role == "reference" else lr,
                                   lr_lambda=lr_lambda(train, total) if role == "actor" else None,
                                   offload_params=offload_params)
+        # Shared prompts need packed_sdpa's prefix attention; image and MoE models keep their own copies (the
+        # router's per-token aux loss is weighted by input tokens, the vision tower runs per sample).
+        self.share_prompts = (train.share_prompts and train.packing and attention == PACKED_SDPA
+                              and not self.adapter.multimodal and not self.adapter.moe)
         terms = dict(hidden_size=hf.config.get_text_config().hidden_size, patch_cost=self.adapter.patch_cost(hf.config),
-                     sp=dims.sp)
+                     sp=dims.sp, share_prompts=self.share_prompts)
         if self.adapter.positions != "1d":  # get_rope_index reads only the config: fine on the sharded model
             terms["positions"] = functools.partial(sample_positions, self.adapter, hf)
         self.train_layout, self.nograd_layout = Layout.for_training(train, **terms), Layout.for_nograd(train, **terms)
@@ -117,8 +121,10 @@ class PolicyEngine:
     def forward(self, mb: MicroBatch):
         """(logprobs (N,), entropies (N,)) for the policy roles, values (N,) for the critic."""
         mb = mb.to(self.dims.device)
+        shared = {} if mb.prompt_prefixes is None else {"prompt_prefixes": mb.prompt_prefixes}
         return self.engine(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len,
-                           temperature=self.temperature, chunk_size=self.train_cfg.logits_chunk_size, **mb.extra)
+                           temperature=self.temperature, chunk_size=self.train_cfg.logits_chunk_size,
+                           target_ids=mb.target_ids, **shared, **mb.extra)
 
     @torch.no_grad()
     def score(self, batch: RankBatch) -> list[torch.Tensor]:

@@ -26,15 +26,20 @@ from slime.trainer.policy_engine import PolicyEngine
 
 
 def fixed_batch(n: int = 12, seed: int = 0) -> list[Sample]:
+    """Groups of 4 samples; the first two groups' samples share their group's prompt (as GRPO's do), the
+    rest have prompts of their own, so packed micro-batches hold shared and unshared prompts."""
     g = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(n):
         p, r = int(torch.randint(2, 12, (1,), generator=g)), int(torch.randint(1, 14, (1,), generator=g))
         mask = (torch.rand(r, generator=g) > 0.2).long().tolist()
         mask[0] = 1
-        samples.append(Sample(prompt_ids=torch.randint(5, 250, (p,), generator=g).tolist(),
-                              response_ids=torch.randint(5, 250, (r,), generator=g).tolist(), response_mask=mask,
-                              advantages=as_token_tensor([float(torch.randn(1, generator=g))] * r), group_id=i // 4))
+        prompt = torch.randint(5, 250, (p,), generator=g).tolist()
+        if i < 8 and i % 4:
+            prompt = samples[i - i % 4].prompt_ids
+        samples.append(Sample(prompt_ids=prompt, response_ids=torch.randint(5, 250, (r,), generator=g).tolist(),
+                              response_mask=mask, advantages=as_token_tensor([float(torch.randn(1, generator=g))] * r),
+                              group_id=i // 4))
     return samples
 
 
@@ -64,7 +69,7 @@ def main() -> None:
     ref = PolicyEngine.reference(cfg, dims)
     batch = distribute(local_share(fixed_batch(), dims), dims, actor.train_layout)
     ref_before = gather_by_index(batch, ref.score(batch), dims)
-    result = {"world": dims.world_size, "modes": {}, "moved": batch.moved}
+    result = {"world": dims.world_size, "modes": {}, "moved": batch.moved, "packing": cfg.train.packing}
     first_state = full_state(actor)
     for mode in ("token_mean", "seq_mean_token_mean"):
         before = full_state(actor)
@@ -76,11 +81,14 @@ def main() -> None:
         grads = {n: safe_get_full_grad(p).clone() for n, p in actor.engine.module.hf.named_parameters()}
         g = dims.all_reduce_tensors({k: sums[k] for k in ("loss", "ppo_kl")})
         micro = dims.all_reduce_sum([len(batch.mini_batches[0].micro)])[0]
+        shared = dims.all_reduce_sum([sum(actor.train_layout.build(batch.samples, idx).prompt_prefixes is not None
+                                          for idx in batch.mini_batches[0].micro)])[0]
         actor.optimizer_step()
         old_all = gather_by_index(batch, old, dims)
         if dims.is_main:
             torch.save({"before": before, "grads": grads, "old_logprobs": old_all}, out / f"{mode}.pt")
-        result["modes"][mode] = {"loss": g["loss"], "ppo_kl_sum": g["ppo_kl"], "micro_batches": micro}
+        result["modes"][mode] = {"loss": g["loss"], "ppo_kl_sum": g["ppo_kl"], "micro_batches": micro,
+                               "shared_prompt_micro_batches": shared}
 
     ref_after = gather_by_index(batch, ref.score(batch), dims)
     ref_state = full_state(ref)
