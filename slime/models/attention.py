@@ -27,17 +27,19 @@ PACKED_SDPA = "packed_sdpa"
 PAD_AREA = 1.5  # a group's padded attention area (n * L_max^2) stays within this factor of sum(L^2)
 
 
-def _length_groups(lengths: list[int]) -> list[list[int]]:
-    """Sequence lengths -> groups of sequence numbers, longest first, each group's padded attention area
-    within PAD_AREA of its real area (empty sequences are left out)."""
+def _length_groups(lengths: list[int], offset: int = 0) -> list[list[int]]:
+    """Query lengths (each row also attending to `offset` earlier keys) -> groups of row numbers, longest first,
+    each group's padded attention area n * L_max * (offset + L_max) within PAD_AREA of its real area (empty rows
+    are left out)."""
     order = sorted((i for i, n in enumerate(lengths) if n > 0), key=lambda i: (-lengths[i], i))
     groups, current, area = [], [], 0
     for i in order:
-        if current and (len(current) + 1) * lengths[current[0]] ** 2 > PAD_AREA * (area + lengths[i] ** 2):
+        top, n = (lengths[current[0]] if current else lengths[i]), lengths[i]
+        if current and (len(current) + 1) * top * (offset + top) > PAD_AREA * (area + n * (offset + n)):
             groups.append(current)
             current, area = [], 0
         current.append(i)
-        area += lengths[i] ** 2
+        area += n * (offset + n)
     if current:
         groups.append(current)
     return groups
@@ -54,27 +56,35 @@ def attention_groups(bounds: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]
 
 @functools.lru_cache(maxsize=64)
 def _gather_plan(bounds: tuple[int, ...], prefixes: tuple[int, ...], device: torch.device):
-    """Per group: token index of each padded slot (n, L_max) and the flat slots whose outputs are kept; and
-    the permutation from the groups' concatenated kept outputs back to packed order. Built once per micro-
-    batch and device (every layer reuses it).
+    """Per group: the token index of each padded query slot (n, L_max) and of each key slot (n, P + L_max), the
+    flat query slots holding real tokens, and the mask (None: plain causal); and the permutation from the
+    groups' concatenated real queries back to packed order. Built once per micro-batch and device (every
+    layer reuses it).
 
-    Segment k of the row (tokens bounds[k]:bounds[k+1]) attends first to its shared prompt, the tokens
-    prefixes[2k]:prefixes[2k+1] (an empty span when it has none), then causally to itself; only its own
-    tokens' outputs are kept (the prompt's are kept from the segment that holds it)."""
+    Segment k of the row (tokens bounds[k]:bounds[k+1]) attends to a shared prompt of P tokens first, the
+    tokens prefixes[2k]:prefixes[2k+1] (none when empty), then causally to itself: its queries are its own
+    tokens, its keys the prompt's and its own, and query i sees keys up to P + i (causal, lower right).
+    Segments are grouped by P, then by length."""
     spans = list(zip(bounds[:-1], bounds[1:]))
     pre = list(zip(prefixes[0::2], prefixes[1::2])) if prefixes else [(0, 0)] * len(spans)
-    tokens = [torch.cat([torch.arange(ps, pe), torch.arange(s, e)]) for (s, e), (ps, pe) in zip(spans, pre)]
+    by_prompt: dict[int, list[int]] = {}
+    for k, (ps, pe) in enumerate(pre):
+        by_prompt.setdefault(pe - ps, []).append(k)
     plan, order = [], []
-    for group in _length_groups([len(t) for t in tokens]):
-        lmax = len(tokens[group[0]])
-        # Padding slots repeat the row's first token: only padded queries (discarded) ever attend to them.
-        slots = torch.stack([torch.cat([tokens[i], tokens[i][:1].expand(lmax - len(tokens[i]))]) for i in group])
-        steps = torch.arange(lmax)
-        own = torch.tensor([pre[i][1] - pre[i][0] for i in group])[:, None]
-        length = torch.tensor([len(tokens[i]) for i in group])[:, None]
-        kept = (steps >= own) & (steps < length)  # (n, L_max): the row's own tokens
-        plan.append((slots.flatten().to(device), slots.shape, kept.flatten().nonzero().squeeze(1).to(device)))
-        order.append(slots[kept])
+    for p, segments in sorted(by_prompt.items()):
+        for group in _length_groups([spans[k][1] - spans[k][0] for k in segments], offset=p):
+            rows = [segments[i] for i in group]
+            lmax = spans[rows[0]][1] - spans[rows[0]][0]
+            steps = torch.arange(lmax)
+            starts = torch.tensor([spans[k][0] for k in rows])[:, None]
+            real = steps < torch.tensor([spans[k][1] - spans[k][0] for k in rows])[:, None]  # (n, L_max)
+            # Padding slots repeat the row's first token: only padded queries (discarded) ever attend to them.
+            queries = torch.where(real, starts + steps, starts)
+            keys = torch.cat([torch.tensor([pre[k][0] for k in rows])[:, None] + torch.arange(p), queries], 1)
+            mask = None if p == 0 else torch.ones(lmax, p + lmax, dtype=torch.bool).tril(p).to(device)
+            plan.append((queries.flatten().to(device), queries.shape, keys.flatten().to(device), keys.shape,
+                         real.flatten().nonzero().squeeze(1).to(device), mask))
+            order.append(queries[real])
     back = torch.empty(bounds[-1], dtype=torch.long)
     back[torch.cat(order)] = torch.arange(bounds[-1])
     return plan, back.to(device)
@@ -91,19 +101,23 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
     if attention_mask is not None:
         raise ValueError("packed_sdpa expects no attention mask; pass cu_seq_lens_q instead of padding")
     cu = kwargs.get("cu_seq_lens_q")
-    gqa = query.shape[1] != key.shape[1]
     attend = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout if module.training else 0.0,
-                               is_causal=True, scale=scaling, enable_gqa=gqa)
+                               scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
     bounds = tuple(cu.tolist()) if cu is not None else (0, query.shape[2])
     prefixes = tuple(prompt_prefixes.flatten().tolist()) if prompt_prefixes is not None else ()
     if len(bounds) == 2 and not any(prefixes):
-        return attend(query, key, value).transpose(1, 2).contiguous(), None
+        return attend(query, key, value, is_causal=True).transpose(1, 2).contiguous(), None
     plan, back = _gather_plan(bounds, prefixes, query.device)
     outs = []
-    for index, shape, kept in plan:  # (n, L_max) token indices -> (n, H, L_max, D)
-        q, k, v = (t[0].index_select(1, index).unflatten(1, shape).transpose(0, 1) for t in (query, key, value))
-        o = attend(q, k, v).transpose(1, 2)  # (n, L_max, H, D)
-        outs.append(o.flatten(0, 1).index_select(0, kept))  # the rows' own tokens, in group order
+    for queries, q_shape, keys, k_shape, real, mask in plan:  # (n, L) token indices -> (n, H, L, D)
+        q = query[0].index_select(1, queries).unflatten(1, q_shape).transpose(0, 1)
+        if mask is None:  # keys are the queries' own tokens
+            k, v = (t[0].index_select(1, queries).unflatten(1, q_shape).transpose(0, 1) for t in (key, value))
+            o = attend(q, k, v, is_causal=True)
+        else:
+            k, v = (t[0].index_select(1, keys).unflatten(1, k_shape).transpose(0, 1) for t in (key, value))
+            o = attend(q, k, v, attn_mask=mask)
+        outs.append(o.transpose(1, 2).flatten(0, 1).index_select(0, real))  # real tokens, in group order
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out.index_select(0, back)[None], None
 
