@@ -9,6 +9,9 @@ row's end), and the outputs are gathered back to packed order. Within a group th
 is at most PAD_AREA times the real one, so padding cannot cost more than that in attention; one group per
 similar-length run replaces one sdpa call per sample (`python bench/packed_attention.py`, one layer's
 forward + backward, 1 thread: 64 x 71 tokens 122 -> 46 ms, a long-tailed batch of 64 254 -> 183 ms).
+With shared prompts (slime/data/batch.py) a segment may first attend to another segment's prompt: its
+queries are its own tokens, its keys the prompt's then its own, under a lower-right causal mask, one sdpa
+call per group of segments with prompts of one length (`python bench/shared_prompts.py`).
 On GPU, flash-attn's varlen kernel gets the same `cu_seq_lens_*` kwargs through transformers' own
 `flash_attention_2` path.
 """
@@ -57,7 +60,7 @@ def attention_groups(bounds: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]
 @functools.lru_cache(maxsize=64)
 def _gather_plan(bounds: tuple[int, ...], prefixes: tuple[int, ...], device: torch.device):
     """Per group: the token index of each padded query slot (n, L_max) and of each key slot (n, P + L_max), the
-    flat query slots holding real tokens, and the mask (None: plain causal); and the permutation from the
+    flat query slots holding real tokens, and P (0: plain causal); and the permutation from the
     groups' concatenated real queries back to packed order. Built once per micro-batch and device (every
     layer reuses it).
 
@@ -81,13 +84,19 @@ def _gather_plan(bounds: tuple[int, ...], prefixes: tuple[int, ...], device: tor
             # Padding slots repeat the row's first token: only padded queries (discarded) ever attend to them.
             queries = torch.where(real, starts + steps, starts)
             keys = torch.cat([torch.tensor([pre[k][0] for k in rows])[:, None] + torch.arange(p), queries], 1)
-            mask = None if p == 0 else torch.ones(lmax, p + lmax, dtype=torch.bool).tril(p).to(device)
             plan.append((queries.flatten().to(device), queries.shape, keys.flatten().to(device), keys.shape,
-                         real.flatten().nonzero().squeeze(1).to(device), mask))
+                         real.flatten().nonzero().squeeze(1).to(device), p))
             order.append(queries[real])
     back = torch.empty(bounds[-1], dtype=torch.long)
     back[torch.cat(order)] = torch.arange(bounds[-1])
     return plan, back.to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _lower_right_causal(length: int, prompt: int, device: torch.device) -> torch.Tensor:
+    """(length, prompt + length) bool: query i sees the prompt and its own tokens up to i. Cached apart from the
+    plans, which hold only index tensors of the micro-batch's size."""
+    return torch.ones(length, prompt + length, dtype=torch.bool).tril(prompt).to(device)
 
 
 def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -109,14 +118,14 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
         return attend(query, key, value, is_causal=True).transpose(1, 2).contiguous(), None
     plan, back = _gather_plan(bounds, prefixes, query.device)
     outs = []
-    for queries, q_shape, keys, k_shape, real, mask in plan:  # (n, L) token indices -> (n, H, L, D)
+    for queries, q_shape, keys, k_shape, real, prompt in plan:  # (n, L) token indices -> (n, H, L, D)
         q = query[0].index_select(1, queries).unflatten(1, q_shape).transpose(0, 1)
-        if mask is None:  # keys are the queries' own tokens
+        if not prompt:  # keys are the queries' own tokens
             k, v = (t[0].index_select(1, queries).unflatten(1, q_shape).transpose(0, 1) for t in (key, value))
             o = attend(q, k, v, is_causal=True)
         else:
             k, v = (t[0].index_select(1, keys).unflatten(1, k_shape).transpose(0, 1) for t in (key, value))
-            o = attend(q, k, v, attn_mask=mask)
+            o = attend(q, k, v, attn_mask=_lower_right_causal(q_shape[1], prompt, query.device))
         outs.append(o.transpose(1, 2).flatten(0, 1).index_select(0, real))  # real tokens, in group order
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out.index_select(0, back)[None], None
