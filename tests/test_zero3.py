@@ -73,6 +73,17 @@ def test_weight_sync_makes_engine_equal_trainer(checks):
     assert result["engine_version"] == 7
 
 
+def test_finite_check_reads_real_elements_only(checks):
+    """The after-step check that parameters are finite: ZeRO-3's never-written partition padding (any bits,
+    NaN included) made it fail at random; NaN in a real element on one rank still stops every rank."""
+    _, result = checks
+    if result["world"] == 2 and result["zero_stage"] == 3:
+        check = result["finite_check"]
+        assert check["padded"] >= 1 and not check["nan_padding_counts"] and check["nan_element_counts"]
+    else:
+        assert "finite_check" not in result
+
+
 def test_hf_export_loads_with_from_pretrained(checks):
     out, _ = checks
     final = torch.load(out / "final_state.pt", weights_only=False)

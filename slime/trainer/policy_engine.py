@@ -20,6 +20,7 @@ import math
 from typing import Callable, Literal
 
 import torch
+import torch.distributed as dist
 from transformers import AutoConfig
 
 from slime.config import Config, ModelConfig, TrainConfig
@@ -55,6 +56,17 @@ def lr_lambda(train: TrainConfig, total_steps: int):
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return fn
+
+
+def local_elements(p: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of a parameter: the whole tensor, or under ZeRO-3 its partition without the padding
+    that rounds the partitions up to equal sizes. DeepSpeed allocates that padding with torch.empty and never
+    writes it, so it holds whatever bits were there, NaN included."""
+    part = getattr(p, "ds_tensor", None)
+    if part is None:
+        return p
+    start = part.ds_numel * dist.get_rank(group=p.ds_process_group)
+    return part.narrow(0, 0, max(0, min(part.ds_numel, p.ds_numel - start)))
 
 
 def sample_positions(adapter, model, s: Sample) -> torch.Tensor:
@@ -215,7 +227,7 @@ class PolicyEngine:
 
     def parameters_finite(self) -> bool:
         """Every rank's parameter partitions are finite (a collective)."""
-        local = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in self.engine.module.parameters())
+        local = all(bool(torch.isfinite(local_elements(p)).all()) for p in self.engine.module.parameters())
         return self.dims.all_reduce_sum([0.0 if local else 1.0], group=self.dims.world_group)[0] == 0.0
 
     def train_step(self, batch: RankBatch, loss_fn: LossFn) -> dict[str, float]:

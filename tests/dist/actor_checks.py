@@ -22,7 +22,7 @@ from slime.distributed.parallel_dims import ParallelDims, leave
 from slime.rollout.hf_engine import HFEngine
 from slime.trainer.layout import distribute
 from slime.trainer.losses import actor_loss
-from slime.trainer.policy_engine import PolicyEngine
+from slime.trainer.policy_engine import PolicyEngine, local_elements
 
 
 def fixed_batch(n: int = 12, seed: int = 0) -> list[Sample]:
@@ -57,6 +57,28 @@ def gather_by_index(batch, values, dims) -> list:
 
 def full_state(engine: PolicyEngine) -> dict:
     return {n: t.cpu() for bucket in engine.gathered_weight_buckets(0.05) for n, t in bucket}
+
+
+def finite_check(critic: PolicyEngine, dims: ParallelDims) -> dict:
+    """ZeRO-3 rounds partitions up to equal sizes with memory it never writes: NaN there must not count as a
+    non-finite parameter, NaN in a real element must. The critic's value-head bias (1 element) is padding
+    only on rank 1."""
+    padded = 0
+    with torch.no_grad():
+        for p in critic.engine.module.parameters():
+            real = local_elements(p).numel()
+            if real < p.ds_tensor.numel():
+                p.ds_tensor[real:] = float("nan")
+                padded += 1
+    out = {"padded": dims.all_reduce_sum([padded])[0], "nan_padding_counts": not critic.parameters_finite()}
+    first = next(critic.engine.module.parameters()).ds_tensor
+    saved = first[0].item()
+    with torch.no_grad():
+        if dims.dp_rank == 1:
+            first[0] = float("nan")
+        out["nan_element_counts"] = not critic.parameters_finite()
+        first[0] = saved
+    return out
 
 
 def main() -> None:
@@ -106,6 +128,9 @@ def main() -> None:
     result["sync_names_equal"] = sorted(trainer) == sorted(eng)
     result["engine_version"] = engine.weight_version
     actor.export_hf(str(out / "hf"))
+    result["zero_stage"] = actor.engine.zero_optimization_stage()
+    if dims.world_size == 2 and result["zero_stage"] == 3:
+        result["finite_check"] = finite_check(PolicyEngine.critic(cfg, dims), dims)
     if dims.is_main:
         torch.save(trainer, out / "final_state.pt")
         (out / "result.json").write_text(json.dumps(result))
