@@ -105,6 +105,11 @@ class PolicyEngine:
         # router's per-token aux loss is weighted by input tokens, the vision tower runs per sample).
         self.share_prompts = (train.share_prompts and train.packing and attention == PACKED_SDPA
                               and not self.adapter.multimodal and not self.adapter.moe)
+        if role == "actor" and dims.is_main:
+            why = ("train.share_prompts=false" if not train.share_prompts else "train.packing=false" if not train.packing
+                   else f"parallel.sp={dims.sp}" if dims.sp > 1 else "an image-text model" if self.adapter.multimodal
+                   else "a MoE model" if self.adapter.moe else f"{attention} attention, not {PACKED_SDPA}")
+            logger.info("shared prompts (train.share_prompts): %s", "on" if self.share_prompts else f"off ({why})")
         terms = dict(hidden_size=hf.config.get_text_config().hidden_size, patch_cost=self.adapter.patch_cost(hf.config),
                      sp=dims.sp, share_prompts=self.share_prompts)
         if self.adapter.positions != "1d":  # get_rope_index reads only the config: fine on the sharded model
