@@ -84,8 +84,10 @@ def _gather_plan(bounds: tuple[int, ...], prefixes: tuple[int, ...], device: tor
             # Padding slots repeat the row's first token: only padded queries (discarded) ever attend to them.
             queries = torch.where(real, starts + steps, starts)
             keys = torch.cat([torch.tensor([pre[k][0] for k in rows])[:, None] + torch.arange(p), queries], 1)
-            plan.append((queries.flatten().to(device), queries.shape, keys.flatten().to(device), keys.shape,
-                         real.flatten().nonzero().squeeze(1).to(device), p))
+            q_index = queries.flatten().to(device)
+            k_index = keys.flatten().to(device) if p else q_index  # no prompt: the keys are the queries' tokens
+            kept = real.flatten().nonzero().squeeze(1).to(device)
+            plan.append((q_index, queries.shape, k_index, keys.shape, kept, p))
             order.append(queries[real])
     back = torch.empty(bounds[-1], dtype=torch.long)
     back[torch.cat(order)] = torch.arange(bounds[-1])
@@ -120,12 +122,9 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
     outs = []
     for queries, q_shape, keys, k_shape, real, prompt in plan:  # (n, L) token indices -> (n, H, L, D)
         q = query[0].index_select(1, queries).unflatten(1, q_shape).transpose(0, 1)
-        if not prompt:  # keys are the queries' own tokens
-            k, v = (t[0].index_select(1, queries).unflatten(1, q_shape).transpose(0, 1) for t in (key, value))
-            o = attend(q, k, v, is_causal=True)
-        else:
-            k, v = (t[0].index_select(1, keys).unflatten(1, k_shape).transpose(0, 1) for t in (key, value))
-            o = attend(q, k, v, attn_mask=_lower_right_causal(q_shape[1], prompt, query.device))
+        k, v = (t[0].index_select(1, keys).unflatten(1, k_shape).transpose(0, 1) for t in (key, value))
+        mask = {"attn_mask": _lower_right_causal(q_shape[1], prompt, query.device)} if prompt else {"is_causal": True}
+        o = attend(q, k, v, **mask)
         outs.append(o.transpose(1, 2).flatten(0, 1).index_select(0, real))  # real tokens, in group order
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return out.index_select(0, back)[None], None
@@ -165,10 +164,12 @@ def resolve_attn_implementation(requested: str) -> str:
     return PACKED_SDPA
 
 
-def packed_attention_kwargs(cu_seqlens: torch.Tensor, max_len: int, prompt_prefixes: torch.Tensor | None = None) -> dict:
+def packed_attention_kwargs(cu_seqlens: torch.Tensor, max_len: int,
+                            prompt_prefixes: torch.Tensor | None = None) -> dict:
     """The kwargs transformers forwards to the attention function (flash-attn varlen names; shared prompts are
     packed_sdpa's own)."""
-    kwargs = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens, "max_length_q": max_len, "max_length_k": max_len}
+    kwargs = {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens,
+              "max_length_q": max_len, "max_length_k": max_len}
     if prompt_prefixes is not None:
         kwargs["prompt_prefixes"] = prompt_prefixes
     return kwargs

@@ -40,7 +40,7 @@ class Layout:
         self.cost_fn = functools.partial(default_cost, hidden_size=hidden_size)
         self.patch_cost, self.positions, self.sp = patch_cost, positions, sp
         self.per_gpu, self.budget_key = max_tokens, budget_key
-        self.share_prompts = share_prompts and sp == 1  # the prompt's one copy must sit in every sibling's shard
+        self.share_prompts = share_prompts
 
     @classmethod
     def for_training(cls, train: TrainConfig, **model_terms) -> "Layout":

@@ -103,13 +103,15 @@ class PolicyEngine:
                                   offload_params=offload_params)
         # Shared prompts need packed_sdpa's prefix attention; image and MoE models keep their own copies (the
         # router's per-token aux loss is weighted by input tokens, the vision tower runs per sample).
-        self.share_prompts = (train.share_prompts and train.packing and attention == PACKED_SDPA
-                              and not self.adapter.multimodal and not self.adapter.moe)
+        unshared = ("train.share_prompts=false" if not train.share_prompts
+                    else "train.packing=false" if not train.packing
+                    else f"parallel.sp={dims.sp}" if dims.sp > 1
+                    else "an image-text model" if self.adapter.multimodal
+                    else "a MoE model" if self.adapter.moe
+                    else f"{attention} attention, not {PACKED_SDPA}" if attention != PACKED_SDPA else None)
+        self.share_prompts = unshared is None
         if role == "actor" and dims.is_main:
-            why = ("train.share_prompts=false" if not train.share_prompts else "train.packing=false" if not train.packing
-                   else f"parallel.sp={dims.sp}" if dims.sp > 1 else "an image-text model" if self.adapter.multimodal
-                   else "a MoE model" if self.adapter.moe else f"{attention} attention, not {PACKED_SDPA}")
-            logger.info("shared prompts (train.share_prompts): %s", "on" if self.share_prompts else f"off ({why})")
+            logger.info("shared prompts (train.share_prompts): %s", f"off ({unshared})" if unshared else "on")
         terms = dict(hidden_size=hf.config.get_text_config().hidden_size, patch_cost=self.adapter.patch_cost(hf.config),
                      sp=dims.sp, share_prompts=self.share_prompts)
         if self.adapter.positions != "1d":  # get_rope_index reads only the config: fine on the sharded model
@@ -138,10 +140,9 @@ class PolicyEngine:
     def forward(self, mb: MicroBatch):
         """(logprobs (N,), entropies (N,)) for the policy roles, values (N,) for the critic."""
         mb = mb.to(self.dims.device)
-        shared = {} if mb.prompt_prefixes is None else {"prompt_prefixes": mb.prompt_prefixes}
         return self.engine(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len,
                            temperature=self.temperature, chunk_size=self.train_cfg.logits_chunk_size,
-                           target_ids=mb.target_ids, **shared, **mb.extra)
+                           target_ids=mb.target_ids, prompt_prefixes=mb.prompt_prefixes, **mb.extra)
 
     @torch.no_grad()
     def score(self, batch: RankBatch) -> list[torch.Tensor]:
