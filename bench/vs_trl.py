@@ -1,14 +1,15 @@
 """GRPO step time side by side with TRL's GRPOTrainer, at equal settings, with the machine's FLOP floor.
 
     pip install -e ".[bench]"          # trl
-    python bench/vs_trl.py [--sizes small,medium] [--steps 5] [--reps 2] [--whole-machine] [--recompute]
+    python bench/vs_trl.py [--sizes small,medium] [--steps 5] [--reps 2] [--whole-machine] [--recompute] [--compile]
 
 Per model size (random Qwen3 models built by data_tools, ~4M and ~25M parameters, the tiny char tokenizer),
 one process each, 1 thread, fp32: 16 prompts x 4 samples x exactly 64 new tokens at temperature 1 (EOS
 ignored on both sides: ours rollout.ignore_eos, TRL min_new_tokens), one optimizer step per batch, no KL
 (TRL: beta=0, num_iterations=1). Ours runs on ZeRO-3 (the default) and on ZeRO-2 (ds_configs/zero2.json,
 which keeps the whole model on every rank, as TRL does); --recompute adds ours with the separate
-old-logprob forward (algo.old_logprobs=recompute). Runs alternate (TRL, ours, ..., then again) so machine
+old-logprob forward (algo.old_logprobs=recompute); --compile adds both with torch.compile (ours train.compile=true
+on ZeRO-2, TRL torch_compile=True; each pays its compile in step 1, outside the median). Runs alternate (TRL, ours, ..., then again) so machine
 load hits all alike; each reports the median step time of steps 2..N. --whole-machine adds TRL with 2
 threads against ours with 2 ranks. Printed: the step times, the ratio ours/TRL against the issue's target,
 our breakdown (rollout / scoring+update / sync), and the FLOP floor of a step from a 1-thread fp32 matmul
@@ -70,7 +71,7 @@ def non_embedding_params(model_dir: Path) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
 
 
-def worker_trl(model: Path, data: Path, out: Path, steps: int, threads: int) -> None:
+def worker_trl(model: Path, data: Path, out: Path, steps: int, threads: int, compile_model: bool) -> None:
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -97,7 +98,7 @@ def worker_trl(model: Path, data: Path, out: Path, steps: int, threads: int) -> 
                      num_generations=SAMPLES, max_completion_length=NEW_TOKENS, temperature=1.0, beta=0.0,
                      num_iterations=1, learning_rate=LR, max_steps=steps, logging_steps=1, report_to=[],
                      use_cpu=True, bf16=False, save_strategy="no", gradient_accumulation_steps=1, seed=0,
-                     dataloader_num_workers=0, disable_tqdm=True,
+                     dataloader_num_workers=0, disable_tqdm=True, torch_compile=compile_model,
                      generation_kwargs={"min_new_tokens": NEW_TOKENS})  # fixed lengths, as ours with ignore_eos
     tok = AutoTokenizer.from_pretrained(model)
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
@@ -130,14 +131,14 @@ def run_ours(model: Path, data: Path, out: Path, steps: int, extra: list[str], r
             "sync": [r.get("time/sync", 0.0) for r in rows]}
 
 
-def run_trl(model: Path, data: Path, out: Path, steps: int, threads: int = 1) -> dict:
+def run_trl(model: Path, data: Path, out: Path, steps: int, threads: int = 1, compile_model: bool = False) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    out = out / f"trl{threads}"
+    out = out / f"trl{threads}{'compile' if compile_model else ''}"
     out.mkdir()
     log = out / "trl.log"
     with open(log, "w") as f:
         if subprocess.run([sys.executable, __file__, "--worker-trl", str(model), str(data), str(out), str(steps),
-                           str(threads)], env=env, stdout=f, stderr=subprocess.STDOUT).returncode:
+                           str(threads), str(int(compile_model))], env=env, stdout=f, stderr=subprocess.STDOUT).returncode:
             sys.exit(f"the TRL run failed, see {log}")
     return json.loads((out / "trl.json").read_text())
 
@@ -155,11 +156,13 @@ def main() -> None:
                     help="also ours with the separate old-logprob forward (algo.old_logprobs=recompute)")
     ap.add_argument("--whole-machine", action="store_true",
                     help="also TRL with 2 threads vs ours with 2 ranks of 1 thread (both use both cores)")
-    ap.add_argument("--worker-trl", nargs=5, help=argparse.SUPPRESS)
+    ap.add_argument("--compile", action="store_true",
+                    help="also both with torch.compile: ours with train.compile=true on ZeRO-2, TRL with torch_compile=True")
+    ap.add_argument("--worker-trl", nargs=6, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_trl:
-        m, d, o, s, t = args.worker_trl
-        worker_trl(Path(m), Path(d), Path(o), int(s), int(t))
+        m, d, o, s, t, c = args.worker_trl
+        worker_trl(Path(m), Path(d), Path(o), int(s), int(t), bool(int(c)))
         return
     from data_tools.make_tiny_model import make_tiny_model
 
@@ -181,10 +184,17 @@ def main() -> None:
         if args.recompute:
             runs["ours_recompute"] = (lambda o: run_ours(model, data, o, args.steps, ["algo.old_logprobs=recompute"]),
                                       True)
+        compiled = [ZERO2, "train.compile=true"]
+        if args.compile:
+            runs["trl_compile"] = (lambda o: run_trl(model, data, o, args.steps, compile_model=True), False)
+            runs["ours_zero2_compile"] = (lambda o: run_ours(model, data, o, args.steps, compiled), False)
         if args.whole_machine:
             runs["trl_2_threads"] = (lambda o: run_trl(model, data, o, args.steps, threads=2), False)
             runs["ours_2_ranks"] = (lambda o: run_ours(model, data, o, args.steps, [], ranks=2), False)
             runs["ours_zero2_2_ranks"] = (lambda o: run_ours(model, data, o, args.steps, [ZERO2], ranks=2), False)
+            if args.compile:
+                runs["ours_zero2_compile_2_ranks"] = (lambda o: run_ours(model, data, o, args.steps, compiled, ranks=2),
+                                                      False)
         results = {name: [] for name in runs}
         for rep in range(args.reps):
             out = work / f"{size}-{rep}"
@@ -207,16 +217,20 @@ def main() -> None:
             if name.startswith("ours"):
                 extra = "  (rollout {:.2f} s, scoring+update {:.2f} s, sync {:.2f} s)".format(
                     *(statistics.median(med(r[k]) for r in rs) for k in ("rollout", "train", "sync")))
-            print(f"  {name:16s} {t:6.2f} s/step  response {gen_len:5.1f} tokens  floor {floor:5.2f} s  "
+            print(f"  {name:26s} {t:6.2f} s/step  response {gen_len:5.1f} tokens  floor {floor:5.2f} s  "
                   f"efficiency {floor / t:.2f}{extra}")
         for name, base in (("ours", "trl"), ("ours_zero2", "trl"), ("ours_recompute", "trl"),
-                           ("ours_2_ranks", "trl_2_threads"), ("ours_zero2_2_ranks", "trl_2_threads")):
+                           ("ours_zero2_compile", "trl"), ("ours_zero2_compile", "trl_compile"),
+                           ("ours_2_ranks", "trl_2_threads"), ("ours_zero2_2_ranks", "trl_2_threads"),
+                           ("ours_zero2_compile_2_ranks", "trl_2_threads")):
             if name in step:
                 ratio = step[name] / step[base]
                 print(f"  {name} / {base}: {ratio:.2f}x the step time (target <= {TARGET_RATIO}: "
                       f"{'met' if ratio <= TARGET_RATIO else 'NOT met'})")
         if size == "medium":
-            for name in ("ours", "ours_zero2"):
+            for name in ("ours", "ours_zero2", "ours_zero2_compile"):
+                if name not in efficiency:
+                    continue
                 print(f"  {name} efficiency {efficiency[name]:.2f} (target >= {TARGET_EFFICIENCY}: "
                       f"{'met' if efficiency[name] >= TARGET_EFFICIENCY else 'NOT met'})")
 

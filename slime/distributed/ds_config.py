@@ -64,8 +64,14 @@ def zero_stage(ds: dict) -> int:
 
 
 def check_stage(stage: int, train: TrainConfig, *, sp: int, ep: int, offload_params: bool) -> None:
-    """ZeRO-1/2 keep a full copy of the parameters on every rank; what needs partitioned parameters is refused."""
+    """ZeRO-1/2 keep a full copy of the parameters on every rank; what needs partitioned parameters is refused, and
+    so is compiling layers whose parameters ZeRO-3 gathers."""
     if stage == 3:
+        if train.compile:
+            raise ValueError(f"train.compile=true needs whole parameters: train.ds_config={train.ds_config} sets ZeRO "
+                             "stage 3, whose per-layer parameter gathers and partitioned linear layers torch.compile "
+                             "traces into (recompiling, for little gain). Use ds_configs/zero2.json, or "
+                             "train.compile=false")
         return
     needs = [what for what, on in (("parallel.sp > 1 (Ulysses)", sp > 1),
                                    ("parallel.ep > 1 (AutoEP)", ep > 1),

@@ -101,6 +101,7 @@ def _lower_right_causal(length: int, prompt: int, device: torch.device) -> torch
     return torch.ones(length, prompt + length, dtype=torch.bool).tril(prompt).to(device)
 
 
+@torch.compiler.disable  # compiled layers (train.compile) call it eagerly: its plans are Python over the borders
 def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                         sliding_window=None, prompt_prefixes=None, **kwargs):
     """query (1, H, T, D), key/value (1, Hkv, T, D) -> (1, T, H, D), causal inside each packed sample.

@@ -33,7 +33,7 @@ from slime.distributed.ulysses import SequenceShard, check_heads, register_ulyss
 from slime.models.attention import PACKED_SDPA, resolve_attn_implementation
 from slime.models.export import save_hf_dir
 from slime.models.loading import load_model, resolve_dtype
-from slime.models.policy import PolicyModel
+from slime.models.policy import PolicyModel, compile_layers
 from slime.rollout.weight_sync import iter_gathered_buckets
 from slime.trainer.layout import Layout, MiniBatch, RankBatch
 
@@ -95,6 +95,14 @@ class PolicyEngine:
         hf.config.use_cache = False
         if role != "reference" and model.gradient_checkpointing:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if train.compile:
+            if self.adapter.multimodal or self.adapter.moe:
+                raise ValueError(f"train.compile=true is built and tested for text-only dense models; {model.path} is "
+                                 f"{'an image-text' if self.adapter.multimodal else 'a MoE'} model: use "
+                                 "train.compile=false")
+            compiled = compile_layers(hf)
+            if role == "actor" and dims.is_main:
+                logger.info("train.compile: %d decoder layers compiled (the first step pays the compile)", compiled)
         module = PolicyModel(hf, head="value" if role == "critic" else "logprobs", adapter=self.adapter, sp=shard)
         self._hf_names = {n for n, _ in hf.named_parameters()}  # before expert parallelism replaces MoE blocks
         total = train.num_steps * train.num_mini_batches
