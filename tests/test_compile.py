@@ -4,13 +4,15 @@ import copy
 
 import pytest
 import torch
+import transformers
 from torch._dynamo.utils import counters
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from data_tools.make_tiny_model import make_tiny_model
 from slime.config import TrainConfig
 from slime.data.batch import build_micro_batch
 from slime.distributed.ds_config import check_stage
+from slime.models.adapters import get_adapter
 from slime.models.attention import PACKED_SDPA
 from slime.models.policy import PolicyModel, compile_layers
 from test_packed_logprobs import grouped_samples
@@ -48,6 +50,15 @@ def test_compiled_layers_match_eager_and_reuse_their_graphs(model_dir):
         graphs.append(counters["stats"]["unique_graphs"] - before)
     assert graphs[0] > 0, "nothing was compiled"
     assert graphs[2] == graphs[1] == graphs[0], f"new micro-batch lengths recompiled the layers: {graphs}"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_vl"])
+def test_compile_refused_for_moe_and_image_text_models(arch, tmp_path):
+    config = AutoConfig.from_pretrained(make_tiny_model(tmp_path / arch, arch=arch))
+    with torch.device("meta"):
+        model = getattr(transformers, get_adapter(arch).auto_class).from_config(config)
+    with pytest.raises(ValueError, match=r"train.compile=true is built and tested for text-only dense models"):
+        compile_layers(model)
 
 
 def test_compile_refused_under_zero3():

@@ -67,6 +67,23 @@ def test_old_logprobs_from_the_update_forward_match_the_recomputed_ones(tiny_mod
             assert step_b[key] == pytest.approx(step_a[key], rel=1e-4, abs=1e-6), key
 
 
+def test_compiled_layers_give_the_eager_step(tiny_model, task_dir, tmp_path):
+    """train.compile=true on 2 ZeRO-2 ranks, actor and KL reference compiled: the first step (same weights, same
+    rollout) has the eager run's loss, KL, gradient norm and mismatch metric."""
+    rows = {}
+    for compiled in ("false", "true"):
+        proc = launch(tiny_model, task_dir, tmp_path / compiled, "train.num_steps=1", "checkpoint.export_hf=false",
+                      "train.ds_config=ds_configs/zero2.json", "algo.kl_coef=0.1", "algo.use_kl_loss=true",
+                      f"train.compile={compiled}")
+        assert ("decoder layers compiled" in proc.stdout + proc.stderr) == (compiled == "true")
+        rows[compiled] = read_metrics(tmp_path / compiled)[0]
+    eager, compiled = rows["false"], rows["true"]
+    assert compiled["rollout/reward_mean"] == eager["rollout/reward_mean"]  # the same batch
+    for key in ("train/loss", "train/pg_loss", "train/kl_ref", "train/grad_norm", "train/entropy",
+                "rollout/train_logprob_abs_diff"):
+        assert compiled[key] == pytest.approx(eager[key], rel=1e-4, abs=1e-6), key
+
+
 def test_one_step_off_rollout(tiny_model, task_dir, tmp_path):
     """rollout.one_step_off: step k+1's batch is generated (by the weights after k updates) while step k
     trains, so from step 2 on the samples lag the trainer by one update; evaluation and checkpoints still

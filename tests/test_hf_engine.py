@@ -51,8 +51,17 @@ def test_sampling_draws_what_hf_generate_draws(engine, temperature, top_p):
     """Without stops no row leaves the batch, so the random stream is consumed as HF's generate does:
     the same seed gives the same tokens, and the same logprobs."""
     params = SamplingParams(max_new_tokens=12, temperature=temperature, top_p=top_p, n=3, ignore_eos=True)
+    batch_rows = []
+    hook = engine.model.model.register_forward_pre_hook(lambda m, a, kw: batch_rows.append(kw["input_ids"].shape),
+                                                        with_kwargs=True)
     torch.manual_seed(3)
-    ours = engine.generate(PROMPTS, params)
+    try:
+        ours = engine.generate(PROMPTS, params)
+    finally:
+        hook.remove()
+    # the prefill runs once per prompt (HF's generate: once per row); its cache rows serve the prompt's n samples
+    assert batch_rows[0] == (len(PROMPTS), max(len(p) for p in PROMPTS))
+    assert batch_rows[1] == (len(PROMPTS) * params.n, 1)
     torch.manual_seed(3)
     tokens, logps = hf_generate(engine, PROMPTS, params)
     flat = [g for group in ours for g in group]

@@ -63,6 +63,11 @@ def compile_layers(model: nn.Module) -> int:
     number of layers compiled."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
+    adapter = get_adapter(model.config.model_type)
+    if adapter.multimodal or adapter.moe:
+        raise ValueError(f"train.compile=true is built and tested for text-only dense models; this "
+                         f"{model.config.model_type} model is {'an image-text' if adapter.multimodal else 'a MoE'} "
+                         "model: use train.compile=false")
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         raise ValueError(f"train.compile=true: {type(model).__name__} has no decoder layers transformers marks as "

@@ -4,7 +4,8 @@ The copy is a plain (unpartitioned) model: generation never touches the ZeRO-3 m
 trainer pushes gathered weights into it after every step, exactly as it would to SGLang.
 
 Text prompts decode in our own loop over the model's forward with a KV cache: the n samples of a prompt
-are rows of one batch, and a row that has stopped leaves the batch (its cache rows are dropped), so
+are rows of one batch that share one prefill of the prompt (its cache rows are copied to each), and a
+row that has stopped leaves the batch (its cache rows are dropped), so
 responses of very different lengths cost what they generate, not n x the longest (HF's generate keeps
 finished rows to the end). Image-text prompts use HF's generate, which knows each family's multimodal
 rope and pixel inputs.
@@ -138,17 +139,24 @@ class HFEngine:
                             "rate far too high?), or a checkpoint holds such weights")
 
     def _decode(self, rows: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """One response per row: left-padded prefill, then one token per step for the rows still going.
+        """One response per row: left-padded prefill (once per distinct prompt), then one token per step for the
+        rows still going.
 
         Sampling is HF's: softmax(logits / T), nucleus filtering as TopPLogitsWarper, one multinomial draw;
         the reported logprob is that of the temperature-scaled distribution before top-p (as SGLang's)."""
         greedy, stops = params.temperature == 0, set() if params.ignore_eos else {self.eos_id, *params.stop_token_ids}
         stop_ids = torch.tensor(sorted(t for t in stops if t is not None), dtype=torch.long, device=self.device)
-        ids, mask = self._left_padded(rows)
+        unique: dict[tuple[int, ...], int] = {}  # the n samples of a prompt share its prefill
+        copy_of = torch.tensor([unique.setdefault(tuple(r), len(unique)) for r in rows], device=self.device)
+        ids, mask = self._left_padded([list(r) for r in unique])
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                             use_cache=True, logits_to_keep=1).logits[:, -1]
+        if len(unique) < len(rows):  # each row gets its prompt's cache rows and next-token logits
+            logits, mask, positions = logits[copy_of], mask[copy_of], positions[copy_of]
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[copy_of], layer.values[copy_of]
         live = torch.arange(len(rows), device=self.device)  # the original row of each row still decoding
         next_pos = positions[:, -1] + 1
         tokens, logps = [[] for _ in rows], [[] for _ in rows]

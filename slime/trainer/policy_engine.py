@@ -96,10 +96,6 @@ class PolicyEngine:
         if role != "reference" and model.gradient_checkpointing:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if train.compile:
-            if self.adapter.multimodal or self.adapter.moe:
-                raise ValueError(f"train.compile=true is built and tested for text-only dense models; {model.path} is "
-                                 f"{'an image-text' if self.adapter.multimodal else 'a MoE'} model: use "
-                                 "train.compile=false")
             compiled = compile_layers(hf)
             if role == "actor" and dims.is_main:
                 logger.info("train.compile: %d decoder layers compiled (the first step pays the compile)", compiled)
