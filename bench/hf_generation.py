@@ -1,11 +1,14 @@
 """hf engine decoding: our loop (stopped rows leave the batch) vs HF's generate, same model and prompts.
 
-    python bench/hf_generation.py [--hidden 512] [--layers 10] [--rows 64] [--max-new 64] [--reps 3]
+    python bench/hf_generation.py [--hidden 512] [--layers 10] [--prompts 16] [--n 4] [--max-new 64] [--reps 3]
+                                  [--prompt-len 0]
 
 1 thread, fp32, a random Qwen3 model, 16 prompts x 4 samples at temperature 1. Two settings: fixed
 lengths (EOS ignored: both decode rows x max_new tokens) and ragged lengths (a set of stop tokens ends
 responses early, as real responses do). Prints the median time of each, generated tokens per second and
-the ratio, measured in the same run; HF's generate gets the same sampling settings (top_k=0).
+the ratio, measured in the same run; HF's generate gets the same sampling settings (top_k=0). Prompts are
+4-11 tokens, or --prompt-len tokens each: ours prefills each prompt once for its n samples, HF's generate
+once per sample.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--prompt-len", type=int, default=0, help="tokens per prompt (0: 4-11 at random)")
     args = ap.parse_args()
 
     import torch
@@ -43,8 +47,8 @@ def main() -> None:
     engine = HFEngine(ModelConfig(path=str(path), dtype="float32"), AutoTokenizer.from_pretrained(path),
                       device=torch.device("cpu"), batch_size=args.prompts * args.n)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(5, 250, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(args.prompts)]
+    prompts = [torch.randint(5, 250, (args.prompt_len or int(torch.randint(4, 12, (1,), generator=g)),),
+                             generator=g).tolist() for _ in range(args.prompts)]
 
     def hf_generate(params: SamplingParams) -> int:
         rows = [p for p in prompts for _ in range(params.n)]
