@@ -271,9 +271,9 @@ class TrainConfig:
         "the attention is packed_sdpa (CPU), parallel.sp=1 and the model is text-only and dense; false: every "
         "sample carries its own prompt.")
     compile: bool = field(
-        False, "torch.compile each decoder layer (regional compilation, dynamic shapes: one graph for micro-batches of "
-        "any length; the attention kernel stays eager). The first step pays the compile (~10-20 s per model "
-        "family); a text-only dense model on ZeRO-1/2 only (ds_configs/zero2.json).")
+        False, "torch.compile each decoder layer (regional compilation, dynamic shapes: micro-batches of any length "
+        "reuse the graphs; the packed_sdpa attention stays eager). The first step pays the compile (~10-20 s); "
+        "text-only dense models with packed_sdpa attention (CPU) on ZeRO-1/2 (ds_configs/zero2.json) only.")
     ds_config: str = field("ds_configs/zero3.json", "DeepSpeed JSON config; 'auto' fields are filled from this file.")
     seed: int = field(1234, "Seed for data order, sampling and initialisation.")
     max_skipped_steps: int = field(3, "Stop after this many consecutive optimizer steps skipped for a non-finite "

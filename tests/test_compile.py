@@ -32,9 +32,14 @@ def forward_backward(model, samples):
     return logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def test_compiled_layers_match_eager_and_reuse_their_graphs(model_dir):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_layers_match_eager_and_reuse_their_graphs(model_dir, checkpointing):
     torch._dynamo.reset()
-    eager = PolicyModel(AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=PACKED_SDPA))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=PACKED_SDPA)
+    if checkpointing:  # the layers' compiled forward then also runs again in backward
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf.train()
+    eager = PolicyModel(hf)
     compiled = copy.deepcopy(eager)
     assert compile_layers(compiled.hf) == compiled.hf.config.num_hidden_layers
     before, graphs = counters["stats"]["unique_graphs"], []
@@ -58,6 +63,12 @@ def test_compile_refused_for_moe_and_image_text_models(arch, tmp_path):
     with torch.device("meta"):
         model = getattr(transformers, get_adapter(arch).auto_class).from_config(config)
     with pytest.raises(ValueError, match=r"train.compile=true is built and tested for text-only dense models"):
+        compile_layers(model)
+
+
+def test_compile_refused_for_other_attention(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+    with pytest.raises(ValueError, match=r"tested with packed_sdpa attention.*this model runs sdpa"):
         compile_layers(model)
 
 

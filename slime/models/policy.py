@@ -56,9 +56,10 @@ class LogprobHead(nn.Module):
 
 def compile_layers(model: nn.Module) -> int:
     """Regional compilation (train.compile): every decoder layer's forward goes through torch.compile with dynamic
-    shapes, so micro-batches of any length share one graph (one more for no-grad passes). Compiling layer by
-    layer keeps the compile short (the layers of a model share their code) and leaves module hooks, gradient
-    checkpointing and the attention kernel (packed_sdpa, marked torch.compiler.disable) eager. The compiled
+    shapes, so micro-batches of any length reuse the graphs (one set each for grad and no-grad passes, with and
+    without shared prompts). Compiling layer by layer keeps the compile short (the layers of a model share their
+    code) and leaves module hooks, gradient checkpointing and the attention kernel (packed_sdpa, marked
+    torch.compiler.disable) eager. The compiled
     code fuses what eager runs op by op: the norms, rotary embedding, SwiGLU and residual adds. Returns the
     number of layers compiled."""
     from transformers.modeling_layers import GradientCheckpointingLayer
@@ -68,6 +69,10 @@ def compile_layers(model: nn.Module) -> int:
         raise ValueError(f"train.compile=true is built and tested for text-only dense models; this "
                          f"{model.config.model_type} model is {'an image-text' if adapter.multimodal else 'a MoE'} "
                          "model: use train.compile=false")
+    attention = model.config._attn_implementation
+    if attention != PACKED_SDPA:  # flash-attn's path would be traced into the layers' graphs: not tested (no GPU)
+        raise ValueError(f"train.compile=true is built and tested with {PACKED_SDPA} attention (CPU), which stays "
+                         f"eager; this model runs {attention}: use train.compile=false")
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         raise ValueError(f"train.compile=true: {type(model).__name__} has no decoder layers transformers marks as "

@@ -155,8 +155,7 @@ class HFEngine:
                             use_cache=True, logits_to_keep=1).logits[:, -1]
         if len(unique) < len(rows):  # each row gets its prompt's cache rows and next-token logits
             logits, mask, positions = logits[copy_of], mask[copy_of], positions[copy_of]
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[copy_of], layer.values[copy_of]
+            cache.batch_select_indices(copy_of)
         live = torch.arange(len(rows), device=self.device)  # the original row of each row still decoding
         next_pos = positions[:, -1] + 1
         tokens, logps = [[] for _ in rows], [[] for _ in rows]
@@ -185,8 +184,7 @@ class HFEngine:
             if not going.all():  # stopped rows leave the batch, their cache rows with them
                 keep = going.nonzero().squeeze(1)
                 live, tok, next_pos, mask = live[keep], tok[keep], next_pos[keep], mask[keep]
-                for layer in cache.layers:
-                    layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+                cache.batch_select_indices(keep)
             mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
             logits = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                                 past_key_values=cache, use_cache=True).logits[:, -1]
