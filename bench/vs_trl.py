@@ -8,10 +8,11 @@ one process each, 1 thread, fp32: 16 prompts x 4 samples x exactly 64 new tokens
 ignored on both sides: ours rollout.ignore_eos, TRL min_new_tokens), one optimizer step per batch, no KL
 (TRL: beta=0, num_iterations=1). Ours runs on ZeRO-3 (the default) and on ZeRO-2 (ds_configs/zero2.json,
 which keeps the whole model on every rank, as TRL does); --recompute adds ours with the separate
-old-logprob forward (algo.old_logprobs=recompute); --compile adds both with torch.compile (ours train.compile=true
-on ZeRO-2, TRL torch_compile=True; each pays its compile in step 1, outside the median). Runs alternate (TRL, ours, ..., then again) so machine
-load hits all alike; each reports the median step time of steps 2..N. --whole-machine adds TRL with 2
-threads against ours with 2 ranks. Printed: the step times, the ratio ours/TRL against the issue's target,
+old-logprob forward (algo.old_logprobs=recompute); --compile adds both with torch.compile (ours
+train.compile=true on ZeRO-2, TRL torch_compile=True; each pays its compile in step 1, outside the median).
+Runs alternate (TRL, ours, ..., then again) so machine load hits all alike; each reports the median step time
+of steps 2..N. --whole-machine adds TRL with 2 threads against ours with 2 ranks. Printed: the step times, the
+ratio ours/TRL against the issue's target,
 our breakdown (rollout / scoring+update / sync), and the FLOP floor of a step from a 1-thread fp32 matmul
 peak measured in the same run: generation 2 N T_gen, old-logprob forward 2 N T, forward+backward 6 N T
 (N parameters without embeddings, T tokens), with each run's efficiency = floor / step time (target >= 0.8

@@ -59,9 +59,8 @@ def compile_layers(model: nn.Module) -> int:
     shapes, so micro-batches of any length reuse the graphs (one set each for grad and no-grad passes, with and
     without shared prompts). Compiling layer by layer keeps the compile short (the layers of a model share their
     code) and leaves module hooks, gradient checkpointing and the attention kernel (packed_sdpa, marked
-    torch.compiler.disable) eager. The compiled
-    code fuses what eager runs op by op: the norms, rotary embedding, SwiGLU and residual adds. Returns the
-    number of layers compiled."""
+    torch.compiler.disable) eager. The compiled code fuses what eager runs op by op: the norms, rotary
+    embedding, SwiGLU and residual adds. Returns the number of layers compiled."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     adapter = get_adapter(model.config.model_type)

@@ -123,7 +123,7 @@ class HFEngine:
             gens.append(Generation(toks[:end], token_logps[row, :end].tolist(), reason))
         return [gens[k:k + params.n] for k in range(0, len(gens), params.n)]  # n generations per prompt, in order
 
-    def _left_padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _left_padded(self, rows: list[list[int]] | list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         """ids and attention mask (B, width) on the device, left-padded: generation continues from the right edge."""
         width = max(len(p) for p in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -148,7 +148,7 @@ class HFEngine:
         stop_ids = torch.tensor(sorted(t for t in stops if t is not None), dtype=torch.long, device=self.device)
         unique: dict[tuple[int, ...], int] = {}  # the n samples of a prompt share its prefill
         copy_of = torch.tensor([unique.setdefault(tuple(r), len(unique)) for r in rows], device=self.device)
-        ids, mask = self._left_padded([list(r) for r in unique])
+        ids, mask = self._left_padded(list(unique))
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
