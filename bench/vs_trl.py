@@ -1,7 +1,7 @@
 """GRPO step time side by side with TRL's GRPOTrainer, at equal settings, with the machine's FLOP floor.
 
     pip install -e ".[bench]"          # trl
-    python bench/vs_trl.py [--sizes small,medium] [--steps 5] [--reps 2] [--whole-machine] [--recompute] [--compile]
+    python bench/vs_trl.py [--sizes small,medium] [--steps 5] [--reps 2] [--whole-machine] [--recompute] [--compile] [--kernels]
 
 Per model size (random Qwen3 models built by data_tools, ~4M and ~25M parameters, the tiny char tokenizer),
 one process each, 1 thread, fp32: 16 prompts x 4 samples x exactly 64 new tokens at temperature 1 (EOS
@@ -9,12 +9,14 @@ ignored on both sides: ours rollout.ignore_eos, TRL min_new_tokens), one optimiz
 (TRL: beta=0, num_iterations=1). Ours runs on ZeRO-3 (the default) and on ZeRO-2 (ds_configs/zero2.json,
 which keeps the whole model on every rank, as TRL does); --recompute adds ours with the separate
 old-logprob forward (algo.old_logprobs=recompute); --compile adds both with torch.compile (ours
-train.compile=true on ZeRO-2, TRL torch_compile=True; each pays its compile in step 1, outside the median).
+train.compile=true on ZeRO-2, TRL torch_compile=True; each pays its compile in step 1, outside the median);
+--kernels adds each side on the other's linear kernels (ours runs fp32 linears on oneDNN by default,
+model.cpu_linear; TRL on torch's F.linear, i.e. MKL), to show what the kernel gives and what the rest does.
 Runs alternate (TRL, ours, ..., then again) so machine load hits all alike; each reports the median step time
 of steps 2..N. --whole-machine adds TRL with 2 threads against ours with 2 ranks. Printed: the step times, the
 ratio ours/TRL against the issue's target,
-our breakdown (rollout / scoring+update / sync), and the FLOP floor of a step from a 1-thread fp32 matmul
-peak measured in the same run: generation 2 N T_gen, old-logprob forward 2 N T, forward+backward 6 N T
+our breakdown (rollout / scoring+update / sync), and the FLOP floor of a step from the 1-thread fp32 matmul
+peak measured in the same run (the faster of torch's F.linear and oneDNN): generation 2 N T_gen, old-logprob forward 2 N T, forward+backward 6 N T
 (N parameters without embeddings, T tokens), with each run's efficiency = floor / step time (target >= 0.8
 on the ~25M model).
 """
@@ -50,15 +52,20 @@ def trl_reward(completions, **_) -> list[float]:
     return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]
 
 
-def matmul_gflops(n: int = 512, seconds: float = 2.0) -> float:
+def matmul_gflops(kernel: str, n: int = 512, seconds: float = 2.0) -> float:
+    """1-thread fp32 (n x n) @ (n x n).T on torch's default kernel (MKL) or on oneDNN."""
     import torch
 
     torch.set_num_threads(1)
     a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
+    if kernel == "torch":
+        mm = lambda: torch.nn.functional.linear(a, b)  # noqa: E731
+    else:
+        mm = lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")  # noqa: E731
+    mm()
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        a @ b
+        mm()
         count += 1
     return 2 * n ** 3 * count / (time.perf_counter() - start) / 1e9
 
@@ -72,7 +79,8 @@ def non_embedding_params(model_dir: Path) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
 
 
-def worker_trl(model: Path, data: Path, out: Path, steps: int, threads: int, compile_model: bool) -> None:
+def worker_trl(model: Path, data: Path, out: Path, steps: int, threads: int, compile_model: bool,
+               onednn: bool) -> None:
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -102,7 +110,12 @@ def worker_trl(model: Path, data: Path, out: Path, steps: int, threads: int, com
                      dataloader_num_workers=0, disable_tqdm=True, torch_compile=compile_model,
                      generation_kwargs={"min_new_tokens": NEW_TOKENS})  # fixed lengths, as ours with ignore_eos
     tok = AutoTokenizer.from_pretrained(model)
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    if onednn:  # TRL on the linear kernels ours uses (generation runs the same modules)
+        from slime.models.onednn import use_onednn_linears
+
+        use_onednn_linears(policy)
+    trainer = GRPOTrainer(model=policy,
                           reward_funcs=trl_reward, args=cfg, train_dataset=load_dataset("json", data_files=str(data),
                                                                                         split="train"),
                           processing_class=tok, callbacks=[Clock(), Lengths()])
@@ -132,14 +145,15 @@ def run_ours(model: Path, data: Path, out: Path, steps: int, extra: list[str], r
             "sync": [r.get("time/sync", 0.0) for r in rows]}
 
 
-def run_trl(model: Path, data: Path, out: Path, steps: int, threads: int = 1, compile_model: bool = False) -> dict:
+def run_trl(model: Path, data: Path, out: Path, steps: int, threads: int = 1, compile_model: bool = False,
+            onednn: bool = False) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    out = out / f"trl{threads}{'compile' if compile_model else ''}"
+    out = out / f"trl{threads}{'compile' if compile_model else ''}{'onednn' if onednn else ''}"
     out.mkdir()
     log = out / "trl.log"
     with open(log, "w") as f:
         if subprocess.run([sys.executable, __file__, "--worker-trl", str(model), str(data), str(out), str(steps),
-                           str(threads), str(int(compile_model))], env=env, stdout=f, stderr=subprocess.STDOUT).returncode:
+                           str(threads), str(int(compile_model)), str(int(onednn))], env=env, stdout=f, stderr=subprocess.STDOUT).returncode:
             sys.exit(f"the TRL run failed, see {log}")
     return json.loads((out / "trl.json").read_text())
 
@@ -159,11 +173,14 @@ def main() -> None:
                     help="also TRL with 2 threads vs ours with 2 ranks of 1 thread (both use both cores)")
     ap.add_argument("--compile", action="store_true",
                     help="also both with torch.compile: ours with train.compile=true on ZeRO-2, TRL with torch_compile=True")
-    ap.add_argument("--worker-trl", nargs=6, help=argparse.SUPPRESS)
+    ap.add_argument("--kernels", action="store_true",
+                    help="also each side on the other's linear kernels: ours with model.cpu_linear=torch (MKL) on "
+                         "ZeRO-2, TRL with its nn.Linear layers on oneDNN (slime.models.onednn)")
+    ap.add_argument("--worker-trl", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_trl:
-        m, d, o, s, t, c = args.worker_trl
-        worker_trl(Path(m), Path(d), Path(o), int(s), int(t), bool(int(c)))
+        m, d, o, s, t, c, k = args.worker_trl
+        worker_trl(Path(m), Path(d), Path(o), int(s), int(t), bool(int(c)), bool(int(k)))
         return
     from data_tools.make_tiny_model import make_tiny_model
 
@@ -171,9 +188,12 @@ def main() -> None:
     rows = [json.loads(line) for line in (REPO / "assets/tiny-arith-data/train.jsonl").read_text().splitlines()]
     data = work / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": r["prompt"], "label": r["label"]}) + "\n" for r in rows[:256]))
-    peaks = [matmul_gflops(seconds=1.0) for _ in range(3)]
-    peak = max(peaks)  # the best of three: a floor from a peak measured low would flatter every efficiency
-    print(f"1-thread fp32 matmul peak: {peak:.0f} GFLOP/s (best of {', '.join(f'{p:.0f}' for p in peaks)})")
+    peaks = {k: [matmul_gflops(k, seconds=1.0) for _ in range(3)] for k in ("torch", "onednn")}
+    # The floor comes from the faster kernel, each at the best of three: a floor from a peak measured low (or from
+    # a kernel slower than the machine allows) would flatter every efficiency.
+    peak = max(max(p) for p in peaks.values())
+    print(f"1-thread fp32 matmul peak: {peak:.0f} GFLOP/s; torch's F.linear (MKL) "
+          f"{', '.join(f'{p:.0f}' for p in peaks['torch'])}, oneDNN {', '.join(f'{p:.0f}' for p in peaks['onednn'])}")
     for size in args.sizes.split(","):
         model = make_tiny_model(work / size, arch="qwen3", seed=0, heads=4, kv_heads=2, **SIZES[size])
         n = non_embedding_params(model)
@@ -186,6 +206,10 @@ def main() -> None:
             runs["ours_recompute"] = (lambda o: run_ours(model, data, o, args.steps, ["algo.old_logprobs=recompute"]),
                                       True)
         compiled = [ZERO2, "train.compile=true"]
+        if args.kernels:
+            runs["trl_onednn"] = (lambda o: run_trl(model, data, o, args.steps, onednn=True), False)
+            runs["ours_zero2_torch_linear"] = (lambda o: run_ours(model, data, o, args.steps,
+                                                                   [ZERO2, "model.cpu_linear=torch"]), False)
         if args.compile:
             runs["trl_compile"] = (lambda o: run_trl(model, data, o, args.steps, compile_model=True), False)
             runs["ours_zero2_compile"] = (lambda o: run_ours(model, data, o, args.steps, compiled), False)
@@ -222,6 +246,8 @@ def main() -> None:
                   f"efficiency {floor / t:.2f}{extra}")
         for name, base in (("ours", "trl"), ("ours_zero2", "trl"), ("ours_recompute", "trl"),
                            ("ours_zero2_compile", "trl"), ("ours_zero2_compile", "trl_compile"),
+                           ("ours_zero2_torch_linear", "trl"), ("ours_zero2", "trl_onednn"),
+                           ("ours_zero2_compile", "trl_onednn"),
                            ("ours_2_ranks", "trl_2_threads"), ("ours_zero2_2_ranks", "trl_2_threads"),
                            ("ours_zero2_compile_2_ranks", "trl_2_threads")):
             if name in step:

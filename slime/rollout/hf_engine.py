@@ -21,6 +21,7 @@ from transformers import DynamicCache, GenerationConfig
 
 from slime.models.attention import GQA_SDPA
 from slime.models.loading import load_model, resolve_dtype
+from slime.models.onednn import use_onednn_linears
 from slime.multimodal.processor import MultimodalInputs
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
 
@@ -47,7 +48,8 @@ class HFEngine:
     def __init__(self, model_cfg, tokenizer, *, device: torch.device, batch_size: int = 64):
         self.model, self.adapter = load_model(model_cfg, attn_implementation=GQA_SDPA, dtype=resolve_dtype(model_cfg.dtype))
         self.model.to(device).eval()
-        plain_linear(self.model)
+        if not (model_cfg.cpu_linear == "onednn" and use_onednn_linears(self.model, fallback=torch._C._nn.linear)):
+            plain_linear(self.model)
         self.device, self.batch_size = device, batch_size
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id

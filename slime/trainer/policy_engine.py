@@ -33,6 +33,7 @@ from slime.distributed.ulysses import SequenceShard, check_heads, register_ulyss
 from slime.models.attention import PACKED_SDPA, resolve_attn_implementation
 from slime.models.export import save_hf_dir
 from slime.models.loading import load_model, resolve_dtype
+from slime.models.onednn import use_onednn_linears
 from slime.models.policy import PolicyModel, compile_layers
 from slime.rollout.weight_sync import iter_gathered_buckets
 from slime.trainer.layout import Layout, MiniBatch, RankBatch
@@ -93,6 +94,10 @@ class PolicyEngine:
             attention = register_ulysses_attention(attention, shard)
         hf, self.adapter = load_model(model, attn_implementation=attention, dtype=dtype, backbone_only=role == "critic")
         hf.config.use_cache = False
+        if model.cpu_linear == "onednn":
+            onednn = use_onednn_linears(hf)
+            if role == "actor" and dims.is_main and onednn and dims.device.type == "cpu":
+                logger.info("model.cpu_linear=onednn: %d linear layers run oneDNN's fp32 kernels on CPU", onednn)
         if role != "reference" and model.gradient_checkpointing:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if train.compile:

@@ -1,0 +1,93 @@
+"""fp32 linear layers on CPU through oneDNN (torch's mkldnn backend) instead of MKL.
+
+torch runs an fp32 `F.linear` on CPU through MKL's sgemm. On AMD CPUs MKL takes its AVX2 code path even where
+the core has AVX-512: on this project's 2-core EPYC (Zen 5) a 1-thread sgemm reaches ~110 GFLOP/s while
+oneDNN, which torch also ships, reaches 200-265 GFLOP/s on the same fp32 shapes (`python bench/cpu_matmul.py`).
+Both are IEEE fp32 with fp32 accumulation; only the summation order differs (errors ~1e-6 relative).
+
+`use_onednn_linears(model)` points every nn.Linear of a model at `linear` below: forward and both backward
+matmuls go through `torch.ops.mkldnn._linear_pointwise` (the op torch's own CPU inference passes use) for fp32
+CPU inputs of at least MIN_MACS multiply-adds; anything else (fp64, bf16, GPU, a one-token decode of a few rows)
+takes `fallback`, torch's own linear.
+"""
+from __future__ import annotations
+
+import types
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# Below ~1M multiply-adds per call oneDNN's fixed cost (20-40 us) outweighs its faster kernel: for a 512x512
+# weight that is under 4 rows, for 256x256 under 16 (bench/cpu_matmul.py prints the crossover).
+MIN_MACS = 1 << 20
+
+
+def available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@torch.library.custom_op("slime::onednn_mm_nt", mutates_args=())
+def _mm_nt_op(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
+
+
+@_mm_nt_op.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[0])
+
+
+def _mm_nt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b.T (+ bias) on oneDNN; a (M, K), b (N, K), either may be a strided view. Under torch.compile the
+    call goes through an opaque custom op: inductor's own lowering of the oneDNN op assumes frozen weights."""
+    if torch.compiler.is_compiling():
+        return _mm_nt_op(a, b, bias)
+    return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x2, weight)
+        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
+        return _mm_nt(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x2, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gx = _mm_nt(g2, weight.t()).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        gw = _mm_nt(g2.t(), x2.t()) if ctx.needs_input_grad[1] else None
+        gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.numel() * weight.shape[0] >= MIN_MACS)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           fallback: Callable = F.linear) -> torch.Tensor:
+    if usable(x, weight):
+        return _Linear.apply(x, weight, bias)
+    return fallback(x, weight, bias)
+
+
+def use_onednn_linears(model: nn.Module, fallback: Callable | None = None) -> int:
+    """Point each plain nn.Linear's forward at `linear` (per module: nothing process-wide changes). `fallback` is
+    the linear for the calls oneDNN does not take; None looks up F.linear at call time (which ZeRO-3 wraps).
+    Returns the number of layers changed; 0 where oneDNN is missing from this torch build."""
+    if not available():
+        return 0
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            if fallback is None:
+                module.forward = types.MethodType(lambda self, x: linear(x, self.weight, self.bias, F.linear), module)
+            else:
+                module.forward = types.MethodType(lambda self, x: linear(x, self.weight, self.bias, fallback), module)
+            count += 1
+    return count
