@@ -35,9 +35,11 @@ def task_dir(tmp_path_factory) -> Path:
     return make_task(tmp_path_factory.mktemp("data") / "arith")
 
 
-def run_ranks(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Launch `args` (a script and its arguments) on `nproc` CPU ranks over gloo with torchrun."""
-    env = dict(os.environ)
+def run_ranks(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = REPO,
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    """Launch `args` (a script and its arguments) on `nproc` CPU ranks over gloo with torchrun; `env` adds
+    variables to this process's environment."""
+    env = dict(os.environ, **(env or {}))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]

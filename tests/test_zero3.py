@@ -16,16 +16,21 @@ from dist.actor_checks import fixed_batch
 
 LAYOUTS = {"1rank-packed": (1, []), "2ranks-packed": (2, []),
            "2ranks-padded": (2, ["train.packing=false", "train.micro_batch_size=2"]),
-           "2ranks-zero2": (2, ["train.ds_config=ds_configs/zero2.json"])}
+           "2ranks-zero2": (2, ["train.ds_config=ds_configs/zero2.json"]),
+           # every linear on oneDNN (the tiny model's calls are all under its size threshold), against the
+           # reference's torch linears: the custom autograd Function under ZeRO-3's gathers and releases
+           "2ranks-onednn": (2, ["model.cpu_linear=onednn"])}
+ENV = {"2ranks-onednn": {"SLIME_ONEDNN_MIN_MACS": "0"}}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def checks(request, tiny_model, tmp_path_factory):
-    """The same global batch under four layouts: 1 vs 2 dp ranks, packed vs padded micro-batches, ZeRO-3 vs
-    ZeRO-2 (replicated parameters, sharded gradients and optimizer states)."""
+    """The same global batch under five layouts: 1 vs 2 dp ranks, packed vs padded micro-batches, ZeRO-3 vs
+    ZeRO-2 (replicated parameters, sharded gradients and optimizer states), torch's vs oneDNN's linears."""
     nproc, overrides = LAYOUTS[request.param]
     out = tmp_path_factory.mktemp(request.param)
-    run_ranks([str(REPO / "tests/dist/actor_checks.py"), str(tiny_model), str(out), *overrides], nproc=nproc)
+    run_ranks([str(REPO / "tests/dist/actor_checks.py"), str(tiny_model), str(out), *overrides], nproc=nproc,
+              env=ENV.get(request.param))
     return out, json.loads((out / "result.json").read_text())
 
 

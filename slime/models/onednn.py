@@ -12,6 +12,7 @@ takes `fallback`, torch's own linear.
 """
 from __future__ import annotations
 
+import os
 import types
 from typing import Callable
 
@@ -20,8 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # Below ~1M multiply-adds per call oneDNN's fixed cost (20-40 us) outweighs its faster kernel: for a 512x512
-# weight that is under 4 rows, for 256x256 under 16 (bench/cpu_matmul.py prints the crossover).
-MIN_MACS = 1 << 20
+# weight that is under 4 rows, for 256x256 under 16. bench/cpu_matmul.py prints the crossover of a machine;
+# SLIME_ONEDNN_MIN_MACS moves it (0 sends every fp32 CPU call to oneDNN, as some tests do).
+MIN_MACS = int(os.environ.get("SLIME_ONEDNN_MIN_MACS", 1 << 20))
 
 
 def available() -> bool:
