@@ -13,12 +13,11 @@ train.compile=true on ZeRO-2, TRL torch_compile=True; each pays its compile in s
 --kernels adds each side on the other's linear kernels (ours runs fp32 linears on oneDNN by default,
 model.cpu_linear; TRL on torch's F.linear, i.e. MKL), to show what the kernel gives and what the rest does.
 Runs alternate (TRL, ours, ..., then again) so machine load hits all alike; each reports the median step time
-of steps 2..N. --whole-machine adds TRL with 2 threads against ours with 2 ranks. Printed: the step times, the
-ratio ours/TRL against the issue's target,
-our breakdown (rollout / scoring+update / sync), and the FLOP floor of a step from the 1-thread fp32 matmul
-peak measured in the same run (the faster of torch's F.linear and oneDNN): generation 2 N T_gen, old-logprob forward 2 N T, forward+backward 6 N T
-(N parameters without embeddings, T tokens), with each run's efficiency = floor / step time (target >= 0.8
-on the ~25M model).
+of steps 2..N. --whole-machine adds TRL with 2 threads against ours with 2 ranks. Printed: the step times,
+the ratio ours/TRL against the issue's target, our breakdown (rollout / scoring+update / sync), and the FLOP
+floor of a step from the 1-thread fp32 matmul peak measured in the same run (the faster of torch's F.linear
+and oneDNN): generation 2 N T_gen, old-logprob forward 2 N T, forward+backward 6 N T (N parameters without
+embeddings, T tokens), with each run's efficiency = floor / step time (target >= 0.8 on the ~25M model).
 """
 from __future__ import annotations
 
