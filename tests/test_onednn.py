@@ -62,7 +62,31 @@ def test_linear_matches_fp64_forward_and_backward(bias, layout):
         torch.testing.assert_close(a.double(), r.detach(), rtol=0, atol=2e-6 * scale)  # fp32 sums of 96-600 terms
 
 
-def test_small_and_non_fp32_calls_take_torchs_linear():
+@pytest.mark.parametrize("trainable", ["input", "weight", "bias"])
+def test_linear_with_frozen_parts_and_an_in_place_add_on_its_output(trainable):
+    """Only one of input, weight and bias needs a gradient (a frozen layer, a frozen bias, a LoRA-style base
+    weight); the output takes an in-place residual add, as some model families write it."""
+    g = torch.Generator().manual_seed(1)
+    x, w, b, res = (torch.randn(*s, generator=g) for s in ((3, 100, 96), (160, 96), (160,), (3, 100, 160)))
+    got = {"input": x.clone(), "weight": w.clone(), "bias": b.clone()}
+    ref = {k: v.double() for k, v in got.items()}
+    for d in (got, ref):
+        d[trainable].requires_grad_()
+    with Ops() as ops:
+        y = onednn.linear(got["input"], got["weight"], got["bias"])
+        y += res
+        y.square().sum().backward()
+    y_ref = F.linear(ref["input"], ref["weight"], ref["bias"]) + res.double()
+    y_ref.square().sum().backward()
+    assert ops.count["mkldnn._linear_pointwise"] == (1 if trainable == "bias" else 2), ops.count
+    torch.testing.assert_close(y.detach().double(), y_ref.detach(), rtol=0, atol=2e-6 * y_ref.abs().max().item())
+    for name, t in got.items():
+        assert (t.grad is None) == (name != trainable)
+    grad = ref[trainable].grad
+    torch.testing.assert_close(got[trainable].grad.double(), grad, rtol=0, atol=2e-6 * grad.abs().max().item())
+
+
+def test_small_and_non_fp32_calls_take_torchs_linear(monkeypatch):
     w = torch.randn(64, 64, requires_grad=True)
     cases = {"a 4-row call (under MIN_MACS)": torch.randn(4, 64),
              "fp64": torch.randn(512, 64, dtype=torch.float64)}
@@ -73,6 +97,8 @@ def test_small_and_non_fp32_calls_take_torchs_linear():
             y = onednn.linear(x, weight)
         assert ops.count["mkldnn._linear_pointwise"] == 0 and ops.count["aten.mm"] == 1, (what, ops.count)
         torch.testing.assert_close(y, F.linear(x, weight))
+    monkeypatch.setattr(onednn, "MIN_MACS", 0)  # even with no threshold, an empty input stays with torch
+    assert not onednn.usable(torch.randn(0, 64), w) and onednn.usable(torch.randn(1, 64), w)
 
 
 @pytest.fixture(scope="module")

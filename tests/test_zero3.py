@@ -18,8 +18,9 @@ LAYOUTS = {"1rank-packed": (1, []), "2ranks-packed": (2, []),
            "2ranks-padded": (2, ["train.packing=false", "train.micro_batch_size=2"]),
            "2ranks-zero2": (2, ["train.ds_config=ds_configs/zero2.json"]),
            # every linear on oneDNN (the tiny model's calls are all under its size threshold), against the
-           # reference's torch linears: the custom autograd Function under ZeRO-3's gathers and releases
-           "2ranks-onednn": (2, ["model.cpu_linear=onednn"])}
+           # reference's torch linears: the custom autograd Function under ZeRO-3's gathers and releases, with
+           # checkpointed layers recomputed in backward
+           "2ranks-onednn": (2, ["model.gradient_checkpointing=true"])}
 ENV = {"2ranks-onednn": {"SLIME_ONEDNN_MIN_MACS": "0"}}
 
 
@@ -68,6 +69,12 @@ def test_loss_and_grads_match_single_process_reference(checks, tiny_model, mode)
     assert (result["modes"][mode]["shared_prompt_micro_batches"] > 0) == result["packing"]
     for name, p in model.named_parameters():
         torch.testing.assert_close(saved["grads"][name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_linears_take_onednn_where_told(checks, request):
+    """Under the size threshold (every other layout) torch's linear runs; with the threshold at 0, oneDNN's."""
+    _, result = checks
+    assert (result["onednn_calls"] > 0) == ("onednn" in request.node.callspec.id), result["onednn_calls"]
 
 
 def test_weight_sync_makes_engine_equal_trainer(checks):

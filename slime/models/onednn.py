@@ -48,33 +48,43 @@ def _mm_nt(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -
     return torch.ops.mkldnn._linear_pointwise(a, b, bias, "none", [], "")
 
 
+def _gathered(weight: torch.Tensor) -> torch.Tensor:
+    """Under ZeRO-3 a saved weight that DeepSpeed has released again (a frozen one, saved as the parameter
+    itself, across a checkpointed recompute) is gathered back, as DeepSpeed's own linear does."""
+    status = getattr(weight, "ds_status", None)
+    if status is not None and status.name == "NOT_AVAILABLE":
+        weight.all_gather()
+    return weight
+
+
 class _Linear(torch.autograd.Function):
+    """y = x @ weight.T + bias for 2-D x; the output is a fresh tensor (not a view), so callers may add to it
+    in place as they would to F.linear's."""
+
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        ctx.save_for_backward(x2, weight)
-        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
-        return _mm_nt(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _mm_nt(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        x2, weight = ctx.saved_tensors
-        g2 = grad.reshape(-1, grad.shape[-1])
-        gx = _mm_nt(g2, weight.t()).view(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        gw = _mm_nt(g2.t(), x2.t()) if ctx.needs_input_grad[1] else None
-        gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        x, weight = ctx.saved_tensors
+        gx = _mm_nt(grad, _gathered(weight).t()) if ctx.needs_input_grad[0] else None
+        gw = _mm_nt(grad.t(), x.t()) if ctx.needs_input_grad[1] else None
+        gb = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and x.numel() * weight.shape[0] >= MIN_MACS)
+            and x.numel() > 0 and x.numel() * weight.shape[0] >= MIN_MACS)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            fallback: Callable = F.linear) -> torch.Tensor:
     if usable(x, weight):
-        return _Linear.apply(x, weight, bias)
+        return _Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
     return fallback(x, weight, bias)
 
 

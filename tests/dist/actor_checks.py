@@ -81,8 +81,23 @@ def finite_check(critic: PolicyEngine, dims: ParallelDims) -> dict:
     return out
 
 
+def count_onednn_calls() -> list[int]:
+    """Counts the linear calls that take oneDNN (slime.models.onednn), forward passes only."""
+    from slime.models import onednn
+
+    calls, apply = [0], onednn._Linear.apply
+
+    def counted(*args):
+        calls[0] += 1
+        return apply(*args)
+
+    onednn._Linear.apply = counted
+    return calls
+
+
 def main() -> None:
     model_dir, out = sys.argv[1], Path(sys.argv[2])
+    onednn_calls = count_onednn_calls()
     cfg = load_config(None, [f"model.path={model_dir}", "data.path=unused.jsonl", "train.lr=1e-2",
                              "train.max_tokens_per_gpu=48", "train.logprob_max_tokens_per_gpu=64",
                              "train.logits_chunk_size=16", *sys.argv[3:]])
@@ -129,6 +144,7 @@ def main() -> None:
     result["engine_version"] = engine.weight_version
     actor.export_hf(str(out / "hf"))
     result["zero_stage"] = actor.engine.zero_optimization_stage()
+    result["onednn_calls"] = onednn_calls[0]
     if dims.world_size == 2 and result["zero_stage"] == 3:
         result["finite_check"] = finite_check(PolicyEngine.critic(cfg, dims), dims)
     if dims.is_main:
