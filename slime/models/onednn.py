@@ -97,9 +97,7 @@ def use_onednn_linears(model: nn.Module, fallback: Callable | None = None) -> in
     count = 0
     for module in model.modules():
         if type(module) is nn.Linear:
-            if fallback is None:
-                module.forward = types.MethodType(lambda self, x: linear(x, self.weight, self.bias, F.linear), module)
-            else:
-                module.forward = types.MethodType(lambda self, x: linear(x, self.weight, self.bias, fallback), module)
+            module.forward = types.MethodType(
+                lambda self, x: linear(x, self.weight, self.bias, fallback or F.linear), module)
             count += 1
     return count
