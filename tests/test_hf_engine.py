@@ -137,3 +137,43 @@ def test_generation_bypasses_a_process_wide_linear_patch(engine, monkeypatch):
     layer = torch.nn.Linear(3, 2)  # a module of our own still sees the patch: it is the engine's alone
     layer(torch.randn(1, 3))
     assert calls == [1]
+
+
+def test_preallocated_cache_layer_holds_what_dynamic_layer_holds():
+    """The decode's cache layer writes in place into buffers (doubling past its capacity) and drops rows; at every
+    step it must return exactly the keys and values that HF's concatenating DynamicLayer returns."""
+    from transformers.cache_utils import DynamicLayer
+
+    from slime.rollout.hf_engine import PreallocatedLayer
+
+    ours, theirs = PreallocatedLayer(capacity=6), DynamicLayer()
+    g = torch.Generator().manual_seed(0)
+    for step, (rows, length, keep) in enumerate([(5, 4, None), (5, 1, None), (5, 1, [0, 2, 3]), (3, 1, None),
+                                                 (3, 1, [2]), (1, 3, None), (1, 1, None)]):
+        if keep is not None:
+            for layer in (ours, theirs):
+                layer.batch_select_indices(torch.tensor(keep))
+            rows = len(keep)
+        k, v = torch.randn(rows, 2, length, 8, generator=g), torch.randn(rows, 2, length, 8, generator=g)
+        got, want = ours.update(k, v), theirs.update(k, v)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), step
+        assert ours.get_seq_length() == theirs.get_seq_length()
+    assert ours._keys.shape[2] == 12  # grew once, by doubling, past 6
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_decode_attention_equals_sdpa(padded):
+    """One query per row against a grouped-KV cache (a strided view, as the preallocated cache returns), with a
+    left-padding mask or none."""
+    import torch.nn.functional as F
+
+    from slime.models.attention import _decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 6, 1, 16, generator=g)
+    k, v = (torch.randn(5, 2, 20, 16, generator=g)[:, :, :13] for _ in range(2))
+    mask = (torch.arange(13) >= torch.tensor([0, 3, 7, 12, 1])[:, None])[:, None, None] if padded else None
+    got = _decode_attention(q, k, v, mask, scaling=0.3)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

