@@ -30,6 +30,7 @@ from slime.trainer.layout import RankBatch, distribute
 from slime.trainer.losses import actor_loss, critic_loss
 from slime.trainer.policy_engine import PolicyEngine
 from slime.trainer.evaluate import evaluate, load_eval_prompts
+from slime.utils.cpu_malloc import retain_freed_memory
 from slime.utils.metrics import MetricsLogger
 from slime.utils.plot import plot_metrics
 from slime.utils.signals import StopRequest
@@ -114,6 +115,8 @@ def run(cfg: Config) -> dict:
     """Train for cfg.train.num_steps; returns the last logged metrics."""
     dims = ParallelDims.build(sp=cfg.parallel.sp, ep=cfg.parallel.ep,
                               timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes))
+    if dims.device.type == "cpu" and cfg.train.cpu_malloc == "retain":
+        logger.info("train.cpu_malloc=retain: %s", retain_freed_memory())
     seed_everything(cfg.train.seed + dims.rank)  # per-rank sampling streams, reproducible
     run_dir, sft = Path(cfg.log.run_dir), cfg.algo.policy_loss == "sft"
     check_run_dir(cfg, run_dir)
