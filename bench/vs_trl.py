@@ -11,7 +11,8 @@ which keeps the whole model on every rank, as TRL does); --recompute adds ours w
 old-logprob forward (algo.old_logprobs=recompute); --compile adds both with torch.compile (ours
 train.compile=true on ZeRO-2, TRL torch_compile=True; each pays its compile in step 1, outside the median);
 --kernels adds each side on the other's linear kernels (ours runs fp32 linears on oneDNN by default,
-model.cpu_linear; TRL on torch's F.linear, i.e. MKL), to show what the kernel gives and what the rest does.
+model.cpu_linear; TRL on torch's F.linear, i.e. MKL), to show what the kernel gives and what the rest does;
+TRL on oneDNN also gets ours's malloc settings (train.cpu_malloc=retain), so that only the design differs.
 Runs alternate (TRL, ours, ..., then again) so machine load hits all alike; each reports the median step time
 of steps 2..N. --whole-machine adds TRL with 2 threads against ours with 2 ranks. Printed: the step times,
 the ratio ours/TRL against the issue's target, our breakdown (rollout / scoring+update / sync), and the FLOP
@@ -110,10 +111,12 @@ def worker_trl(model: Path, data: Path, out: Path, steps: int, threads: int, com
                      generation_kwargs={"min_new_tokens": NEW_TOKENS})  # fixed lengths, as ours with ignore_eos
     tok = AutoTokenizer.from_pretrained(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    if onednn:  # TRL on the linear kernels ours uses (generation runs the same modules)
+    if onednn:  # TRL on ours's CPU settings: its linears (generation runs the same modules) and malloc
         from slime.models.onednn import use_onednn_linears
+        from slime.utils.cpu_malloc import retain_freed_memory
 
         use_onednn_linears(policy)
+        print("TRL with retained malloc:", retain_freed_memory())
     trainer = GRPOTrainer(model=policy,
                           reward_funcs=trl_reward, args=cfg, train_dataset=load_dataset("json", data_files=str(data),
                                                                                         split="train"),
@@ -174,7 +177,8 @@ def main() -> None:
                     help="also both with torch.compile: ours with train.compile=true on ZeRO-2, TRL with torch_compile=True")
     ap.add_argument("--kernels", action="store_true",
                     help="also each side on the other's linear kernels: ours with model.cpu_linear=torch (MKL) on "
-                         "ZeRO-2, TRL with its nn.Linear layers on oneDNN (slime.models.onednn)")
+                         "ZeRO-2, TRL with its nn.Linear layers on oneDNN (slime.models.onednn) and ours's malloc "
+                         "settings (slime.utils.cpu_malloc)")
     ap.add_argument("--worker-trl", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_trl:
