@@ -12,7 +12,7 @@ old-logprob forward (algo.old_logprobs=recompute); --compile adds both with torc
 train.compile=true on ZeRO-2, TRL torch_compile=True; each pays its compile in step 1, outside the median);
 --kernels adds each side on the other's linear kernels (ours runs fp32 linears on oneDNN by default,
 model.cpu_linear; TRL on torch's F.linear, i.e. MKL), to show what the kernel gives and what the rest does;
-TRL on oneDNN also gets ours's malloc settings (train.cpu_malloc=retain), so that only the design differs.
+TRL on oneDNN also gets our malloc settings (train.cpu_malloc=retain), so that only the design differs.
 Runs alternate (TRL, ours, ..., then again) so machine load hits all alike; each reports the median step time
 of steps 2..N. --whole-machine adds TRL with 2 threads against ours with 2 ranks. Printed: the step times,
 the ratio ours/TRL against the issue's target, our breakdown (rollout / scoring+update / sync), and the FLOP
@@ -111,7 +111,7 @@ def worker_trl(model: Path, data: Path, out: Path, steps: int, threads: int, com
                      generation_kwargs={"min_new_tokens": NEW_TOKENS})  # fixed lengths, as ours with ignore_eos
     tok = AutoTokenizer.from_pretrained(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    if onednn:  # TRL on ours's CPU settings: its linears (generation runs the same modules) and malloc
+    if onednn:  # TRL on our CPU settings: its linears (generation runs the same modules) and malloc
         from slime.models.onednn import use_onednn_linears
         from slime.utils.cpu_malloc import retain_freed_memory
 
@@ -177,7 +177,7 @@ def main() -> None:
                     help="also both with torch.compile: ours with train.compile=true on ZeRO-2, TRL with torch_compile=True")
     ap.add_argument("--kernels", action="store_true",
                     help="also each side on the other's linear kernels: ours with model.cpu_linear=torch (MKL) on "
-                         "ZeRO-2, TRL with its nn.Linear layers on oneDNN (slime.models.onednn) and ours's malloc "
+                         "ZeRO-2, TRL with its nn.Linear layers on oneDNN (slime.models.onednn) and our malloc "
                          "settings (slime.utils.cpu_malloc)")
     ap.add_argument("--worker-trl", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args()

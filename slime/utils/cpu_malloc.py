@@ -7,7 +7,7 @@ is unmapped on free, and free memory at the top of the heap beyond the trim thre
 threshold) is trimmed. The next step then page-faults the same bytes back in, zeroed by the kernel, page by page
 (~10 us of system time per fault in this project's VMs). With mmap off (M_MMAP_MAX 0: every allocation comes
 from the heap) and trimming off, those buffers are reused instead: on the 23.7M model of bench/vs_trl.py a
-ZeRO-3 training step went from 300,000 page faults and 2-3 s of system time to none (notes of issue 15). The
+ZeRO-3 training step went from 300,000 page faults and 2-3 s of system time to almost none (notes of issue 15). The
 cost is that the process's resident memory stays at its peak rather than dropping between steps (the peak
 itself did not change: 3.9-4.0 GB there).
 
