@@ -91,6 +91,7 @@ def test_server_args_cpu_path_and_extra_args_last():
                        gpu_id=None, colocated=True)
     assert args[args.index("--device") + 1] == "cpu" and args[args.index("--dtype") + 1] == "bfloat16"
     assert "--enable-memory-saver" not in args  # needs CUDA
+    assert "--sleep-on-idle" in args  # an idle scheduler would spin a core the trainer needs
     assert args[-2:] == ["--max-total-tokens", "64"] and args[args.index("--mem-fraction-static") + 1] == "0.5"
     gpu = server_args(SGLangConfig(), dtype=torch.bfloat16, gpu_id=3, colocated=True)
     assert gpu[gpu.index("--base-gpu-id") + 1] == "3" and "--enable-memory-saver" in gpu and "--device" not in gpu
@@ -284,6 +285,30 @@ def test_abort_returns_partial_generations(engines):
     assert all(len(g.response_ids) < limit for g in gens if g.finish_reason == "abort")
     assert all(len(g.response_ids) == limit for g in gens if g.finish_reason != "abort")  # ignore_eos held
     assert ours.generate(prompts[:1], SamplingParams(max_new_tokens=2, temperature=0.0))[0][0].finish_reason != "abort"
+
+
+@needs_sglang
+def test_an_idle_server_does_not_spin_a_core(engines):
+    """Between requests (all of a colocated trainer's step) the server's processes sleep: SGLang's scheduler
+    busy-polls without --sleep-on-idle, which takes a whole core of the trainer's machine (a core per engine
+    on a GPU node). CPU time over 3 idle seconds: ~3 s spinning, a few ms asleep."""
+    ours, _, prompts = engines
+    ours.generate(prompts[:1], SamplingParams(max_new_tokens=2, temperature=0.0))  # a request has come and gone
+
+    def cpu_seconds() -> float:
+        total = 0
+        for pid in server_processes("module"):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / os.sysconf("SC_CLK_TCK")
+
+    time.sleep(1.0)  # let the scheduler reach its idle path
+    before = cpu_seconds()
+    time.sleep(3.0)
+    assert cpu_seconds() - before < 0.5
 
 
 @needs_sglang

@@ -73,8 +73,12 @@ def plan_engines(cfg: SGLangConfig, world_size: int, ranks_per_node: int | None 
 
 
 def server_args(cfg: SGLangConfig, *, dtype: torch.dtype, gpu_id: int | None, colocated: bool) -> list[str]:
-    """Launch arguments; the CPU flags are those of SGLang's torch-native text path."""
-    args = ["--tp-size", str(cfg.tp_size), "--dtype", dtype_name(dtype), "--nccl-port", str(free_port())]
+    """Launch arguments; the CPU flags are those of SGLang's torch-native text path.
+
+    --sleep-on-idle: an idle scheduler otherwise spins a CPU core at 100% between requests (while the trainer
+    trains, in colocated mode); with it the scheduler waits on its request sockets, which wake it at once."""
+    args = ["--tp-size", str(cfg.tp_size), "--dtype", dtype_name(dtype), "--nccl-port", str(free_port()),
+            "--sleep-on-idle"]
     if gpu_id is None:
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch"]
     else:
