@@ -1,5 +1,6 @@
 """`run.py --dry-run`: every GPU recipe resolves its layout and memory from config.json alone, and the
 figures of one recipe equal a hand computation."""
+import importlib.util
 import subprocess
 import sys
 
@@ -36,14 +37,20 @@ def test_cpu_examples_pass_the_dry_run(example):
     assert p["world"] == 2 and not p["warnings"]
 
 
+def run_py_main():
+    """run.py's main(), called in-process (test_run_sh_passes_dry_run_through runs the command itself)."""
+    spec = importlib.util.spec_from_file_location("slime_run_py", REPO / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_every_recipe_passes_the_dry_run_on_the_gpus_it_was_sized_for(recipe):
+def test_every_recipe_passes_the_dry_run_on_the_gpus_it_was_sized_for(recipe, capsys):
     model, gpus = RECIPES[recipe]
-    proc = subprocess.run([sys.executable, str(REPO / "run.py"), "--config", str(REPO / "examples" / recipe),
-                           "--dry-run", "--num-gpus", str(gpus), f"model.path={REPO / 'examples/model_configs' / model}"],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    run_py_main()(["--config", str(REPO / "examples" / recipe), "--dry-run", "--num-gpus", str(gpus),
+                   f"model.path={REPO / 'examples/model_configs' / model}"])  # a failure exits: SystemExit
+    out = capsys.readouterr().out
     assert "layout:" in out and "per GPU, training:" in out and "per GPU, rollout:" in out
     assert "WARNING: " not in out, out  # each recipe fits the GPUs it states
     assert f"fits in 80.0 GiB per GPU" in out
