@@ -194,12 +194,15 @@ def test_kill_9_of_the_whole_job_then_rerun_is_exact(model, task_dir, straight, 
     assert_same_run(run_dir, straight)  # metrics.jsonl holds each step once
 
 
-def test_resume_refuses_another_model_or_zero_stage_and_applies_a_changed_lr(model, task_dir, tmp_path):
+def test_resume_refuses_another_model_or_zero_stage_or_no_resume_and_applies_a_changed_lr(model, task_dir, tmp_path):
     from data_tools.make_tiny_model import make_tiny_model
 
     run_dir = tmp_path / "run"
     constant = ("train.warmup_steps=0", "train.lr_schedule=constant")  # the step-2 lr is then train.lr itself
     launch(model, task_dir, run_dir, "train.num_steps=1", *constant)
+    proc = launch(model, task_dir, run_dir, "train.num_steps=1", *constant, "checkpoint.resume=false", check=False)
+    assert proc.returncode != 0 and "already holds a run" in proc.stdout + proc.stderr  # a used run dir
+    assert [r["step"] for r in read_metrics(run_dir)] == [1]
     other = make_tiny_model(tmp_path / "other", arch="qwen2", seed=0, layers=3)
     proc = launch(other, task_dir, run_dir, "train.num_steps=2", *constant, check=False)
     assert proc.returncode != 0 and "resuming would load another model's weights" in proc.stderr + proc.stdout
@@ -211,14 +214,6 @@ def test_resume_refuses_another_model_or_zero_stage_and_applies_a_changed_lr(mod
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2] and rows[1]["train/lr"] == pytest.approx(1e-3)
     assert json.loads((run_dir / "config.json").read_text())["train"]["lr"] == 1e-3
-
-
-def test_a_used_run_dir_without_resume_is_refused(model, task_dir, tmp_path):
-    run_dir = tmp_path / "run"
-    launch(model, task_dir, run_dir, "train.num_steps=1")
-    proc = launch(model, task_dir, run_dir, "train.num_steps=1", "checkpoint.resume=false", check=False)
-    assert proc.returncode != 0 and "already holds a run" in proc.stdout + proc.stderr
-    assert [r["step"] for r in read_metrics(run_dir)] == [1]
 
 
 # -- signals ----------------------------------------------------------------------------------------------------
