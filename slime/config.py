@@ -108,6 +108,10 @@ class SGLangConfig:
         "disaggregated: engines on their own GPUs, weights broadcast over a process group.")
     tp_size: int = field(1, "Tensor-parallel size of one engine (GPUs per server).")
     ranks_per_engine: int = field(0, "colocated: trainer ranks sharing one engine; 0 = tp_size (one per TP group).")
+    release_memory: bool | None = field(
+        None, "colocated: release the engines' weights and KV cache while the trainer trains (sleep/wake); "
+        "null = on GPU only. On CPU SGLang releases nothing and each release costs the server a "
+        "garbage-collection pass (~0.5 s).")
     num_engines: int = field(1, "disaggregated: servers rank 0 launches (on GPUs base_gpu_id, base_gpu_id + tp_size, ...).")
     base_gpu_id: int = field(-1, "disaggregated: first GPU of the engines; -1 = the GPU after the trainer's.")
     urls: list = field([], "Use these running servers (http://HOST:PORT, on this node or another) instead of "

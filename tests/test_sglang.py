@@ -305,6 +305,9 @@ def test_an_idle_server_does_not_spin_a_core(engines):
             total += int(fields[11]) + int(fields[12])  # utime, stime
         return total / os.sysconf("SC_CLK_TCK")
 
+    ours.sleep()  # on CPU nothing to release: no call (SGLang's would cost a garbage-collection pass)
+    ours.wake()
+    assert not ours.releases and not any(op in ("release", "resume") for op, *_ in ours.events)
     time.sleep(1.0)  # let the scheduler reach its idle path
     before = cpu_seconds()
     time.sleep(3.0)
@@ -353,6 +356,10 @@ def test_two_rank_grpo_run_on_sglang(tiny_model, task_dir, tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and "sglang engine (colocated): 1 server(s)" in proc.stdout
     assert all(r["rollout/response_len"] > 0 for r in rows)
+    # each step generates on the weights just pushed: a radix cache left over from the old weights (the
+    # chat template's prefix is shared by every prompt) would show here
+    assert all(r["rollout/train_logprob_abs_diff"] < 1e-3 for r in rows), [r["rollout/train_logprob_abs_diff"] for r in rows]
+    assert "sglang/asleep_s" not in rows[0]  # on CPU the engine releases nothing (rollout.sglang.release_memory)
     assert any(r["train/grad_norm"] > 0 for r in rows)
     assert not server_processes(marker), "the run left SGLang server processes behind"
 

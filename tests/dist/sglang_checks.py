@@ -44,7 +44,9 @@ def main() -> None:
     model_dir, out, url = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     cfg = load_config(None, [f"model.path={model_dir}", "data.path=unused.jsonl", "train.lr=5e-2",
                              "train.max_tokens_per_gpu=64", "rollout.sync_bucket_mb=0.02", "rollout.engine=sglang",
-                             f"rollout.sglang.urls=[{url}]", "rollout.sglang.ranks_per_engine=2", *sys.argv[4:]])
+                             f"rollout.sglang.urls=[{url}]", "rollout.sglang.ranks_per_engine=2",
+                             "rollout.sglang.release_memory=true",  # the GPU's order, checked on CPU too
+                             *sys.argv[4:]])
     dims = ParallelDims.build(sp=cfg.parallel.sp, ep=cfg.parallel.ep)
     tokenizer = load_tokenizer(cfg.model)
     actor = PolicyEngine.actor(cfg, dims)
