@@ -289,7 +289,8 @@ def test_remote_reward_scores_in_batches_with_extras(server):
     samples = text_samples(7)
     rewards = remote(server).score(samples)
     assert rewards == [float(i) for i in range(7)]
-    assert [len(r["samples"]) for r in server.requests] == [3, 3, 1]
+    # batches of 3, at most 2 in flight; the order they reach the server's handler threads is the scheduler's
+    assert sorted(len(r["samples"]) for r in server.requests) == [1, 3, 3]
     assert server.max_in_flight <= 2
     got = {s["index"]: s for r in server.requests for s in r["samples"]}
     assert got[103] == {"index": 103, "prompt": "q3", "response": "xxx", "label": "3", "metadata": {}}
