@@ -16,6 +16,7 @@ import json
 import os
 import pickle
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -29,7 +30,7 @@ from slime.config import ModelConfig, SGLangConfig
 from slime.rollout.engine import SamplingParams
 from slime.rollout.sglang_engine import SGLangEngine, plan_engines, server_args
 from slime.rollout.sglang_server import SGLangClient, SGLangServer, SGLangServerError, free_port
-from slime.rollout.sglang_weights import FlatBucket, serialize_flat_bucket, split_by_dtype
+from slime.rollout.sglang_weights import FlatBucket, SharedBuffers, serialize_flat_bucket, split_by_dtype
 from one_rank import OneRank
 
 SGLANG_PYTHON = os.environ.get("SLIME_SGLANG_PYTHON", "")
@@ -113,6 +114,30 @@ def test_flat_bucket_payload_rebuilds_every_tensor():
     for name, t in named:
         assert rebuilt[name].dtype == t.dtype and torch.equal(rebuilt[name], t), name
     assert FlatBucket(named[:1]).nbytes == 15 * 4
+
+
+def test_kept_shared_buffers_carry_each_push_to_another_process():
+    """CPU colocated pushes refill one shared-memory buffer per (bucket, dtype): the second push lands in the same
+    memory, and a separate process (as the server) unpickling its payload reads the second push's values."""
+    g = torch.Generator().manual_seed(0)
+    named = [("a.weight", torch.randn(3, 5, generator=g)), ("b.bias", torch.randn(7, generator=g).bfloat16())]
+    buffers = SharedBuffers()
+    first = split_by_dtype(named, buffers, index=0)
+    serialize_flat_bucket(first[0])  # the first push shares the buffer's file
+    second = split_by_dtype([(n, t * 2 + 1) for n, t in named], buffers, index=0)
+    assert [f.flat.data_ptr() for f in second] == [f.flat.data_ptr() for f in first]
+    assert all(f.flat.is_shared() for f in second) and buffers.nbytes == 15 * 4 + 7 * 2
+    assert split_by_dtype(named, buffers, index=1)[0].flat.data_ptr() != first[0].flat.data_ptr()  # its own buffers
+    assert buffers.nbytes == 2 * (15 * 4 + 7 * 2)
+    reader = ("import base64, pickle, sys, torch, torch.multiprocessing\n"
+              "obj = pickle.loads(base64.b64decode(sys.stdin.read()))\n"
+              "m = obj['metadata'][0]\n"
+              "print(obj['flattened_tensor'][m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape).tolist())")
+    out = subprocess.run([sys.executable, "-c", reader], input=serialize_flat_bucket(second[0]), text=True,
+                         capture_output=True, check=True).stdout
+    assert torch.tensor(json.loads(out)).equal(named[0][1] * 2 + 1)
+    resized = split_by_dtype([("a.weight", torch.ones(4, 5))], buffers, index=0)[0]  # another size: a new buffer
+    assert resized.flat.data_ptr() != first[0].flat.data_ptr() and buffers.nbytes == 20 * 4 + 7 * 2 + 15 * 4 + 7 * 2
 
 
 class _Flaky(http.server.BaseHTTPRequestHandler):

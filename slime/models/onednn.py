@@ -84,7 +84,12 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            fallback: Callable = F.linear) -> torch.Tensor:
     if usable(x, weight):
-        return _Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+        flat = x.reshape(-1, x.shape[-1])
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+            out = _Linear.apply(flat, weight, bias)
+        else:  # no graph to record (generation, no-grad scoring): the Function's bookkeeping is ~10 us a call
+            out = _mm_nt(flat, weight, bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
     return fallback(x, weight, bias)
 
 

@@ -37,7 +37,7 @@ from slime.multimodal.processor import MultimodalInputs
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
 from slime.rollout.sglang_server import HOST, SGLangClient, SGLangServer, SGLangServerError
 from slime.utils.net import address_toward, node_address, url_host
-from slime.rollout.sglang_weights import dtype_name, serialize_flat_bucket, split_by_dtype
+from slime.rollout.sglang_weights import SharedBuffers, dtype_name, serialize_flat_bucket, split_by_dtype
 from slime.utils.net import free_port
 
 logger = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ class SGLangEngine:
         self._asleep: set[str] = set()
         self._servers: list[SGLangServer] = []
         self._group = None
+        self._host_buffers = SharedBuffers() if self.colocated else None  # CPU pushes: kept shared-memory buckets
         self._rid = itertools.count()
         self._inflight: dict[str, SGLangClient] = {}
         self._lock = threading.Lock()
@@ -271,8 +272,8 @@ class SGLangEngine:
         pushing = bool(self.owned)
         shared_tp = self.colocated and self.cfg.tp_size > 1  # every TP rank hands its own copy to its server
         error = _attempt(self._session, "begin") if pushing else None
-        for bucket in buckets:
-            flats = split_by_dtype(bucket) if pushing or shared_tp else []
+        for index, bucket in enumerate(buckets):
+            flats = split_by_dtype(bucket, self._host_buffers, index) if pushing or shared_tp else []
             nbytes += sum(f.nbytes for f in flats) if pushing else 0
             payloads = self._payloads(flats, pushing) if self.colocated else None
             if error is None and pushing:
