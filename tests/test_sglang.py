@@ -116,28 +116,35 @@ def test_flat_bucket_payload_rebuilds_every_tensor():
     assert FlatBucket(named[:1]).nbytes == 15 * 4
 
 
-def test_kept_shared_buffers_carry_each_push_to_another_process():
-    """CPU colocated pushes refill one shared-memory buffer per (bucket, dtype): the second push lands in the same
-    memory, and a separate process (as the server) unpickling its payload reads the second push's values."""
+def test_kept_shared_buffers_carry_each_bucket_to_another_process():
+    """CPU colocated pushes refill one shared-memory buffer per dtype: each bucket lands in the same memory (a
+    larger one grows it), and a separate process (as the server) unpickling the payload reads that bucket."""
+    reader = ("import base64, pickle, sys, torch, torch.multiprocessing\n"
+              "obj = pickle.loads(base64.b64decode(sys.stdin.read()))\n"
+              "print(obj['flattened_tensor'].numel(), [obj['flattened_tensor'][m.start_idx:m.end_idx].view(m.dtype)"
+              ".reshape(m.shape).tolist() for m in obj['metadata']])")
+
+    def served(flat: FlatBucket) -> list:  # what the server loads, read before the next bucket is laid in
+        size, values = subprocess.run([sys.executable, "-c", reader], input=serialize_flat_bucket(flat), text=True,
+                                      capture_output=True, check=True).stdout.split(" ", 1)
+        assert int(size) == flat.nbytes
+        return json.loads(values)
+
     g = torch.Generator().manual_seed(0)
     named = [("a.weight", torch.randn(3, 5, generator=g)), ("b.bias", torch.randn(7, generator=g).bfloat16())]
     buffers = SharedBuffers()
-    first = split_by_dtype(named, buffers, index=0)
-    serialize_flat_bucket(first[0])  # the first push shares the buffer's file
-    second = split_by_dtype([(n, t * 2 + 1) for n, t in named], buffers, index=0)
+    first = split_by_dtype(named, buffers)
+    assert torch.tensor(served(first[0])[0]).equal(named[0][1])
+    second = split_by_dtype([(n, t * 2 + 1) for n, t in named], buffers)
     assert [f.flat.data_ptr() for f in second] == [f.flat.data_ptr() for f in first]
     assert all(f.flat.is_shared() for f in second) and buffers.nbytes == 15 * 4 + 7 * 2
-    assert split_by_dtype(named, buffers, index=1)[0].flat.data_ptr() != first[0].flat.data_ptr()  # its own buffers
-    assert buffers.nbytes == 2 * (15 * 4 + 7 * 2)
-    reader = ("import base64, pickle, sys, torch, torch.multiprocessing\n"
-              "obj = pickle.loads(base64.b64decode(sys.stdin.read()))\n"
-              "m = obj['metadata'][0]\n"
-              "print(obj['flattened_tensor'][m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape).tolist())")
-    out = subprocess.run([sys.executable, "-c", reader], input=serialize_flat_bucket(second[0]), text=True,
-                         capture_output=True, check=True).stdout
-    assert torch.tensor(json.loads(out)).equal(named[0][1] * 2 + 1)
-    resized = split_by_dtype([("a.weight", torch.ones(4, 5))], buffers, index=0)[0]  # another size: a new buffer
-    assert resized.flat.data_ptr() != first[0].flat.data_ptr() and buffers.nbytes == 20 * 4 + 7 * 2 + 15 * 4 + 7 * 2
+    assert torch.tensor(served(second[0])[0]).equal(named[0][1] * 2 + 1)
+    smaller = split_by_dtype([("c.weight", -torch.ones(2, 2))], buffers)[0]
+    assert smaller.flat.data_ptr() == first[0].flat.data_ptr() and smaller.nbytes == 4 * 4
+    assert torch.tensor(served(smaller)[0]).equal(-torch.ones(2, 2))
+    larger = split_by_dtype([("d.weight", torch.ones(4, 5))], buffers)[0]  # beyond the buffer: a new, larger one
+    assert larger.flat.data_ptr() != first[0].flat.data_ptr() and buffers.nbytes == 20 * 4 + 7 * 2
+    assert torch.tensor(served(larger)[0]).equal(torch.ones(4, 5))
 
 
 class _Flaky(http.server.BaseHTTPRequestHandler):

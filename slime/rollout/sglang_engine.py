@@ -272,8 +272,8 @@ class SGLangEngine:
         pushing = bool(self.owned)
         shared_tp = self.colocated and self.cfg.tp_size > 1  # every TP rank hands its own copy to its server
         error = _attempt(self._session, "begin") if pushing else None
-        for index, bucket in enumerate(buckets):
-            flats = split_by_dtype(bucket, self._host_buffers, index) if pushing or shared_tp else []
+        for bucket in buckets:
+            flats = split_by_dtype(bucket, self._host_buffers) if pushing or shared_tp else []
             nbytes += sum(f.nbytes for f in flats) if pushing else 0
             payloads = self._payloads(flats, pushing) if self.colocated else None
             if error is None and pushing:

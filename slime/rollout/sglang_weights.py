@@ -36,7 +36,7 @@ _DEVICE_ARG = 6  # position of the device index in reduce_tensor's CUDA rebuild 
 
 class FlatBucket:
     """Tensors of one dtype laid back to back in a uint8 tensor, with SGLang's slice metadata. `out`: the uint8
-    tensor to lay them into (a kept buffer of exactly their size); None makes a fresh one."""
+    tensor of exactly their size to lay them into (a view of a kept buffer); None makes a fresh one."""
 
     def __init__(self, named: NamedTensors, out: torch.Tensor | None = None):
         assert named and len({t.dtype for _, t in named}) == 1, "one non-empty dtype group per flat bucket"
@@ -58,29 +58,30 @@ class FlatBucket:
 
 
 class SharedBuffers:
-    """Shared-memory uint8 buffers kept from one push to the next, one per (bucket, dtype): a CPU server reads a
-    flat bucket from shared memory, and a fresh one per push costs two copies of the weights plus page faults
-    (torch.cat into new memory, then share_memory_ moving it into a new shared file: ~200 ms of a 23.7M model's
-    ~200 ms push here) where refilling a kept one costs one copy. Refilling is safe because pushes are
-    synchronous: the server has loaded a bucket when its call returns, before the next push writes again."""
+    """Shared-memory uint8 buffers kept from one flat bucket to the next, one per dtype, grown to the largest
+    bucket (rollout.sync_bucket_mb): a CPU server reads a flat bucket from shared memory, and a fresh one per
+    bucket costs two copies plus page faults (torch.cat into new memory, then share_memory_ moving it into a
+    new shared file) where refilling a kept one costs one copy. Refilling is safe because pushes are
+    synchronous: a bucket's call returns once the server has loaded it, before the next bucket is laid in."""
 
     def __init__(self):
-        self._buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
 
-    def get(self, key: tuple[int, torch.dtype], nbytes: int) -> torch.Tensor:
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() != nbytes:
-            buf = self._buffers[key] = _shared_empty(nbytes)
-        return buf
+    def get(self, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of the dtype's buffer (a view; the server rebuilds the view, not the whole file)."""
+        buf = self._buffers.get(dtype)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._buffers[dtype] = _shared_empty(nbytes)
+        return buf[:nbytes]
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() for b in self._buffers.values())
 
 
-def split_by_dtype(bucket: NamedTensors, buffers: SharedBuffers | None = None, index: int = 0) -> list[FlatBucket]:
+def split_by_dtype(bucket: NamedTensors, buffers: SharedBuffers | None = None) -> list[FlatBucket]:
     """One FlatBucket per dtype of `bucket`. With `buffers` (CPU tensors only), each is laid into the kept
-    buffer of (index, dtype)."""
+    buffer of its dtype."""
     groups: dict[torch.dtype, NamedTensors] = {}
     for name, t in bucket:
         groups.setdefault(t.dtype, []).append((name, t))
@@ -88,7 +89,7 @@ def split_by_dtype(bucket: NamedTensors, buffers: SharedBuffers | None = None, i
     for dtype, named in groups.items():
         out = None
         if buffers is not None and all(t.device.type == "cpu" for _, t in named):
-            out = buffers.get((index, dtype), sum(t.numel() * t.element_size() for _, t in named))
+            out = buffers.get(dtype, sum(t.numel() * t.element_size() for _, t in named))
         flats.append(FlatBucket(named, out))
     return flats
 
