@@ -260,6 +260,35 @@ def test_sigterm_to_run_sh_saves_stops_every_rank_and_a_rerun_is_exact(model, ta
     assert_same_run(run_dir, straight)
 
 
+STOP_SCRIPT = """
+import os, signal, sys, time
+from slime.utils.signals import StopRequest
+stop = StopRequest.install()
+stop.stuck_after_s = 0.5
+def stuck_in_user_code():
+    time.sleep(float(sys.argv[1]))
+os.kill(os.getpid(), signal.SIGTERM)
+if sys.argv[2] == "ends":
+    stop.step_ended()
+stuck_in_user_code()
+print("left the step", stop.requested)
+"""
+
+
+def test_a_rank_stuck_after_a_stop_signal_prints_where_and_exits(tmp_path):
+    """After SIGTERM a rank that does not reach the end of its step in time prints its threads' stacks (naming
+    the function it hangs in) and exits; one that reached it (stop agreed, checkpoint under way) is left alone."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    stuck = subprocess.run([sys.executable, "-c", STOP_SCRIPT, "600", "hangs"], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert stuck.returncode != 0 and "left the step" not in stuck.stdout
+    assert "SIGTERM received" in stuck.stderr and "in stuck_in_user_code" in stuck.stderr, stuck.stderr
+    ended = subprocess.run([sys.executable, "-c", STOP_SCRIPT, "1.5", "ends"], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert ended.returncode == 0 and "left the step True" in ended.stdout, ended.stderr
+    assert "stuck_in_user_code" not in ended.stderr
+
+
 # -- hangs -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fn", ["sleeps", "sleeps_async"])
@@ -276,11 +305,14 @@ def test_a_hung_reward_function_times_out_naming_itself_and_the_sample(fn):
 
 def test_a_rank_that_stops_answering_is_named_with_step_and_phase(model, task_dir, tmp_path):
     """Rank 1 hangs in its reward function; rank 0 waits in the next collective and gives up after the
-    loop's timeout with the step and the phase."""
+    loop's timeout with the step and the phase; the launcher's SIGTERM finds rank 1 still hung, which then
+    prints where (its reward function) and exits."""
     proc = launch(model, task_dir, tmp_path / "run", "rollout.reward.fn=e2e_rewards:sleep_on_rank1",
                   "rollout.reward.timeout=600", "train.dist_timeout_minutes=0.1", "train.num_steps=1", check=False)
+    out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "step 1, rollout: a collective waited more than train.dist_timeout_minutes=0.1" in proc.stdout + proc.stderr
+    assert "step 1, rollout: a collective waited more than train.dist_timeout_minutes=0.1" in out
+    assert "in sleep_on_rank1" in out, out[-3000:]
 
 
 # -- data --------------------------------------------------------------------------------------------------------

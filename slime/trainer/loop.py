@@ -252,6 +252,8 @@ def run(cfg: Config) -> dict:
                 maybe_eval(done)
             phase.now = "checkpoint"
             stopping = dims.all_reduce_sum([float(stop.requested)], group=dims.world_group)[0] > 0
+            if stopping:
+                stop.step_ended()
             if stopping or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0) or \
                     (cfg.checkpoint.save_final and done == cfg.train.num_steps):
                 saved = checkpoint(done)

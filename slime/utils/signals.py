@@ -2,19 +2,27 @@
 
 The first signal only sets a flag: the loop finishes the step it is in, every rank agrees to stop,
 a checkpoint is saved and the run exits non-zero. A second signal exits at once, without saving.
+
+A rank that does not reach the end of its step within STUCK_AFTER_S of the first signal is stuck (in a user
+function that does not return, say, while a launcher stops the job because another rank failed): it prints
+where each of its threads is (faulthandler) and exits, rather than waiting for the launcher's SIGKILL, which
+would leave no trace of where it hung.
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
 
 logger = logging.getLogger(__name__)
+STUCK_AFTER_S = 20  # DeepSpeed's launcher and torchrun SIGKILL a rank 30 s after their SIGTERM
 
 
 class StopRequest:
-    def __init__(self) -> None:
+    def __init__(self, stuck_after_s: float = STUCK_AFTER_S) -> None:
         self.signum: int | None = None
+        self.stuck_after_s = stuck_after_s
 
     @classmethod
     def install(cls) -> "StopRequest":
@@ -38,4 +46,10 @@ class StopRequest:
             os._exit(128 + signum)
         self.signum = signum
         logger.warning("%s received: finishing this step, then saving a checkpoint and stopping (send it again "
-                       "to exit at once)", name)
+                       "to exit at once; if this rank has not finished its step within %g s, it prints the stack "
+                       "of each of its threads and exits)", name, self.stuck_after_s)
+        faulthandler.dump_traceback_later(self.stuck_after_s, exit=True)
+
+    def step_ended(self) -> None:
+        """Every rank reached the end of the step with the stop agreed: the checkpoint takes the time it needs."""
+        faulthandler.cancel_dump_traceback_later()
