@@ -85,7 +85,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            fallback: Callable = F.linear) -> torch.Tensor:
     if usable(x, weight):
         flat = x.reshape(-1, x.shape[-1])
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
             out = _Linear.apply(flat, weight, bias)
         else:  # no graph to record (generation, no-grad scoring): the Function's bookkeeping is ~10 us a call
             out = _mm_nt(flat, weight, bias)
