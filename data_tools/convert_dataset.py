@@ -35,7 +35,10 @@ def load(source: str, split: str, config: str | None = None):
     datasets.disable_progress_bars()
     path = Path(source)
     if path.is_file():
-        kind = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}[path.suffix]
+        kind = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}.get(path.suffix)
+        if kind is None:
+            raise SystemExit(f"--source {source}: unsupported file type '{path.suffix}'; give a .parquet, .json or "
+                             ".jsonl file, a folder of them, or a hub dataset name")
         return datasets.load_dataset(kind, data_files=str(path), split="train")
     if path.is_dir() and not (path / "dataset_info.json").is_file() and not list(path.glob("*.py")):
         files = sorted(str(p) for p in path.rglob("*") if p.suffix in (".parquet", ".json", ".jsonl")
@@ -67,6 +70,8 @@ def gsm8k(row: dict, i: int) -> dict | None:
     if "####" not in row["answer"]:
         return None
     label = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")
+    if not label:
+        return None
     return {"prompt": row["question"].strip() + GSM8K_INSTRUCTION, "label": label,
             "metadata": {"source": "gsm8k", "row": i}}
 
@@ -82,7 +87,8 @@ def math(row: dict, i: int) -> dict | None:
 def dapo_math(row: dict, i: int) -> dict | None:
     truth = (row.get("reward_model") or {}).get("ground_truth")
     messages = row.get("prompt")
-    if truth in (None, "") or not isinstance(messages, list):
+    if truth in (None, "") or not isinstance(messages, list) \
+            or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
         return None
     return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages], "label": str(truth),
             "metadata": {"source": row.get("data_source", "dapo_math"), "row": i}}

@@ -21,7 +21,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 # Modes Pillow converts to RGB faithfully. 16-bit and float modes ("I;16", "I", "F") would be clipped.
 SUPPORTED_MODES = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "RGBa", "CMYK", "YCbCr", "La"}
 REASONS = ("missing_image", "corrupt_image", "unsupported_mode", "too_large", "fetch_failed", "placeholder_mismatch",
-           "bad_reference")
+           "bad_reference", "changed_since_load")
 
 
 class ImageError(ValueError):
@@ -79,6 +79,8 @@ def _source(ref: Any, base_dir: Path, timeout: float):
 def read_image(ref: Any, base_dir: str | Path, *, max_pixels: int, timeout: float = 10.0) -> Image.Image:
     """The fully decoded image as RGB, EXIF orientation applied. `max_pixels` guards decoding: a larger
     image (a decompression bomb, or just too big) is refused from its header, before any decoding."""
+    if Image.MAX_IMAGE_PIXELS is not None and max_pixels > Image.MAX_IMAGE_PIXELS:
+        Image.MAX_IMAGE_PIXELS = max_pixels  # the limit asked for is the guard; Pillow's lower one would refuse first
     if isinstance(ref, Image.Image):
         img = ref
     else:

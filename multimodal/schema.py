@@ -29,11 +29,36 @@ def _image_ref(part: dict) -> Any:
     raise ImageError("bad_reference", f"image part {sorted(part)} has none of the keys {', '.join(IMAGE_KEYS)}")
 
 
+def check_messages(messages: Any, key: str) -> None:
+    """A TypeError naming what is wrong unless `messages` is a list of chat messages: objects with a string role
+    and a content that is a string or a list of part objects."""
+    if not isinstance(messages, list):
+        raise TypeError(f"field '{key}' must be a list of chat messages ({{\"role\": ..., \"content\": ...}}), got "
+                        f"{type(messages).__name__}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise TypeError(f"'{key}'[{i}] must be an object with a string 'role' and a 'content', got {m!r:.80}")
+        content = m.get("content")
+        if isinstance(content, list):
+            bad = next((part for part in content if not isinstance(part, dict)), None)
+            if bad is not None:
+                raise TypeError(f"'{key}'[{i}].content lists {bad!r:.60}; each part must be an object such as "
+                                '{"type": "text", "text": ...} or {"type": "image", "image": ...}')
+        elif not isinstance(content, str):
+            raise TypeError(f"'{key}'[{i}].content must be a string or a list of parts, got {type(content).__name__}")
+
+
 def parse_row(row: dict, *, prompt_key: str, messages_key: str, images_key: str,
               placeholder: str = "<image>") -> tuple[list[dict], list[Any]] | None:
-    """(messages, image references) of an image-text row, or None for a text-only row."""
+    """(messages, image references) of an image-text row, or None for a text-only row. A field of the wrong
+    type is a TypeError naming it."""
     images = row.get(images_key)
     prompt = row.get(prompt_key)
+    if images is not None and not isinstance(images, (list, tuple)):
+        raise TypeError(f"field '{images_key}' must be a list of image references, got {type(images).__name__} "
+                        f"(a single image goes in a one-element list)")
+    if prompt is None and row.get(messages_key) is not None:
+        check_messages(row[messages_key], messages_key)
     if prompt is not None and (images or (isinstance(prompt, str) and placeholder in prompt)):
         if not isinstance(prompt, str):
             raise TypeError(f"field '{prompt_key}' must be a string, got {type(prompt).__name__}")

@@ -43,7 +43,8 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    path: str = field("", "Prompt file: .jsonl/.json or .parquet (loaded with `datasets`).")
+    path: str = field("", "Prompt file: .jsonl, .json (an array of objects or JSON lines) or .parquet "
+                               "(through `datasets`).")
     prompt_key: str = field("prompt", "Field holding the prompt text.")
     messages_key: str = field("messages", "Field holding chat messages; used when the prompt field is absent.")
     label_key: str = field("label", "Field holding the ground truth passed to the reward function.")
@@ -65,6 +66,11 @@ class DataConfig:
     def __post_init__(self):
         if not 0 <= self.max_skipped_frac <= 1:
             raise ValueError(f"data.max_skipped_frac={self.max_skipped_frac} must be in [0, 1]")
+        if self.max_prompt_len < 1 or self.max_image_pixels < 1:
+            raise ValueError(f"data.max_prompt_len={self.max_prompt_len} and data.max_image_pixels="
+                             f"{self.max_image_pixels} must be >= 1")
+        if self.image_fetch_timeout <= 0:
+            raise ValueError(f"data.image_fetch_timeout={self.image_fetch_timeout} must be > 0 (seconds)")
 
 
 @dataclasses.dataclass
@@ -83,7 +89,7 @@ class RewardConfig:
     retry_backoff: float = field(1.0, "Reward server: seconds before the first retry; doubles each retry.")
 
     def __post_init__(self):
-        if self.timeout <= 0:
+        if not self.timeout > 0:  # NaN too
             raise ValueError(f"rollout.reward.timeout={self.timeout} must be > 0")
         if self.max_concurrency < 1 or self.batch_size < 1:
             raise ValueError("rollout.reward.max_concurrency and rollout.reward.batch_size must be >= 1")
@@ -96,6 +102,12 @@ class OverlongPenaltyConfig:
     max_len: int = field(0, "DAPO overlong penalty: responses longer than max_len - buffer_len lose reward (0 = off).")
     buffer_len: int = field(0, "Length of the linear penalty ramp before max_len.")
     factor: float = field(1.0, "Penalty at and beyond max_len.")
+
+    def __post_init__(self):
+        if self.max_len < 0 or not 0 <= self.buffer_len <= max(self.max_len, 0) or not self.factor >= 0:
+            raise ValueError(f"rollout.overlong_penalty: max_len={self.max_len} must be >= 0, buffer_len="
+                             f"{self.buffer_len} in [0, max_len] (responses longer than max_len - buffer_len "
+                             f"are penalised) and factor={self.factor} >= 0")
 
 
 @dataclasses.dataclass
@@ -168,6 +180,14 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         if self.temperature <= 0:
             raise ValueError(f"rollout.temperature={self.temperature} must be > 0 (use a small value for near-greedy)")
+        if self.max_response_len < 1 or self.gen_batch_size < 1 or self.max_sampling_attempts < 1:
+            raise ValueError(f"rollout.max_response_len={self.max_response_len}, rollout.gen_batch_size="
+                             f"{self.gen_batch_size} and rollout.max_sampling_attempts={self.max_sampling_attempts} "
+                             "must be >= 1")
+        bad = [t for t in self.stop_token_ids if isinstance(t, bool) or not isinstance(t, int) or t < 0]
+        if bad:
+            raise ValueError(f"rollout.stop_token_ids={self.stop_token_ids}: {bad} are not token ids; give the ids "
+                             "as non-negative integers (tokenizer.convert_tokens_to_ids names a token's id)")
 
 
 @dataclasses.dataclass
@@ -255,6 +275,11 @@ class EvalConfig:
     max_response_len: int = field(0, "Max new tokens for eval (0 = rollout.max_response_len).")
     accuracy_threshold: float = field(1.0, "A response counts as correct when its reward is >= this.")
 
+    def __post_init__(self):
+        if self.interval < 1 or self.max_prompts < 0 or self.max_response_len < 0:
+            raise ValueError(f"eval.interval={self.interval} must be >= 1, eval.max_prompts={self.max_prompts} "
+                             f"and eval.max_response_len={self.max_response_len} >= 0 (0 = all / the rollout's)")
+
 
 @dataclasses.dataclass
 class TrainConfig:
@@ -302,6 +327,12 @@ class TrainConfig:
             raise ValueError("train.max_tokens_per_gpu must be >= 1")
         if self.num_mini_batches < 1:
             raise ValueError("train.num_mini_batches must be >= 1")
+        if self.logits_chunk_size < 1:
+            raise ValueError(f"train.logits_chunk_size={self.logits_chunk_size} must be >= 1 (tokens per chunk)")
+        if not (self.lr >= 0 and self.min_lr >= 0 and self.weight_decay >= 0 and self.grad_clip >= 0) \
+                or self.warmup_steps < 0:
+            raise ValueError(f"train.lr={self.lr}, train.min_lr={self.min_lr}, train.weight_decay={self.weight_decay}, "
+                             f"train.grad_clip={self.grad_clip} and train.warmup_steps={self.warmup_steps} must be >= 0")
 
 
 @dataclasses.dataclass

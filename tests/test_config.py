@@ -39,6 +39,16 @@ def test_int_is_accepted_for_float():
     ("parallel.sp=0", ["parallel.sp"]),
     ("parallel.ep=0", ["parallel.ep"]),
     ("train=3", ["train must be a mapping"]),
+    ("eval.interval=0", ["eval.interval=0", ">= 1"]),
+    ("eval.max_prompts=-2", ["eval.max_prompts=-2"]),
+    ("rollout.max_response_len=0", ["rollout.max_response_len=0"]),
+    ("rollout.stop_token_ids=['</s>']", ["rollout.stop_token_ids", "not token ids"]),
+    ("rollout.reward.timeout=.nan", ["rollout.reward.timeout=nan"]),
+    ("rollout.overlong_penalty.buffer_len=20", ["buffer_len=20 in [0, max_len]"]),
+    ("data.image_fetch_timeout=0", ["data.image_fetch_timeout=0"]),
+    ("data.max_prompt_len=0", ["data.max_prompt_len=0"]),
+    ("train.logits_chunk_size=0", ["train.logits_chunk_size=0"]),
+    ("train.lr=-0.001", ["train.lr=-0.001"]),
 ])
 def test_bad_config_names_key(override, words):
     with pytest.raises((ValueError, TypeError)) as err:

@@ -92,3 +92,15 @@ def test_length_report_on_a_converted_file(tmp_path, tiny_model):
     assert r["prompts"] == 40 and r["min"] <= r["median"] <= r["p90"] <= r["max"]
     assert r["packed"]["real_token_fraction"] == 1.0 and 0 < r["packed"]["budget_fill"] <= 1.0
     assert r["padded"]["real_token_fraction"] < 1.0  # padding wastes what packing does not
+
+
+def test_converters_skip_rows_without_a_usable_answer(tmp_path):
+    rows = [{"question": "1+1?", "answer": "so #### 2"}, {"question": "?", "answer": "nothing after ####"},
+            {"question": "?", "answer": "no marker"}]
+    assert convert("gsm8k", rows, tmp_path / "g.jsonl") == (1, 2)
+    dapo = [{"prompt": [{"content": "no role"}], "reward_model": {"ground_truth": "1"}},
+            {"prompt": [{"role": "user", "content": "1+0?"}], "reward_model": {"ground_truth": "1"}}]
+    assert convert("dapo_math", dapo, tmp_path / "d.jsonl") == (1, 1)
+    (tmp_path / "x.png").write_bytes(b"")
+    with pytest.raises(SystemExit, match="unsupported file type '.png'"):
+        load(str(tmp_path / "x.png"), "train")

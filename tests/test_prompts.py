@@ -79,3 +79,68 @@ def test_epoch_rolls_over_with_new_order(tmp_path, tok):
     first = [p.index for _ in range(2) for p in src.next_batch()]
     second = [p.index for _ in range(2) for p in src.next_batch()]
     assert src.epoch == 1 and len(set(first)) == 8 and first != second
+
+
+def test_jsonl_lines_end_only_at_newline(tmp_path, tok):
+    """U+2028 and U+0085 inside a string are legal JSON, and json.dumps(ensure_ascii=False) writes them raw."""
+    rows = [{"prompt": "a\u2028b", "label": "1"}, {"prompt": "c\u0085d", "label": "2"}, {"prompt": "e", "label": "3"}]
+    path = tmp_path / "p.jsonl"
+    path.write_bytes("".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows).encode())
+    prompts, _ = load_prompts(DataConfig(path=str(path), apply_chat_template=False), tok)
+    assert [p.prompt_text for p in prompts] == ["a\u2028b", "c\u0085d", "e"] and [p.index for p in prompts] == [0, 1, 2]
+
+
+def test_json_arrays_keep_their_values(tmp_path, tok):
+    """A .json file is read as JSON: `datasets` would type the label column and turn "007" into 7."""
+    rows = [{"prompt": "1", "label": "007"}, {"prompt": "2", "label": 4}, {"prompt": "3", "label": "1e3"}]
+    (tmp_path / "a.json").write_text(json.dumps(rows))
+    write_jsonl(tmp_path / "l.json", rows)  # JSON lines under a .json name
+    for name in ("a.json", "l.json"):
+        prompts, _ = load_prompts(DataConfig(path=str(tmp_path / name)), tok)
+        assert [p.label for p in prompts] == ["007", 4, "1e3"], name
+    (tmp_path / "b.json").write_text(json.dumps([{"prompt": "1"}, "2"]))
+    with pytest.raises(ValueError, match="b.json: row 2 must be a JSON object, got str"):
+        load_prompts(DataConfig(path=str(tmp_path / "b.json")), tok)
+
+
+def test_empty_labels_are_missing_labels(tmp_path, tok):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1=", "label": []}, {"prompt": "2+2=", "label": " "},
+                                              {"prompt": "3+3=", "label": 0}, {"prompt": "4+4=", "label": ["8"]}])
+    prompts, report = load_prompts(DataConfig(path=str(path), max_skipped_frac=1.0), tok, label_required=True)
+    assert [p.label for p in prompts] == [0, ["8"]] and dict(report.skipped) == {"missing_label": 2}
+    prompts, report = load_prompts(DataConfig(path=str(path)), tok)  # no reward needs them: kept as given
+    assert len(prompts) == 4 and not report.skipped
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"messages": "2+2="}, r"p.jsonl:1: field 'messages' must be a list of chat messages"),
+    ({"messages": ["hi"]}, r"p.jsonl:1: 'messages'\[0\] must be an object with a string 'role'"),
+    ({"messages": [{"role": "user", "content": ["hi"]}]}, r"p.jsonl:1: 'messages'\[0\].content lists 'hi'"),
+    ({"messages": [{"role": "user", "content": 7}]}, r"p.jsonl:1: 'messages'\[0\].content must be a string or a list"),
+    ({"prompt": "x", "images": "a.png"}, r"p.jsonl:1: field 'images' must be a list of image references"),
+    ({"prompt": "x", "metadata": []}, r"p.jsonl:1: field 'metadata' must be an object, got list"),
+])
+def test_fields_of_the_wrong_type_name_file_line_and_field(tmp_path, tok, row, message):
+    path = write_jsonl(tmp_path / "p.jsonl", [row, {"prompt": "1+1="}])
+    with pytest.raises(TypeError, match=message):
+        load_prompts(DataConfig(path=str(path)), tok)
+
+
+def test_an_empty_conversation_is_an_empty_prompt(tmp_path, tok):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"messages": []}, {"prompt": "1+1="}, {"prompt": "2+2="}])
+    prompts, report = load_prompts(DataConfig(path=str(path), max_skipped_frac=0.5), tok)
+    assert len(prompts) == 2 and dict(report.skipped) == {"empty_prompt": 1}
+
+
+def test_eval_rows_without_the_label_the_reward_needs_are_skipped(tmp_path, tok, tiny_model):
+    from slime.config import load_config
+    from slime.distributed.parallel_dims import ParallelDims
+    from slime.trainer.evaluate import load_eval_prompts
+
+    path = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": f"{k}+1=", "label": str(k + 1)} for k in range(9)]
+                       + [{"prompt": "9+1="}])
+    one = ParallelDims(world_size=1, rank=0, local_rank=0, dp=1)
+    for fn, kept in (("exact_match", 9), ("reward_fns_for_test:length_reward", 10)):
+        cfg = load_config(None, [f"model.path={tiny_model}", f"data.path={path}", f"eval.path={path}",
+                                 f"rollout.reward.fn={fn}"])
+        assert len(load_eval_prompts(cfg, tok, one)) == kept, fn

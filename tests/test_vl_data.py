@@ -154,3 +154,56 @@ def test_parquet_with_an_image_feature(tmp_path, vl):
     source = PromptSource(DataConfig(path=str(tmp_path / "d.parquet")), tok, batch_size=1, dp_rank=0, dp_size=1,
                           seed=0, processor=proc)
     assert torch.isfinite(source.next_batch()[0].mm.pixel_values).all()
+
+
+def test_image_rows_refuse_a_turned_off_chat_template(tmp_path, vl):
+    _, tok, proc = vl
+    path = rows_file(tmp_path, [{"prompt": f"<image>{Q}", "images": [png(tmp_path / "a.png")], "label": "x"}])
+    with pytest.raises(ValueError, match=r"d.jsonl:1: image-text rows need the chat template.*apply_chat_template"):
+        load_prompts(DataConfig(path=str(path), apply_chat_template=False), tok, processor=proc)
+
+
+def test_an_image_resized_since_load_is_skipped_when_drawn_and_ids_stay_apart(tmp_path, vl):
+    """The prompt's image tokens were counted at load; an image replaced by one of another size is skipped and
+    counted when drawn, and the rank's remaining samples keep the group ids and indices of its share."""
+    from slime.config import RolloutConfig
+    from slime.distributed.parallel_dims import ParallelDims
+    from slime.rollout.engine import Generation
+    from slime.rollout.rollout import _draw_and_generate
+
+    _, tok, proc = vl
+    rows = [{"prompt": f"<image>{Q} {k}", "images": [png(tmp_path / f"{k}.png")], "label": "red"} for k in range(4)]
+    source = PromptSource(DataConfig(path=str(rows_file(tmp_path, rows)), shuffle=False), tok, batch_size=4,
+                          dp_rank=1, dp_size=2, seed=0, processor=proc)
+    png(tmp_path / "1.png", size=(200, 120))  # rank 1 draws rows 1 and 3
+
+    class Engine:
+        weight_version = 0
+
+        def generate(self, prompts, params, mm=None):
+            return [[Generation([5], [-1.0], "length")] * params.n for _ in prompts]
+
+    class Reward:
+        def score(self, samples):
+            return [0.0] * len(samples)
+
+    samples = _draw_and_generate(Engine(), source, RolloutConfig(batch_size=4, n_samples_per_prompt=2), tok,
+                                 Reward(), ParallelDims(world_size=2, rank=1, local_rank=1, dp=2), step=0, attempt=0,
+                                 n_prompts=None)
+    assert dict(source.skipped_when_drawn) == {"changed_since_load": 1}
+    assert [s.prompt_text.endswith("3<assistant>") for s in samples] == [True, True]
+    # rank 1's share of 2 prompts starts at group 2 and sample 4, whatever it kept; rank 0 holds groups 0-1
+    assert [s.group_id for s in samples] == [2, 2] and [s.index for s in samples] == [4, 5]
+
+
+def test_a_raised_pixel_limit_passes_pillows_own(tmp_path, vl, monkeypatch):
+    """data.max_image_pixels above Pillow's decompression-bomb limit is what applies (Pillow's would refuse
+    such images at open, or warn at decoding, before ours)."""
+    from slime.multimodal.images import ImageError, read_image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # stands in for Pillow's 89 Mpx
+    Image.new("L", (100, 50)).save(tmp_path / "wide.png")  # 5000 px: beyond 2x Pillow's limit
+    assert read_image("wide.png", tmp_path, max_pixels=10_000).size == (100, 50)
+    with pytest.raises(ImageError) as e:
+        read_image("wide.png", tmp_path, max_pixels=4_000)
+    assert e.value.reason == "too_large"

@@ -1,5 +1,5 @@
-"""Prompt source: .jsonl (read line by line, so errors name file:line), .json and .parquet (through
-`datasets`), text or image-text rows, tokenised once, sharded over dp, resumable.
+"""Prompt source: .jsonl (read line by line, so errors name file:line), .json (an array of objects, or JSON
+lines) and .parquet (through `datasets`), text or image-text rows, tokenised once, sharded over dp, resumable.
 
 Every rank holds the same filtered, tokenised list and the same shuffled order (seeded by
 train.seed and the epoch); rank r takes positions r, r+dp, ... of each global batch. The state is
@@ -61,7 +61,10 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
         column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
         raise ValueError(f"{path}:{line}: byte 0x{raw[e.start]:02x} at column {column} (file offset {e.start}) is "
                          "not UTF-8; re-encode the file as UTF-8") from None
-    for n, line in enumerate(text.splitlines(), 1):
+    # Lines end at "\n" only: str.splitlines would also split at U+2028, U+0085 and the like, which JSON
+    # writers (json.dumps(..., ensure_ascii=False)) leave raw inside strings.
+    for n, line in enumerate(text.split("\n"), 1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         try:
@@ -74,9 +77,27 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
     return rows
 
 
+def read_json(path: Path) -> list[tuple[int, dict]]:
+    """Rows of a .json file: one JSON array of objects (row numbers count from 1), or JSON lines. Read as plain
+    JSON, not through `datasets`, whose column typing would turn mixed labels such as "007" and 4 into numbers."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return read_jsonl(path)  # JSON lines (or broken JSON: the error then names the line)
+    if isinstance(data, dict):
+        return read_jsonl(path)  # one object: JSON lines with one row
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: a .json prompt file must hold a list of objects (or one object per line), got "
+                         f"a JSON {type(data).__name__}")
+    for n, row in enumerate(data, 1):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: row {n} must be a JSON object, got {type(row).__name__}")
+    return list(enumerate(data, 1))
+
+
 def load_rows(path: str) -> list[tuple[int, dict]]:
-    """(line or row number, row) of a .jsonl, .json or .parquet file (the latter two through `datasets`,
-    which decodes Image features)."""
+    """(line or row number, row) of a .jsonl, .json or .parquet file (parquet through `datasets`, which decodes
+    Image features)."""
     import datasets
 
     p = Path(path)
@@ -84,9 +105,11 @@ def load_rows(path: str) -> list[tuple[int, dict]]:
         raise FileNotFoundError(f"data.path={path} does not exist")
     if p.suffix == ".jsonl":
         return read_jsonl(p)
-    kind = {".json": "json", ".parquet": "parquet"}.get(p.suffix)
-    if kind is None:
+    if p.suffix == ".json":
+        return read_json(p)
+    if p.suffix != ".parquet":
         raise ValueError(f"data.path={path}: unsupported extension '{p.suffix}'; use .jsonl, .json or .parquet")
+    kind = "parquet"
     datasets.disable_progress_bars()
     try:
         ds = datasets.load_dataset(kind, data_files=str(p), split="train")
@@ -139,16 +162,26 @@ def encode_image_prompt(messages: list[dict], refs: list, cfg: DataConfig, proce
 
 def _is_empty(row: dict, cfg: DataConfig) -> bool:
     """No text and no image in the row's prompt (a chat template alone does not make a prompt)."""
-    prompt = row.get(cfg.prompt_key)
+    prompt, messages = row.get(cfg.prompt_key), row.get(cfg.messages_key)
     if isinstance(prompt, str):
         return not prompt.strip() and not row.get(cfg.images_key)
-    messages = row.get(cfg.messages_key) or []
+    if prompt is not None or messages is None:  # a wrong type, or neither field: encode_prompt names them
+        return False
 
     def empty(content) -> bool:
         if isinstance(content, str):
             return not content.strip()
         return all(p.get("type") == "text" and not (p.get("text") or "").strip() for p in content or [])
     return all(empty(m.get("content")) for m in messages if isinstance(m, dict))
+
+
+def has_label(value: Any) -> bool:
+    """Whether a row's label gives a reward something to compare against: not missing, not "" and not []."""
+    if isinstance(value, str):
+        return bool(value.strip())
+    if isinstance(value, (list, tuple)):
+        return bool(value)
+    return value is not None
 
 
 class SkippedRow(ValueError):
@@ -181,17 +214,22 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
                                    images_key=cfg.images_key, placeholder=cfg.image_placeholder)
             except TypeError as e:
                 raise TypeError(f"{path}:{line}: {e}") from None
+            if _is_empty(row, cfg):
+                raise SkippedRow("empty_prompt", "the prompt is empty")
             if parsed is None:
                 text, ids = encode_prompt(row, line, cfg, tokenizer, path)
                 refs = None
             elif processor is None:
                 raise ValueError(f"{path}:{line}: the row has images but model.path is a text-only model")
+            elif not cfg.apply_chat_template:
+                raise ValueError(f"{path}:{line}: image-text rows need the chat template, which places the model's "
+                                 "vision tokens; set data.apply_chat_template=true")
             else:
                 text, ids, refs = encode_image_prompt(*parsed, cfg, processor, base_dir)
-            if label_required and row.get(cfg.label_key) is None:
-                raise SkippedRow("missing_label", f"no '{cfg.label_key}' (the reward compares against it; "
-                                                  "data.label_key names the field)")
-            if not ids or _is_empty(row, cfg):
+            if label_required and not has_label(row.get(cfg.label_key)):
+                raise SkippedRow("missing_label", f"no '{cfg.label_key}', or an empty one (the reward compares "
+                                                  "against it; data.label_key names the field)")
+            if not ids:
                 raise SkippedRow("empty_prompt", "the prompt is empty")
         except (ImageError, SkippedRow) as e:
             report.skipped[e.reason] += 1
@@ -202,7 +240,8 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
         if len(ids) > cfg.max_prompt_len:
             report.too_long += 1
             continue
-        meta = row.get(cfg.metadata_key) or {}
+        meta = row.get(cfg.metadata_key)
+        meta = {} if meta is None else meta
         if not isinstance(meta, dict):
             raise TypeError(f"{path}:{line}: field '{cfg.metadata_key}' must be an object, got {type(meta).__name__}")
         prompts.append(Prompt(ids, text, row.get(cfg.label_key), meta, line - 1, images=refs))
@@ -243,7 +282,12 @@ def with_pixels(prompts: list[Prompt], cfg: DataConfig, processor: VLProcessor |
             continue
         mm = processor.pixels(images)
         tokens = int((mm.image_grid_thw.prod(-1) // processor.merge ** 2).sum())
-        assert tokens == p.prompt_ids.count(processor.image_token_id), "image tokens changed since load"
+        if tokens != p.prompt_ids.count(processor.image_token_id):  # a file replaced by one of another size
+            logger.warning("%s:%d: skipped when drawn (changed_since_load): its images now make %d image tokens, "
+                           "the prompt was tokenised with %d", path, p.index + 1, tokens,
+                           p.prompt_ids.count(processor.image_token_id))
+            skipped["changed_since_load"] += 1
+            continue
         out.append(dataclasses.replace(p, mm=mm))
     return out, skipped
 

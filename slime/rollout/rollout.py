@@ -133,9 +133,12 @@ def _draw_and_generate(engine, data: PromptSource, cfg: RolloutConfig, tokenizer
     params = sampling_params(cfg)
     version = engine.weight_version
     prompts = data.next_batch(n_prompts)
-    first = (step * cfg.max_sampling_attempts + attempt) * 10**6 + dims.dp_rank * len(prompts)
+    # Ids from the share drawn, not from the prompts kept: a rank whose image broke since load has fewer, and
+    # its neighbour's group ids and sample indices must not run into its own.
+    share = (n_prompts or cfg.batch_size) // dims.dp
+    first = (step * cfg.max_sampling_attempts + attempt) * 10**6 + dims.dp_rank * share
     samples = _generate_shared(engine, prompts, params, tokenizer, reward_fn, dims, first_group_id=first,
-                               first_index=dims.dp_rank * len(prompts) * params.n, generate_fn=cfg.generate_fn)
+                               first_index=dims.dp_rank * share * params.n, generate_fn=cfg.generate_fn)
     if cfg.overlong_penalty.max_len:
         op = cfg.overlong_penalty
         for s in samples:

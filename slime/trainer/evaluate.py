@@ -8,13 +8,15 @@ from slime.config import Config
 from slime.data.prompts import Prompt, load_prompts, with_pixels
 from slime.distributed.parallel_dims import ParallelDims
 from slime.rollout.engine import SamplingParams
+from slime.rollout.rewards import needs_label
 from slime.rollout.rollout import generate_rollout
 
 
 def load_eval_prompts(cfg: Config, tokenizer, dims: ParallelDims, processor=None) -> list[Prompt]:
     """This rank's slice of the eval file (the first eval.max_prompts prompts, split over every rank), with
     pixels. Evaluation needs no trainer layout, so sp peers take different prompts too."""
-    prompts, _ = load_prompts(cfg.data, tokenizer, path=cfg.eval.path, processor=processor)
+    prompts, _ = load_prompts(cfg.data, tokenizer, path=cfg.eval.path, processor=processor,
+                              label_required=needs_label(cfg.rollout.reward.fn))
     if cfg.eval.max_prompts:
         prompts = prompts[:cfg.eval.max_prompts]
     mine, _ = with_pixels(prompts[dims.rank::dims.world_size], cfg.data, processor, cfg.eval.path)
