@@ -216,6 +216,22 @@ def test_resume_refuses_another_model_or_zero_stage_or_no_resume_and_applies_a_c
     assert json.loads((run_dir / "config.json").read_text())["train"]["lr"] == 1e-3
 
 
+
+def test_the_logged_lr_is_the_one_used_and_a_longer_resumed_run_follows_its_own_schedule(model, task_dir, tmp_path):
+    """train/lr is the rate of the step's update; a run resumed with more steps continues on the schedule of its
+    new length from the first resumed step (the restored optimizer held the old schedule's last rate: 0 here)."""
+    from slime.config import TrainConfig
+    from slime.trainer.policy_engine import lr_lambda
+
+    run_dir = tmp_path / "run"
+    schedule = ("train.warmup_steps=1", "train.lr_schedule=cosine", "train.min_lr=0", "checkpoint.interval=1")
+    launch(model, task_dir, run_dir, "train.num_steps=2", *schedule, nproc=1)
+    proc = launch(model, task_dir, run_dir, "train.num_steps=4", *schedule, nproc=1)
+    assert "train.num_steps 2 -> 4" in proc.stdout + proc.stderr
+    short, long = (lr_lambda(TrainConfig(num_steps=n, warmup_steps=1, lr_schedule="cosine", lr=5e-3), n) for n in (2, 4))
+    expected = [5e-3 * short(0), 5e-3 * short(1), 5e-3 * long(2), 5e-3 * long(3)]  # 2.5e-3, 5e-3, 3.75e-3, 1.25e-3
+    assert [r["train/lr"] for r in read_metrics(run_dir)] == pytest.approx(expected)
+
 # -- signals ----------------------------------------------------------------------------------------------------
 
 def start_run_sh(model, task_dir, run_dir):

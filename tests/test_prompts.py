@@ -1,5 +1,6 @@
 """Prompt source: formats, chat template, over-long filtering, dp sharding and resumable order."""
 import json
+import logging
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -57,7 +58,7 @@ def test_bad_rows_name_file_and_line(tmp_path, tok):
         load_prompts(DataConfig(path=str(tmp_path / "p.csv")), tok)
 
 
-def test_ranks_get_disjoint_shares_and_resume_continues(task_dir, tok):
+def test_ranks_get_disjoint_shares_and_resume_continues(task_dir, tok, caplog):
     cfg = DataConfig(path=str(task_dir / "train.jsonl"))
     sources = [PromptSource(cfg, tok, batch_size=8, dp_rank=r, dp_size=2, seed=3) for r in range(2)]
     seen = []
@@ -69,8 +70,13 @@ def test_ranks_get_disjoint_shares_and_resume_continues(task_dir, tok):
     state = sources[0].state_dict()
     expected = [p.index for p in sources[0].next_batch()]
     fresh = PromptSource(cfg, tok, batch_size=8, dp_rank=0, dp_size=2, seed=3)
-    fresh.load_state_dict(state)
-    assert [p.index for p in fresh.next_batch()] == expected
+    with caplog.at_level(logging.WARNING):
+        fresh.load_state_dict(state)
+    assert [p.index for p in fresh.next_batch()] == expected and not caplog.text
+    other = PromptSource(cfg, tok, batch_size=8, dp_rank=0, dp_size=2, seed=4)
+    with caplog.at_level(logging.WARNING):
+        other.load_state_dict(state)  # another seed: said so, not silently another order
+    assert "resumed with another prompt order (train.seed 3 -> 4)" in caplog.text
 
 
 def test_epoch_rolls_over_with_new_order(tmp_path, tok):

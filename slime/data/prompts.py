@@ -341,11 +341,23 @@ class PromptSource:
                 if self.report.skipped[r] + d}
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "offset": self.offset}
+        return {"epoch": self.epoch, "offset": self.offset, "order": self._order_settings()}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.offset = state["epoch"], state["offset"]
         self._order = self._make_order()
+        saved = state.get("order")  # absent in checkpoints of older versions
+        if saved is not None and saved != self._order_settings():
+            changes = ", ".join(f"{k} {saved.get(k)!r} -> {v!r}" for k, v in self._order_settings().items()
+                                if saved.get(k) != v)
+            logger.warning("resumed with another prompt order (%s): the run continues at position %d of epoch %d "
+                           "of the new order, so prompts of this epoch may repeat or be left out until it ends",
+                           changes, self.offset, self.epoch)
+
+    def _order_settings(self) -> dict:
+        """What the order of prompts follows from: a resume with other values continues in another order."""
+        return {"data.path": str(Path(self.cfg.path).resolve()), "prompts": len(self.prompts),
+                "data.shuffle": self.cfg.shuffle, "train.seed": self.seed}
 
 
 def to_samples(prompts: list[Prompt], n: int, first_group_id: int) -> list[Sample]:

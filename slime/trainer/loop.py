@@ -99,6 +99,7 @@ def checkpoint_identity(cfg: Config) -> dict:
             "optim": {"train.lr": t.lr, "train.min_lr": t.min_lr, "train.lr_schedule": t.lr_schedule,
                       "train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
                       "train.betas": list(t.betas), "train.grad_clip": t.grad_clip,
+                      "train.num_steps": t.num_steps, "train.num_mini_batches": t.num_mini_batches,  # the schedule's length
                       "algo.critic.lr": cfg.algo.critic.lr}}
 
 

@@ -228,17 +228,18 @@ class PolicyEngine:
                 (k == "algo.critic.lr" and self.role == "critic")}
         if self.role == "critic":
             mine.pop("train.lr", None)
-        if not mine:
-            return
         lr = cfg.algo.critic.lr if self.role == "critic" else cfg.train.lr
         scheduler, optimizer = self.engine.lr_scheduler, self.engine.optimizer
+        # The restored groups hold the rate the old schedule gave its last step; this run's schedule (built from
+        # this config: its num_steps, warmup, floor) sets the rate from here on, the next step included.
         factor = scheduler.lr_lambdas[0](scheduler.last_epoch) if scheduler is not None else 1.0
         if scheduler is not None:
             scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
         for group in optimizer.param_groups:
             group.update(lr=lr * factor, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
-        logger.warning("resumed with changed settings, applied to the %s: %s", self.role,
-                       ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in mine.items()))
+        if mine:
+            logger.warning("resumed with changed settings, applied to the %s: %s", self.role,
+                           ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in mine.items()))
 
     def parameters_finite(self) -> bool:
         """Every rank's parameter partitions are finite (a collective)."""
@@ -251,16 +252,18 @@ class PolicyEngine:
         sums: dict[str, torch.Tensor] = {}
         grad_norms = []
         skipped_before = self.skipped_steps
+        lrs = []  # the rates the steps use (get_lr after a step gives the next step's)
         for mini in batch.mini_batches:
             for key, value in self.forward_backward(batch, mini, loss_fn).items():
                 sums[key] = sums[key] + value if key in sums else value
+            lrs.append(self.engine.get_lr()[0])
             grad_norms.append(self.optimizer_step())
         router = {k: sums.pop(k) for k in list(sums) if k.startswith("router_")}
         g = self.dims.all_reduce_tensors(sums)
         n_mini = len(batch.mini_batches)
         ntok = max(g.pop("loss_tokens"), 1.0)
         prefix = "critic" if self.role == "critic" else "train"
-        out = {f"{prefix}/grad_norm": sum(grad_norms) / n_mini, f"{prefix}/lr": self.engine.get_lr()[0],
+        out = {f"{prefix}/grad_norm": sum(grad_norms) / n_mini, f"{prefix}/lr": sum(lrs) / n_mini,
                f"{prefix}/skipped_steps": float(self.skipped_steps - skipped_before)}
         for key in ("loss", "pg_loss", "value_loss"):  # additive shares of each mini-batch's loss
             if key in g:
