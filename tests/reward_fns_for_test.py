@@ -71,3 +71,11 @@ def sleeps(sample: Sample) -> float:
 async def sleeps_async(sample: Sample) -> float:
     await asyncio.sleep(60)
     return 1.0
+
+
+def scaled_group(samples: list[Sample]) -> list[float]:
+    return [1e38] * len(samples)
+
+
+def returns_huge_int(sample: Sample) -> int:
+    return 10**400

@@ -177,3 +177,15 @@ def test_decode_attention_equals_sdpa(padded):
     got = _decode_attention(q, k, v, mask, scaling=0.3)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_weights_blown_up_are_said_so_when_sampling_and_when_greedy(tmp_path, temperature):
+    """NaN logits: sampling fails in multinomial, greedy would pick token 0 with logprob NaN; both say why."""
+    path = make_tiny_model(tmp_path / "m", arch="qwen3", seed=1)
+    engine = HFEngine(ModelConfig(path=str(path), dtype="float32"), AutoTokenizer.from_pretrained(path),
+                      device=torch.device("cpu"))
+    with torch.no_grad():
+        engine.model.lm_head.weight.fill_(float("nan"))
+    with pytest.raises(RuntimeError, match="probabilities are not finite.*blown the weights up"):
+        engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, temperature=temperature, n=2))

@@ -1,4 +1,5 @@
 import asyncio
+import re
 import threading
 from pathlib import Path
 
@@ -254,3 +255,32 @@ def test_bad_return_values_name_the_function(fn_name, granularity, match):
 def test_non_finite_reward_is_rejected():
     with pytest.raises(ValueError, match="returns_nan returned nan.*not a finite float32"):
         make_reward_fn("reward_fns_for_test:returns_nan").score([S("a")])
+
+
+@pytest.mark.parametrize("weight", [float("nan"), float("inf"), 1e30])
+@pytest.mark.parametrize("granularity", ["sample", "group"])
+def test_weights_must_be_finite_and_moderate(weight, granularity):
+    name = "reward_fns_for_test:rank_in_group" if granularity == "group" else "exact_match"
+    with pytest.raises(ValueError, match=re.escape(f"the weight of '{name}' is {weight!r}")):
+        make_reward_fn({name: weight}, granularity=granularity)
+
+
+def test_a_group_reward_beyond_float32_after_weighting_is_rejected():
+    """Each value passes; 1e38 x 10 does not fit a float32."""
+    fn = make_reward_fn({"reward_fns_for_test:scaled_group": 10.0}, granularity="group")
+    with pytest.raises(ValueError, match="returned 1e\\+39 for sample index=.*not a finite float32"):
+        fn.score([S("a", group_id=0), S("b", group_id=0)])
+
+
+def test_an_int_too_large_for_a_float_names_the_function():
+    with pytest.raises(ValueError, match="reward_fns_for_test:returns_huge_int returned 1000000000.*not a finite"):
+        make_reward_fn("reward_fns_for_test:returns_huge_int").score([S("a")])
+
+
+def test_reward_info_is_reported_as_means_over_the_samples_that_carry_it():
+    from one_rank import OneRank
+    from slime.rollout.rollout import reward_info_metrics
+
+    samples = [S("ab"), S("abcd"), S("x")]
+    make_reward_fn("reward_fns_for_test:reward_with_info").score(samples[:2])  # n_chars 2 and 4; the third has none
+    assert reward_info_metrics(samples, OneRank()) == {"reward/n_chars": 3.0}

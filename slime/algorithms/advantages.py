@@ -82,11 +82,13 @@ def grpo_advantages(
     """
     _check_rewards(rewards, group_ids)
     inv, num_groups = _group_index(group_ids)
-    count = _group_sum(torch.ones_like(rewards), inv, num_groups)
-    adv = rewards - _group_sum(rewards, inv, num_groups) / count
+    r = rewards.double()  # float64 statistics: float32 squares overflow past ~1e19
+    count = _group_sum(torch.ones_like(r), inv, num_groups)
+    adv = r - _group_sum(r, inv, num_groups) / count
     if normalize_std:
         std = torch.sqrt(_group_sum(adv.square(), inv, num_groups) / (count - 1).clamp(min=1))
         adv = adv / (std + eps)
+    adv = adv.to(rewards.dtype)
     constant = _group_is_constant(rewards, inv, num_groups)
     adv = torch.where(constant, torch.zeros_like(adv), adv)
     return adv, _group_metrics(rewards, adv, constant, count)
@@ -113,16 +115,20 @@ def masked_whiten(x: Tensor, mask: Tensor, *, eps: float = 1e-8, mean: Tensor | 
     """(x - mean) / (std + eps) over mask > 0 (biased std); 0 where mask == 0.
 
     `mean` and `var` default to the statistics of x over the mask; pass them when x is one rank's
-    share of a larger batch (the batch's statistics, reduced over ranks by the caller).
+    share of a larger batch (the batch's statistics, reduced over ranks by the caller). Float64 and
+    two-pass (var of x - mean, not E[x^2] - mean^2, which cancels): equal float32 values sum
+    exactly, so they centre to exactly 0 and whiten to 0.
     """
     keep = mask > 0
     n = keep.sum().clamp(min=1)
+    zeros = torch.zeros_like(x, dtype=torch.float64)
     if mean is None:
-        mean = torch.where(keep, x, torch.zeros_like(x)).sum() / n
+        mean = torch.where(keep, x.double(), zeros).sum() / n
+    centred = torch.where(keep, x.double() - mean, zeros)
     if var is None:
-        var = torch.where(keep, (x - mean) ** 2, torch.zeros_like(x)).sum() / n
-    std = torch.as_tensor(var, dtype=x.dtype, device=x.device).sqrt()
-    return torch.where(keep, (x - mean) / (std + eps), torch.zeros_like(x))
+        var = centred.square().sum() / n
+    std = torch.as_tensor(var, dtype=torch.float64, device=x.device).sqrt()
+    return torch.where(keep, centred / (std + eps), zeros).to(x.dtype)
 
 
 def _masked_discounted_cumsum(x: Tensor, mask: Tensor, discount: float) -> Tensor:
@@ -165,8 +171,9 @@ def reinforce_pp_returns(
     scores = rewards
     if group_ids is not None:
         inv, num_groups = _group_index(group_ids)
-        count = _group_sum(torch.ones_like(rewards), inv, num_groups)
-        scores = rewards - _group_sum(rewards, inv, num_groups) / count
+        r = rewards.double()  # exact group sums: a constant group scores exactly 0
+        count = _group_sum(torch.ones_like(r), inv, num_groups)
+        scores = (r - _group_sum(r, inv, num_groups) / count).to(rewards.dtype)
     # Last response token per row; rows without any response token receive nothing.
     num_pos = keep.shape[1]
     last = num_pos - 1 - keep.flip(1).to(torch.int64).argmax(dim=1)  # (N,)

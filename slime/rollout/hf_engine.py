@@ -157,6 +157,8 @@ class HFEngine:
         logits = torch.stack(res.logits, dim=1).float().cpu()  # (B*n, L, V) raw logits
         logps = torch.log_softmax(logits / (1.0 if greedy else params.temperature), dim=-1)
         token_logps = logps.gather(-1, new[..., None]).squeeze(-1)
+        if not torch.isfinite(token_logps).all():
+            raise self._not_finite()
         stop_set = set(stops)
         gens = []
         for row in range(new.shape[0]):
@@ -219,6 +221,8 @@ class HFEngine:
                     scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
                 tok = torch.multinomial(scores.softmax(-1), 1).squeeze(1)
             tok_logp = logp.gather(1, tok[:, None]).squeeze(1)
+            if not torch.isfinite(tok_logp).all():  # NaN logits: greedy decoding would pick token 0 silently
+                raise self._not_finite()
             for r, t, lp in zip(live.tolist(), tok.tolist(), tok_logp.tolist()):
                 tokens[r].append(t)
                 logps[r].append(lp)

@@ -247,9 +247,13 @@ F32_MAX = 3.4028234663852886e38
 def check_finite(value: float, fn_name: str, sample: Sample | None = None) -> None:
     """Rewards feed float32 tensors: a value that is not finite there (1e39 is, in float64) would make the
     advantages and then the loss NaN."""
-    if not math.isfinite(value) or abs(value) > F32_MAX:
+    try:
+        big = not math.isfinite(value) or abs(value) > F32_MAX
+    except OverflowError:  # an int beyond any float, e.g. 10**400
+        big = True
+    if big:
         where = f" for sample index={sample.index} (prompt {sample.prompt_text[-80:]!r})" if sample is not None else ""
-        raise ValueError(f"reward function {fn_name} returned {value}{where}, which is not a finite float32; "
+        raise ValueError(f"reward function {fn_name} returned {value!r:.40}{where}, which is not a finite float32; "
                          "rewards must be finite numbers of moderate size")
 
 
@@ -275,6 +279,9 @@ class RewardFn:
             if not isinstance(name, str) or isinstance(w, bool) or not isinstance(w, numbers.Real):
                 raise ValueError(f"bad reward spec {spec!r}: entry {name!r}: {w!r} must map a "
                                  f"name to a number; {_SPEC_HELP}")
+            if not math.isfinite(w) or abs(w) > 1e6:
+                raise ValueError(f"bad reward spec {spec!r}: the weight of {name!r} is {w!r}; weights must be finite "
+                                 "numbers of moderate size (|w| <= 1e6)")
         if granularity == "group":
             name = next(iter(weights))
             if len(weights) != 1 or name in BUILTIN_REWARDS or is_remote(name) or is_reward_model(name):
@@ -343,7 +350,10 @@ class RewardFn:
                 rewards[i], extras = _as_reward(value, name, sample)
                 if extras:
                     sample.metadata.setdefault("reward_info", {}).update(extras)
-        return [self.weights[name] * r for r in rewards]
+        weighted = [self.weights[name] * r for r in rewards]
+        for sample, r in zip(samples, weighted):
+            check_finite(r, str(self.spec), sample)
+        return weighted
 
     async def _run(self, fn: Callable, name: str, sample: Sample,
                    sem: asyncio.Semaphore) -> tuple[float, dict[str, float]]:

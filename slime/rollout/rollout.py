@@ -217,4 +217,22 @@ def rollout_metrics(samples: list[Sample], dims: ParallelDims) -> dict:
            "rollout/gen_tokens": length - masked}
     if turned:  # samples of a generate function: policy turns, and the share of tokens it did not generate
         out.update({"rollout/turns": turns / turned, "rollout/observation_frac": masked / max(length, 1)})
+    out.update(reward_info_metrics(samples, dims))
     return out
+
+
+def reward_info_metrics(samples: list[Sample], dims: ParallelDims) -> dict:
+    """`reward/<key>`: the mean over every rank's samples of each extra number reward functions returned
+    (metadata reward_info: e.g. math/error, a weighted spec's components), over the samples that carry it.
+    Ranks may hold different keys, so each sends its (sum, count) per key."""
+    local: dict[str, list[float]] = {}
+    for s in samples:
+        for key, value in s.metadata.get("reward_info", {}).items():
+            acc = local.setdefault(key, [0.0, 0])
+            acc[0], acc[1] = acc[0] + float(value), acc[1] + 1
+    merged: dict[str, list[float]] = {}
+    for part in dims.all_gather_objects(local):
+        for key, (total, count) in part.items():
+            acc = merged.setdefault(key, [0.0, 0])
+            acc[0], acc[1] = acc[0] + total, acc[1] + count
+    return {f"reward/{key}": total / count for key, (total, count) in sorted(merged.items())}

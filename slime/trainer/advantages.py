@@ -71,15 +71,18 @@ def compute_advantages(samples: list[Sample], cfg: AlgoConfig, dims: ParallelDim
         if est == "reinforce_pp_baseline":
             all_rewards, groups, mine = _global_scalars(samples, rewards, dims)
             _, inv = torch.unique(groups, return_inverse=True)
-            group_mean = torch.zeros(int(inv.max()) + 1).index_add_(0, inv, all_rewards) / \
-                torch.bincount(inv).float()
-            scores = rewards - group_mean[inv[mine]]
+            # float64: exact group sums, so a constant group scores exactly 0
+            group_mean = torch.zeros(int(inv.max()) + 1, dtype=torch.float64).index_add_(
+                0, inv, all_rewards.double()) / torch.bincount(inv)
+            scores = (rewards.double() - group_mean[inv[mine]]).float()
         returns = reinforce_pp_returns(scores, mask, kl=kl, kl_coef=cfg.kl_coef if kl is not None else 0.0,
                                        gamma=cfg.gamma)
-        stats = dims.all_reduce_tensors({"sum": returns[keep].sum(), "sq": returns[keep].square().sum(),
-                                         "n": keep.sum()})
-        mean = stats["sum"] / max(stats["n"], 1.0)
-        var = max(stats["sq"] / max(stats["n"], 1.0) - mean ** 2, 0.0)
+        # Two passes in float64 (mean, then centred squares): E[x^2] - mean^2 cancels when the spread is small.
+        ret = returns[keep].double()
+        stats = dims.all_reduce_tensors({"sum": ret.sum(), "n": keep.sum()})
+        n = max(stats["n"], 1.0)
+        mean = stats["sum"] / n
+        var = dims.all_reduce_tensors({"sq": (ret - mean).square().sum()})["sq"] / n
         token_adv = masked_whiten(returns, mask, mean=mean, var=var)
         token_sums.update(return_mean=returns[keep].sum(), adv_abs_mean=token_adv[keep].abs().sum())
     elif est == "gae":
