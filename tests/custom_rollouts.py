@@ -41,3 +41,31 @@ def infinite_reward(ctx: RolloutContext):
         traj.generate(max_new_tokens=2)
         samples.append(traj.sample(reward=float("inf")))
     return samples
+
+
+def one_sample_repeated(ctx: RolloutContext):
+    traj = ctx.trajectory()
+    traj.generate(max_new_tokens=2)
+    return [traj.sample()] * ctx.n
+
+
+def mask_of_fives(ctx: RolloutContext):
+    samples = []
+    for _ in range(ctx.n):
+        traj = ctx.trajectory()
+        traj.generate(max_new_tokens=2)
+        s = traj.sample()
+        s.response_mask = [5] * len(s.response_ids)
+        samples.append(s)
+    return samples
+
+
+def text_reward(ctx: RolloutContext):
+    samples = []
+    for _ in range(ctx.n):
+        traj = ctx.trajectory()
+        traj.generate(max_new_tokens=2)
+        s = traj.sample()
+        s.metadata["given_reward"] = "n/a"
+        samples.append(s)
+    return samples

@@ -110,6 +110,33 @@ def test_a_given_reward_must_be_finite(hf_engine, tokenizer):
                          make_reward_fn("exact_match"), first_group_id=0, generate_fn="custom_rollouts:infinite_reward")
 
 
+
+@pytest.mark.parametrize("fn, error, words", [
+    ("one_sample_repeated", ValueError, "returned one Sample object twice (prompt row 0)"),
+    ("mask_of_fives", ValueError, "has response mask values [5]"),
+    ("text_reward", TypeError, "set metadata given_reward='n/a' for sample index=0"),
+])
+def test_malformed_samples_of_a_generate_function_name_it(hf_engine, tokenizer, fn, error, words):
+    with pytest.raises(error) as e:
+        generate_rollout(hf_engine, prompts_of(tokenizer, ["1+1="]), SamplingParams(max_new_tokens=4, n=2), tokenizer,
+                         make_reward_fn("exact_match"), first_group_id=0, generate_fn=f"custom_rollouts:{fn}")
+    assert f"custom_rollouts:{fn}" in str(e.value) and words in str(e.value)
+
+
+def test_dynamic_sampling_that_keeps_no_group_says_why(hf_engine, tokenizer):
+    """Every group all wrong (a label no response matches): nothing to train on, said with the keys to change."""
+    from slime.config import RolloutConfig
+    from slime.rollout.rollout import collect_rollout
+
+    class Prompts:
+        def next_batch(self, n=None):
+            return prompts_of(tokenizer, ["1+1=", "2+2="], labels=["never", "never"])
+
+    cfg = RolloutConfig(batch_size=2, n_samples_per_prompt=2, max_response_len=3, dynamic_sampling=True,
+                        max_sampling_attempts=2)
+    with pytest.raises(RuntimeError, match=r"kept no group in 2 attempts.*rollout.dynamic_sampling=false"):
+        collect_rollout(hf_engine, Prompts(), cfg, tokenizer, make_reward_fn("exact_match"), OneRank(), step=0)
+
 def _multi_turn_sample(mask: list[int], seed: int) -> Sample:
     g = torch.Generator().manual_seed(seed)
     r = len(mask)

@@ -496,3 +496,27 @@ def test_moe_weight_pushes_from_an_expert_parallel_trainer(tmp_path):
             assert r["served_version"] == str(version)
         assert result["initial"]["ours"] != result["tensor"]["ours"], rank  # the experts did move
     assert not server_processes("moe")
+
+
+def test_a_generation_the_server_ended_on_its_own_is_an_error_naming_it():
+    """finish_reason abort without an abort of ours (the server ran out of KV cache, refused the request, ...)
+    would otherwise be trained on as a short response."""
+    import itertools
+    import types
+
+    class Client:
+        url = "http://127.0.0.1:30000"
+
+        def post(self, path, body, **kw):
+            return {"output_ids": [5, 6], "meta_info": {
+                "prompt_tokens": 3, "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None]],
+                "finish_reason": {"type": "abort", "message": "KV cache pool is full"}}}
+
+    engine = object.__new__(SGLangEngine)  # only what _generate_one reads
+    engine.client, engine._aborting, engine._rid, engine._lock, engine._inflight = \
+        Client(), False, itertools.count(), threading.Lock(), {}
+    engine.dims = types.SimpleNamespace(rank=0)
+    with pytest.raises(SGLangServerError, match="ended request slime-r0-0 .* after 2 tokens .*KV cache pool is full"):
+        engine._generate_one([1, 2, 3], {})
+    engine._aborting = True  # ours: a partial generation, as asked
+    assert engine._generate_one([1, 2, 3], {}).finish_reason == "abort"

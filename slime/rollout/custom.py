@@ -151,6 +151,7 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
             groups = list(pool.map(fn, contexts))
     else:
         groups = [fn(ctx) for ctx in contexts]
+    seen: set[int] = set()
     for ctx, group in zip(contexts, groups):
         if not isinstance(group, (list, tuple)) or len(group) != params.n or \
                 not all(isinstance(s, Sample) for s in group):
@@ -158,6 +159,10 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
                             f"(RolloutContext.trajectory().sample()), got {type(group).__name__} for prompt row "
                             f"{ctx.prompt.index}")
         for s in group:
+            if id(s) in seen:
+                raise ValueError(f"rollout.generate_fn {spec} returned one Sample object twice (prompt row "
+                                 f"{ctx.prompt.index}); build each of the n samples from its own trajectory")
+            seen.add(id(s))
             r = len(s.response_ids)
             if r == 0:
                 raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has no "
@@ -166,4 +171,8 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
                 raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has "
                                  f"{r} response tokens but {len(s.loss_mask)} mask entries and "
                                  f"{None if s.rollout_logprobs is None else len(s.rollout_logprobs)} logprobs")
+            if s.response_mask is not None and any(m not in (0, 1) for m in s.response_mask):
+                raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has response "
+                                 f"mask values {sorted(set(s.response_mask) - {0, 1})[:5]}; the mask is 1 for tokens "
+                                 "the policy generated and 0 for observations")
     return [list(g) for g in groups]

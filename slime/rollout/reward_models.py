@@ -123,12 +123,14 @@ class RemoteReward:
             "rollout.reward.timeout / max_retries")
 
     def _attempt(self, body: dict, batch: list[Sample]) -> list[Any]:
-        try:
+        try:  # the timeout bounds each wait for the server (connecting, each read), not the whole answer
             r = self._session.post(self.url, json=body, timeout=self.timeout)
         except requests.Timeout:
             raise _Retryable(f"no answer within rollout.reward.timeout={self.timeout}s") from None
         except requests.ConnectionError as e:
             raise _Retryable(f"cannot connect ({type(e).__name__})") from None
+        except requests.RequestException as e:  # e.g. an answer cut short (ChunkedEncodingError)
+            raise _Retryable(f"{type(e).__name__}: {str(e)[:200]}") from None
         if r.status_code >= 500 or r.status_code == 429:
             raise _Retryable(f"HTTP {r.status_code}: {r.text[:200]!r}")
         if r.status_code >= 400:

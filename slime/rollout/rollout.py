@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 
 from slime.config import RolloutConfig
 from slime.data.prompts import Prompt, PromptSource
@@ -52,8 +53,12 @@ def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: Sampl
         sample.reward = float(reward)
     for s in samples:
         if "given_reward" in s.metadata:
-            check_finite(s.metadata["given_reward"], f"rollout.generate_fn {generate_fn}", s)
-            s.reward = s.metadata["given_reward"]
+            given = s.metadata["given_reward"]
+            if isinstance(given, bool) or not isinstance(given, numbers.Real):
+                raise TypeError(f"rollout.generate_fn {generate_fn} set metadata given_reward={given!r:.60} for sample "
+                                f"index={s.index} (prompt {s.prompt_text[-80:]!r}); it must be a number")
+            check_finite(given, f"rollout.generate_fn {generate_fn}", s)
+            s.reward = float(given)
     return samples
 
 
@@ -115,6 +120,12 @@ def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfi
     if cfg.dynamic_sampling:
         kept = _cut_to_batch_size(kept, cfg.batch_size, dims)
         n_kept_groups = min(n_kept_groups, cfg.batch_size)
+        if n_kept_groups == 0:
+            raise RuntimeError(
+                f"dynamic sampling kept no group in {attempts} attempts (rollout.max_sampling_attempts): in every "
+                "group all samples got the same reward (all solved or all failed), so none has an advantage to train "
+                "on. Check the reward function and the prompts' difficulty, raise rollout.max_sampling_attempts or "
+                "rollout.over_sample_factor, or set rollout.dynamic_sampling=false")
         if n_kept_groups < cfg.batch_size:
             logger.warning("dynamic sampling kept %d of %d groups after %d attempts (rollout.max_sampling_attempts)",
                            n_kept_groups, cfg.batch_size, attempts)

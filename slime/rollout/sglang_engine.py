@@ -219,8 +219,15 @@ class SGLangEngine:
         logprobs = [lp for lp, _tok, _text in out["meta_info"]["output_token_logprobs"]]
         if len(logprobs) != len(ids):
             raise SGLangServerError(f"{self.client.url} returned {len(ids)} tokens but {len(logprobs)} logprobs")
-        reason = out["meta_info"]["finish_reason"]["type"]
-        return Generation(ids, logprobs, reason if reason in ("stop", "length") else "abort")
+        finish = out["meta_info"].get("finish_reason") or {}
+        reason = finish.get("type")
+        if reason not in ("stop", "length"):
+            if not self._aborting:  # the server cut it short on its own (out of memory, a bad request, ...)
+                raise SGLangServerError(f"{self.client.url} ended request {rid} (a prompt of {len(prompt)} tokens) "
+                                        f"after {len(ids)} tokens with finish reason {finish!r:.300}: not a stop or "
+                                        "the length limit, and no abort was asked for. The server's log says why")
+            reason = "abort"
+        return Generation(ids, logprobs, reason)
 
     def abort(self) -> None:
         """Stop this rank's outstanding requests: unsent ones return empty, running ones return what they have."""

@@ -4,7 +4,8 @@ A checkpoint is written into `checkpoints/.partial/step_N/` and becomes visible 
 every rank has written its engine files and RNG state, rank 0 has written `manifest.json` (size and
 SHA-256 of every file, the step, the model it came from and the optimisation settings), the folder
 has been renamed to `checkpoints/step_N/`, and then `checkpoints/latest` is replaced atomically. A kill
-at any moment leaves the previous checkpoint as `latest`. Only the newest `checkpoint.keep` survive.
+at any moment leaves the previous checkpoint as `latest`. Only the newest `checkpoint.keep` up to the saved step
+survive; newer ones, left by a run that resumed from an older checkpoint, are removed.
 
 Resuming verifies the manifest of `latest`; a torn or corrupt checkpoint is reported and the newest
 older one that verifies is used. A checkpoint of another model is refused; changed optimisation
@@ -88,7 +89,14 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
         latest_tmp = ckpt_dir / "latest.tmp"
         latest_tmp.write_text(tag)
         os.replace(latest_tmp, ckpt_dir / "latest")
-        for old in sorted((p for p in ckpt_dir.glob("step_*") if _step_of(p.name) >= 0), key=lambda p: _step_of(p.name))[:-keep]:
+        saved = sorted((p for p in ckpt_dir.glob("step_*") if _step_of(p.name) >= 0), key=lambda p: _step_of(p.name))
+        # Folders above `step` are from an abandoned timeline (resume fell back past them as corrupt): left in
+        # place they would count among the newest kept and push out the checkpoint just written.
+        stale = [p for p in saved if _step_of(p.name) > step]
+        if stale:
+            logger.warning("removing checkpoints newer than %s, left by a run that resumed from an older one: %s",
+                           tag, ", ".join(p.name for p in stale))
+        for old in stale + [p for p in saved if _step_of(p.name) <= step][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         logger.info("saved checkpoint %s (%d files)", final, len(files))
     dims.barrier()
@@ -100,17 +108,20 @@ def verify(path: Path) -> str | None:
     manifest = path / MANIFEST
     if not manifest.is_file():
         return "no manifest.json (an incomplete or pre-manifest checkpoint)"
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (json.JSONDecodeError, KeyError) as e:
-        return f"unreadable manifest.json ({e})"
-    for name, meta in files.items():
+    try:  # any damage (a flipped byte, a lost key, a wrong type) makes the checkpoint unusable, not the resume
+        content = json.loads(manifest.read_bytes())
+        files = {name: (meta["bytes"], meta["sha256"]) for name, meta in content["files"].items()}
+        if not isinstance(content.get("step"), int) or not isinstance(content.get("loop_state"), dict):
+            raise ValueError("no integer 'step' or no 'loop_state'")  # load_checkpoint reads both
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"manifest.json is unreadable or malformed ({type(e).__name__}: {e})"
+    for name, (size, sha256) in files.items():
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
-        if f.stat().st_size != meta["bytes"]:
-            return f"{name} has {f.stat().st_size} bytes, the manifest says {meta['bytes']} (truncated?)"
-        if _sha256(f) != meta["sha256"]:
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {size} (truncated?)"
+        if _sha256(f) != sha256:
             return f"{name} does not match its checksum (overwritten or corrupt)"
     return None
 
@@ -119,7 +130,7 @@ def find_checkpoint(ckpt_dir: Path) -> tuple[Path | None, list[str]]:
     """The newest checkpoint that verifies, `latest` first, and a note for each one skipped."""
     notes: list[str] = []
     latest = ckpt_dir / "latest"
-    tags = [latest.read_text().strip()] if latest.is_file() else []
+    tags = [latest.read_bytes().decode("utf-8", "replace").strip()] if latest.is_file() else []  # damage: the fallback finds older ones
     tags += [p.name for p in sorted(ckpt_dir.glob("step_*"), key=lambda p: -_step_of(p.name)) if p.name not in tags]
     for tag in tags:
         problem = verify(ckpt_dir / tag) if (ckpt_dir / tag).is_dir() else "its folder does not exist"

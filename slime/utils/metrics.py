@@ -43,21 +43,44 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
 
-    def _truncate(self, resume_step: int) -> None:
+    def _truncate(self, resume_step: int | None) -> None:
         """Keep only what the resumed run will not log again: every record of an earlier step, and the training
-        record of `resume_step` itself (its evaluation, if any, is logged again), so no step appears twice."""
+        record of `resume_step` itself (its evaluation, if any, is logged again), so no step appears twice.
+        A fresh start (no `resume_step`) moves an earlier history aside instead of overwriting it."""
         if not self.path.is_file():
             return
-        kept = []
-        for line in self.path.read_text().splitlines():
+        if not resume_step:
+            if self.path.stat().st_size:
+                n = 1
+                while (backup := self.path.with_name(f"{self.path.name}.{n}.bak")).exists():
+                    n += 1
+                os.replace(self.path, backup)
+                logger.warning("%s holds metrics of an earlier run but no checkpoint was resumed: moved it to %s, "
+                               "this run starts a new one", self.path, backup)
+            return
+        kept, last_step = [], None
+        for lineno, line in enumerate(self.path.read_bytes().split(b"\n"), 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
-            is_eval = not any(k.startswith("train/") for k in record)
-            if record["step"] < resume_step or (record["step"] == resume_step and not is_eval):
+            try:
+                record = json.loads(line)
+                step, is_eval = record["step"], not any(k.startswith("train/") for k in record)
+                if not isinstance(step, (int, float)):
+                    raise TypeError(f"step is {step!r}")
+            except (ValueError, KeyError, TypeError) as e:  # a torn line (a kill or full disk mid-write), a bad byte
+                # The file is in step order: after a record of resume_step or later, the line is dropped anyway.
+                if last_step is not None and last_step >= resume_step:
+                    logger.warning("%s:%d: dropped an unreadable line after step %d (%s: %s)", self.path, lineno,
+                                   last_step, type(e).__name__, e)
+                    continue
+                raise ValueError(f"{self.path}:{lineno}: unreadable line ({type(e).__name__}: {e}) at or before the "
+                                 f"resumed step {resume_step}, whose history must be kept; repair or delete that "
+                                 "line and run again") from None
+            last_step = step
+            if step < resume_step or (step == resume_step and not is_eval):
                 kept.append(line)
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.write_bytes(b"".join(line + b"\n" for line in kept))
         os.replace(tmp, self.path)
 
     def log(self, step: int, metrics: dict) -> None:

@@ -1,0 +1,146 @@
+"""Resume faults, by direct calls: checkpoint pruning after a fallback, damaged manifests, a torn or
+unreadable metrics.jsonl, and a fresh start in a run directory that already holds metrics."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from slime.config import LogConfig
+from slime.trainer.checkpoint import find_checkpoint, save_checkpoint
+from slime.utils.metrics import MetricsLogger
+
+
+class FakeDeepSpeed:
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        (Path(save_dir) / tag).mkdir()
+        (Path(save_dir) / tag / "model_states.pt").write_bytes(b"weights of step %d" % client_state["step"])
+
+
+class FakeEngine:
+    engine = FakeDeepSpeed()
+
+    def parameters_finite(self):
+        return True
+
+
+class OneRank:
+    is_main, rank, world_size = True, 0, 1
+
+    def barrier(self):
+        pass
+
+
+def save(ckpt: Path, step: int, keep: int) -> Path:
+    return save_checkpoint({"actor": FakeEngine()}, ckpt, step=step, loop_state={"data": {}}, dims=OneRank(),
+                           identity={"optim": {}}, keep=keep)
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, other content (and not UTF-8 any more)
+    path.write_bytes(bytes(data))
+
+
+def step_dirs(ckpt: Path) -> list[str]:
+    return sorted(p.name for p in ckpt.glob("step_*"))
+
+
+# -- checkpoints -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("keep,left", [(1, ["step_5"]), (2, ["step_4", "step_5"])])
+def test_a_save_after_a_fallback_removes_the_newer_stale_checkpoints_and_keeps_itself(tmp_path, caplog, keep, left):
+    ckpt = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        save(ckpt, step, keep=3)
+    flip_byte(ckpt / "step_6" / "actor" / "model_states.pt")
+    path, notes = find_checkpoint(ckpt)
+    assert path == ckpt / "step_4" and "step_6: actor/model_states.pt does not match its checksum" in notes[0]
+    with caplog.at_level(logging.INFO, logger="slime.trainer.checkpoint"):
+        save(ckpt, 5, keep=keep)  # the resumed run, one step on
+    assert step_dirs(ckpt) == left  # the corrupt step_6 is gone, the one just saved is not
+    assert (ckpt / "latest").read_text() == "step_5"
+    assert find_checkpoint(ckpt) == (ckpt / "step_5", [])
+    assert "removing checkpoints newer than step_5" in caplog.text and ": step_6" in caplog.text
+
+
+def rename_bytes_key(manifest: dict) -> None:
+    for meta in manifest["files"].values():
+        meta["size"] = meta.pop("bytes")
+
+
+@pytest.mark.parametrize("damage,problem", [
+    ("flip", "UnicodeDecodeError"),
+    (rename_bytes_key, "KeyError: 'bytes'"),
+    (lambda m: m.update(files=list(m["files"])), "AttributeError"),
+    (lambda m: m["files"].update({"actor/model_states.pt": 7}), "TypeError"),
+    (lambda m: m.pop("loop_state"), "ValueError: no integer 'step' or no 'loop_state'"),
+])
+def test_a_damaged_manifest_makes_its_checkpoint_unusable_and_the_older_one_is_found(tmp_path, damage, problem):
+    ckpt = tmp_path / "checkpoints"
+    for step in (2, 4):
+        save(ckpt, step, keep=2)
+    manifest = ckpt / "step_4" / "manifest.json"
+    if damage == "flip":
+        flip_byte(manifest)
+    else:
+        content = json.loads(manifest.read_text())
+        damage(content)
+        manifest.write_text(json.dumps(content))
+    path, notes = find_checkpoint(ckpt)
+    assert path == ckpt / "step_2"
+    assert len(notes) == 1 and f"step_4: manifest.json is unreadable or malformed ({problem}" in notes[0]
+
+
+# -- metrics.jsonl -----------------------------------------------------------------------------------------
+
+def record(step: int, **extra) -> bytes:
+    return json.dumps({"step": step, "train/loss": 1.0 / step, **extra}).encode() + b"\n"
+
+
+def logger_at(run_dir: Path, resume_step) -> MetricsLogger:
+    return MetricsLogger(LogConfig(run_dir=str(run_dir)), run_config={}, enabled=True, total_steps=4,
+                         resume_step=resume_step)
+
+
+@pytest.mark.parametrize("tail", [record(3)[:10], b'{"step": 3, "train/lo\xe9s": 0.5}\n'],
+                         ids=["torn", "not_utf8"])
+def test_an_unreadable_line_past_the_resume_step_is_dropped_with_a_warning(tmp_path, caplog, tail):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_bytes(record(1) + record(2) + tail)  # a kill or a full disk while step 3 was written
+    log = logger_at(tmp_path, resume_step=2)
+    log.close()
+    assert metrics.read_bytes() == record(1) + record(2)
+    assert "metrics.jsonl:3: dropped an unreadable line after step 2" in caplog.text
+
+
+@pytest.mark.parametrize("lines", [[record(1), record(2)[:10], record(2, again=1.0)], [record(1), record(2)[:10]]],
+                         ids=["in_the_middle", "the_resumed_step_torn"])
+def test_an_unreadable_line_at_or_before_the_resume_step_is_an_error_naming_file_and_line(tmp_path, lines):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_bytes(b"".join(lines))
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: unreadable line .* resumed step 2.*repair or delete"):
+        logger_at(tmp_path, resume_step=2)
+    assert metrics.read_bytes() == b"".join(lines)  # left as it was
+
+
+@pytest.mark.parametrize("resume_step", [0, None])
+def test_a_fresh_start_moves_an_earlier_history_aside(tmp_path, caplog, resume_step):
+    metrics, old = tmp_path / "metrics.jsonl", record(1) + record(2)
+    metrics.write_bytes(old)
+    (tmp_path / "metrics.jsonl.1.bak").write_text("an even earlier run\n")
+    log = logger_at(tmp_path, resume_step)  # checkpoint.resume found no checkpoint
+    log.log(1, {"train/loss": 0.5})
+    log.close()
+    assert (tmp_path / "metrics.jsonl.2.bak").read_bytes() == old  # the first free number
+    assert (tmp_path / "metrics.jsonl.1.bak").read_text() == "an even earlier run\n"
+    assert [json.loads(line) for line in metrics.read_text().splitlines()] == [{"step": 1, "train/loss": 0.5}]
+    assert f"{metrics} holds metrics of an earlier run" in caplog.text and f"moved it to {metrics}.2.bak" in caplog.text
+
+
+def test_a_fresh_start_with_an_empty_metrics_file_moves_nothing(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    logger_at(tmp_path, resume_step=0).close()
+    assert not list(tmp_path.glob("*.bak"))
