@@ -284,3 +284,22 @@ def test_reward_info_is_reported_as_means_over_the_samples_that_carry_it():
     samples = [S("ab"), S("abcd"), S("x")]
     make_reward_fn("reward_fns_for_test:reward_with_info").score(samples[:2])  # n_chars 2 and 4; the third has none
     assert reward_info_metrics(samples, OneRank()) == {"reward/n_chars": 3.0}
+
+
+def test_math_off_the_main_thread_is_bounded(monkeypatch):
+    """In a thread (one-step-off rollout) math-verify's alarms do not fire: a child process scores instead, one
+    past the limit is killed and counted as math/error, and the next sample gets a fresh child."""
+    out = {}
+
+    def work():
+        out["good"] = rewards.math_reward(S("so \\boxed{1/2}", label="0.5"))  # starts the child
+        monkeypatch.setattr(rewards, "MATH_CHILD_LIMIT_S", 1)  # the child's own alarm needs 5 s on this one
+        out["hung"] = rewards.math_reward(S("\\boxed{9^{9^{9^{9}}}}", label="3"))
+        monkeypatch.setattr(rewards, "MATH_CHILD_LIMIT_S", 120)
+        out["next"] = rewards.math_reward(S("\\boxed{3}", label="3"))
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(300)
+    assert out["good"]["reward"] == 1.0 and out["next"]["reward"] == 1.0
+    assert out["hung"] == {"reward": 0.0, "math/pred_unparsed": 0.0, "math/error": 1.0}

@@ -11,13 +11,14 @@ extra numbers that are stored in ``sample.metadata["reward_info"]``. A group-lev
 the samples of one ``group_id`` to one number (or dict) per sample, in order.
 
 Where things run: built-ins are CPU-bound Python, so they run inline on the calling thread (threads
-would not speed them up under the GIL, and math-verify's signal-based timeout only works on the main
-thread). User sync functions run in a thread pool (they may do I/O, e.g. call a reward server);
+would not speed them up under the GIL); off the main thread (one-step-off rollout) `math` runs in a child
+process, where math-verify's signal-based timeouts work. User sync functions run in a thread pool (they may do I/O, e.g. call a reward server);
 user async functions run concurrently. At most ``max_concurrency`` user calls are in flight.
 """
 from __future__ import annotations
 
 import asyncio
+import atexit
 import importlib
 import inspect
 import logging
@@ -37,7 +38,7 @@ from slime.rollout.reward_models import RemoteReward, RewardModel, is_remote, is
 logger = logging.getLogger(__name__)
 
 MATH_VERIFY_TIMEOUT_S = 5
-"""Per parse/compare limit; only enforceable on the main thread (math-verify uses SIGALRM)."""
+"""Per parse/compare limit (math-verify uses SIGALRM: the main thread's; elsewhere see _math_off_main)."""
 
 # ----------------------------------------------------------------------------- answer extraction
 
@@ -145,11 +146,12 @@ def math_reward(sample: Sample) -> dict[str, float]:
 
     Never raises on a garbage response: math-verify's parse/compare failures and timeouts give
     reward 0 and are counted in the returned ``math/error`` (also ``math/pred_unparsed`` when the
-    response holds no parseable expression). Timeouts are enforced only on the main thread.
+    response holds no parseable expression). Off the main thread it runs in a child process (_math_off_main).
     """
-    on_main = threading.current_thread() is threading.main_thread()
-    timeout = MATH_VERIFY_TIMEOUT_S if on_main else None
     golds = _labels(sample, "math")
+    if threading.current_thread() is not threading.main_thread():
+        return _math_off_main(sample)
+    timeout = MATH_VERIFY_TIMEOUT_S
     pred_text = extract_answer(sample.response_text)
     info = {"reward": 0.0, "math/pred_unparsed": 0.0, "math/error": 0.0}
     try:
@@ -173,6 +175,44 @@ def math_reward(sample: Sample) -> dict[str, float]:
                      exc_info=True)
         info["math/error"] = 1.0
     return info
+
+
+MATH_CHILD_LIMIT_S = 30
+"""Off the main thread: seconds a child process may take on one sample before it is killed (its own alarms
+stop math-verify after MATH_VERIFY_TIMEOUT_S per parse/compare; this catches what they cannot interrupt)."""
+_math_pool: list = []  # the child process scoring math off the main thread, started on first use
+_math_lock = threading.Lock()
+
+
+def _math_in_child(response_text: str, label: Any, index: int) -> dict[str, float]:
+    return math_reward(Sample(prompt_ids=[], response_text=response_text, label=label, index=index))
+
+
+def _math_off_main(sample: Sample) -> dict[str, float]:
+    """math_reward from a thread (the one-step-off rollout's): math-verify's timeouts use SIGALRM, which only the
+    main thread gets, and a pathological answer (9^{9^{9^{9}}}) would run unbounded and hold the GIL. So a child
+    process, in whose main thread the alarms work, scores it; one past MATH_CHILD_LIMIT_S is killed, counted
+    as math/error, and replaced."""
+    import concurrent.futures
+    import multiprocessing
+
+    with _math_lock:  # one sample at a time: the child is one process
+        if not _math_pool:
+            _math_pool.append(concurrent.futures.ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn")))
+            atexit.register(_math_pool[0].shutdown, wait=False, cancel_futures=True)
+        pool = _math_pool[0]
+        future = pool.submit(_math_in_child, sample.response_text, sample.label, sample.index)
+        try:
+            return future.result(timeout=MATH_CHILD_LIMIT_S)
+        except concurrent.futures.TimeoutError:
+            logger.warning("math reward: math-verify ran past %ds on sample index=%d; its process was killed",
+                           MATH_CHILD_LIMIT_S, sample.index)
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.kill()
+            pool.shutdown(wait=False, cancel_futures=True)
+            _math_pool.clear()
+            return {"reward": 0.0, "math/pred_unparsed": 0.0, "math/error": 1.0}
 
 
 BUILTIN_REWARDS: dict[str, Callable[[Sample], float | dict[str, float]]] = {
