@@ -107,3 +107,42 @@ def test_vl_adapter_declares_mrope_and_image_inputs():
         adapter = get_adapter(arch)
         assert adapter.positions == "mrope" and adapter.multimodal
         assert adapter.extra_inputs == ("pixel_values", "image_grid_thw")
+
+
+def test_a_model_directory_without_config_or_tokenizer_says_what_is_missing(tmp_path):
+    import shutil
+
+    from slime.config import ModelConfig
+    from slime.models.loading import load_model, load_tokenizer
+
+    src = make_tiny_model(tmp_path / "m", arch="qwen3", seed=0)
+    no_tok, no_conf = tmp_path / "no_tok", tmp_path / "no_conf"
+    for d, skip in ((no_tok, ("tokenizer",)), (no_conf, ("config.json",))):
+        d.mkdir()
+        for f in src.iterdir():
+            if not f.name.startswith(skip):
+                shutil.copy(f, d / f.name)
+    with pytest.raises(ValueError, match=r"no_tok: no tokenizer there"):
+        load_tokenizer(ModelConfig(path=str(no_tok)))
+    with pytest.raises(FileNotFoundError, match=r"no_conf has no config.json"):
+        load_model(ModelConfig(path=str(no_conf)), attn_implementation="sdpa")
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    for key in ("pad_token", "eos_token"):
+        config.pop(key, None)
+    (no_conf / "config.json").write_text((src / "config.json").read_text())
+    (no_conf / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="neither a pad nor an eos token"):
+        load_tokenizer(ModelConfig(path=str(no_conf)))
+
+
+def test_an_export_replaces_an_earlier_one_with_other_shards(tmp_path):
+    from slime.models.export import save_hf_dir
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m", arch="qwen3", seed=0))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    save_hf_dir(tmp_path / "out", state, model=model)  # one file
+    bumped = {k: v + 1 for k, v in state.items()}
+    save_hf_dir(tmp_path / "out", bumped, model=model, max_shard_size="20KB")  # shards and an index
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    assert all(torch.equal(reloaded[k], bumped[k]) for k in bumped if k in reloaded)

@@ -108,6 +108,14 @@ def test_ds_config_auto_fields_filled(tmp_path):
     layout.write_text(json.dumps({"expert_parallel": {"enabled": True, "autoep_size": 2}}))
     with pytest.raises(ValueError, match="parallel.ep"):  # set in one place only: the run config
         build_ds_config(cfg.train, layout, bf16=False)
+    for content, words in (('{"zero_optimization": {"stage": 3},}', "is not valid JSON"),
+                           ('{"zero_optimization": {"stage": "three"}}', "zero_optimization.stage='three'"),
+                           ('{"zero_optimization": {"stage": 3}, "gradient_clippng": 0.3}',
+                            "unknown key 'gradient_clippng' (DeepSpeed would ignore it); did you mean 'gradient_clipping'")):
+        bad.write_text(content)
+        with pytest.raises(ValueError) as e:
+            build_ds_config(cfg.train, bad, bf16=False)
+        assert words in str(e.value) and (words != "is not valid JSON" or str(bad) in str(e.value))
 
 
 def test_old_logprobs_from_the_update_need_one_mini_batch_and_no_kl_in_reward():

@@ -5,6 +5,7 @@ the JSON: `parallelize` derives them from `parallel.*`, so each is set in one pl
 """
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 
@@ -23,7 +24,13 @@ def build_ds_config(train: TrainConfig, path: str | Path | None = None, *, bf16:
         path = Path(__file__).resolve().parents[2] / path  # relative to the repo when run elsewhere
     if not path.is_file():
         raise FileNotFoundError(f"train.ds_config: {path} does not exist")
-    ds = json.loads(path.read_text())
+    try:
+        ds = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"train.ds_config: {path} is not valid JSON ({e})") from None
+    if not isinstance(ds, dict):
+        raise ValueError(f"train.ds_config: {path} must hold a JSON object, got {type(ds).__name__}")
+    _check_top_level_keys(ds, path)
     for key, setting in LAYOUT_KEYS.items():
         if key in ds:
             raise ValueError(f"{path}: remove '{key}'; it is derived from the run config's {setting}")
@@ -60,7 +67,29 @@ def build_ds_config(train: TrainConfig, path: str | Path | None = None, *, bf16:
 
 
 def zero_stage(ds: dict) -> int:
-    return int(ds.get("zero_optimization", {}).get("stage", 0))
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int):
+        raise ValueError(f"zero_optimization.stage={stage!r} in the DeepSpeed config must be the integer 1, 2 or 3")
+    return stage
+
+
+SECTIONS = ("zero_optimization", "activation_checkpointing", "flops_profiler", "comms_logger", "tensorboard", "wandb",
+            "csv_monitor", "aio", "data_efficiency", "compression_training", "autotuning", "elasticity", "pipeline",
+            "amp", "checkpoint", "timers")
+
+
+def _check_top_level_keys(ds: dict, path: Path) -> None:
+    """DeepSpeed ignores top-level keys it does not know, so a misspelt one ("gradient_clippng") would be dropped
+    without a word: one close to a known key is an error naming both."""
+    import deepspeed.runtime.constants as constants
+
+    known = {v for k, v in vars(constants).items() if k.isupper() and isinstance(v, str)} | set(SECTIONS)
+    for key in ds:
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+            if near:
+                raise ValueError(f"train.ds_config: {path}: unknown key '{key}' (DeepSpeed would ignore it); "
+                                 f"did you mean '{near[0]}'?")
 
 
 def check_stage(stage: int, train: TrainConfig, *, sp: int, ep: int, offload_params: bool) -> None:

@@ -16,6 +16,8 @@ def save_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], *, model, e
     and whatever `extra_savers` (tokenizer, processor) write with their own `save_pretrained`."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        old.unlink(missing_ok=True)  # an earlier export with other shards would be read instead of (or with) these
     split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():

@@ -21,12 +21,21 @@ def check_model_path(cfg: ModelConfig) -> None:
     if not path.is_dir():
         raise FileNotFoundError(f"model.path={cfg.path} is not a directory; point it at an HF model directory "
                                 "(config.json + weights + tokenizer)")
+    if cfg.gguf_file is None and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.path={cfg.path} has no config.json; an HF model directory holds config.json, "
+                                "the weights and the tokenizer (or set model.gguf_file for a GGUF model)")
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     check_model_path(cfg)
     tok = AutoTokenizer.from_pretrained(cfg.path, gguf_file=cfg.gguf_file, trust_remote_code=cfg.trust_remote_code)
+    if len(tok) <= 1 or not tok("a b", add_special_tokens=False).input_ids:  # transformers builds an empty one
+        raise ValueError(f"model.path={cfg.path}: no tokenizer there (tokenizer.json, tokenizer.model or vocab.json); "
+                         "copy the model's tokenizer files into the directory")
     if tok.pad_token_id is None:
+        if tok.eos_token is None:
+            raise ValueError(f"model.path={cfg.path}: the tokenizer has neither a pad nor an eos token; set "
+                             "\"eos_token\" (and \"pad_token\") in its tokenizer_config.json")
         tok.pad_token = tok.eos_token
     return tok
 
