@@ -59,7 +59,7 @@ def parse_row(row: dict, *, prompt_key: str, messages_key: str, images_key: str,
                         f"(a single image goes in a one-element list)")
     if prompt is None and row.get(messages_key) is not None:
         check_messages(row[messages_key], messages_key)
-    if prompt is not None and (images or (isinstance(prompt, str) and placeholder in prompt)):
+    if prompt is not None and (images or (isinstance(prompt, str) and placeholder and placeholder in prompt)):
         if not isinstance(prompt, str):
             raise TypeError(f"field '{prompt_key}' must be a string, got {type(prompt).__name__}")
         images = list(images or [])

@@ -150,3 +150,12 @@ def test_eval_rows_without_the_label_the_reward_needs_are_skipped(tmp_path, tok,
         cfg = load_config(None, [f"model.path={tiny_model}", f"data.path={path}", f"eval.path={path}",
                                  f"rollout.reward.fn={fn}"])
         assert len(load_eval_prompts(cfg, tok, one)) == kept, fn
+
+
+def test_a_text_model_reads_an_image_placeholder_without_images_as_text(tmp_path, tok):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1<image>2"}, {"prompt": "<image>x", "images": ["a.png"]}])
+    with pytest.raises(ValueError, match="p.jsonl:2: the row has images but model.path is a text-only model"):
+        load_prompts(DataConfig(path=str(path), apply_chat_template=False), tok)
+    write_jsonl(path, [{"prompt": "1<image>2"}])
+    prompts, report = load_prompts(DataConfig(path=str(path), apply_chat_template=False), tok)
+    assert [p.prompt_text for p in prompts] == ["1<image>2"] and not report.skipped

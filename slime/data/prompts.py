@@ -210,8 +210,10 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
     for line, row in rows:
         try:
             try:
+                # A text-only model reads "<image>" in a prompt without images as text.
+                images = processor is not None or bool(row.get(cfg.images_key))
                 parsed = parse_row(row, prompt_key=cfg.prompt_key, messages_key=cfg.messages_key,
-                                   images_key=cfg.images_key, placeholder=cfg.image_placeholder)
+                                   images_key=cfg.images_key, placeholder=cfg.image_placeholder if images else "")
             except TypeError as e:
                 raise TypeError(f"{path}:{line}: {e}") from None
             if _is_empty(row, cfg):
