@@ -137,6 +137,34 @@ def test_dynamic_sampling_that_keeps_no_group_says_why(hf_engine, tokenizer):
     with pytest.raises(RuntimeError, match=r"kept no group in 2 attempts.*rollout.dynamic_sampling=false"):
         collect_rollout(hf_engine, Prompts(), cfg, tokenizer, make_reward_fn("exact_match"), OneRank(), step=0)
 
+
+def test_a_batch_generated_ahead_is_discarded_at_a_stop_without_raising_over_it(hf_engine, tokenizer, caplog):
+    """A stop (or an error) while step k+1's batch is in flight: the batch is aborted and discarded, an error it
+    ends with is logged, not raised in place of the stop's own exit."""
+    import logging
+
+    from slime.config import RolloutConfig
+    from slime.rollout.rollout import RolloutAhead
+
+    class Prompts:
+        def next_batch(self, n=None):
+            return prompts_of(tokenizer, ["1+1="], labels=["2"])
+
+        def state_dict(self):
+            return {}
+
+    def failing(samples):
+        raise RuntimeError("reward server gone")
+
+    ahead = RolloutAhead(hf_engine, Prompts(), RolloutConfig(batch_size=1, n_samples_per_prompt=2, max_response_len=4),
+                         tokenizer, make_reward_fn({"reward_fns_for_test:length_reward": 1.0}), OneRank())
+    ahead.reward_fn.score = failing
+    ahead.start(0)
+    with caplog.at_level(logging.WARNING):
+        ahead.close()
+    assert "the discarded batch generated ahead failed: RuntimeError: reward server gone" in caplog.text
+    assert not ahead.in_flight
+
 def _multi_turn_sample(mask: list[int], seed: int) -> Sample:
     g = torch.Generator().manual_seed(seed)
     r = len(mask)

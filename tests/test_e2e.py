@@ -98,6 +98,8 @@ def test_one_step_off_rollout(tiny_model, task_dir, tmp_path):
     assert evals == [0, 2, 3]
     assert train[1]["rollout/train_logprob_abs_diff"] > 1e-4  # pi_old is one update past the generating weights
     assert train[0]["rollout/train_logprob_abs_diff"] < 1e-5 and train[1]["train/tis_mean_weight"] != 1.0
+    for r in train:  # the rate of the generation itself, not of the wait for its batch (time/rollout)
+        assert r["perf/gen_tokens_per_s"] == pytest.approx(r["rollout/gen_tokens"] / r["time/generate"])
     assert (run_dir / "checkpoints/step_2").is_dir() and (run_dir / "checkpoints/step_3").is_dir()
     state = json.loads((run_dir / "checkpoints/step_2/manifest.json").read_text())["loop_state"]["data"]
     assert state["offset"] == 8  # before step 3's batch, which was in flight when step 2 was saved

@@ -189,3 +189,17 @@ def test_weights_blown_up_are_said_so_when_sampling_and_when_greedy(tmp_path, te
         engine.model.lm_head.weight.fill_(float("nan"))
     with pytest.raises(RuntimeError, match="probabilities are not finite.*blown the weights up"):
         engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=4, temperature=temperature, n=2))
+
+
+def test_a_seeded_generation_ignores_the_global_generator(engine):
+    """One-step-off rollout samples in a thread while activation checkpointing saves and restores torch's
+    global generator: a seed gives the call its own, so what it draws does not depend on that."""
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=7)
+    torch.manual_seed(0)
+    first = engine.generate(PROMPTS, params)
+    torch.manual_seed(1)
+    torch.rand(100)
+    again = engine.generate(PROMPTS, params)
+    assert [[g.response_ids for g in gs] for gs in first] == [[g.response_ids for g in gs] for gs in again]
+    other = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=8))
+    assert [[g.response_ids for g in gs] for gs in other] != [[g.response_ids for g in gs] for gs in first]

@@ -20,6 +20,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     n: int = 1
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, tests); no stop token ends a response
+    seed: int | None = None  # hf engine: sample from a generator of this seed instead of torch's global one
 
 
 @dataclasses.dataclass

@@ -98,6 +98,7 @@ class HFEngine:
         self._params = dict(self.model.named_parameters())
         self._load_plan = self.adapter.load_plan(self.model)  # checkpoint name -> where it goes in memory
         self._version = 0
+        self._aborting = False
 
     @property
     def weight_version(self) -> int:
@@ -106,6 +107,7 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  mm: list[MultimodalInputs | None] | None = None) -> list[list[Generation]]:
+        self._aborting = False
         out: list[list[Generation]] = []
         per_call = max(1, self.batch_size // params.n)
         mm = mm or [None] * len(prompts)
@@ -204,6 +206,9 @@ class HFEngine:
         if len(unique) < len(rows):  # each row gets its prompt's cache rows and next-token logits
             logits, mask, positions = logits[copy_of], mask[copy_of], positions[copy_of]
             cache.batch_select_indices(copy_of)
+        # A seed (one-step-off rollout: generation in a thread while the trainer's activation checkpointing saves
+        # and restores torch's global generator) gives this call its own generator.
+        gen = None if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
         live = torch.arange(len(rows), device=self.device)  # the original row of each row still decoding
         next_pos = positions[:, -1] + 1
         tokens, logps = [[] for _ in rows], [[] for _ in rows]
@@ -219,7 +224,7 @@ class HFEngine:
                     drop = ordered.softmax(-1).cumsum(-1) <= 1 - params.top_p
                     drop[:, -1] = False  # the most likely token always stays
                     scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-                tok = torch.multinomial(scores.softmax(-1), 1).squeeze(1)
+                tok = torch.multinomial(scores.softmax(-1), 1, generator=gen).squeeze(1)
             tok_logp = logp.gather(1, tok[:, None]).squeeze(1)
             if not torch.isfinite(tok_logp).all():  # NaN logits: greedy decoding would pick token 0 silently
                 raise self._not_finite()
@@ -229,7 +234,7 @@ class HFEngine:
             going = ~torch.isin(tok, stop_ids)
             for r in live[~going].tolist():
                 finished[r] = True
-            if step + 1 == params.max_new_tokens or not going.any():
+            if step + 1 == params.max_new_tokens or not going.any() or self._aborting:
                 break
             if not going.all():  # stopped rows leave the batch, their cache rows with them
                 keep = going.nonzero().squeeze(1)
@@ -268,7 +273,9 @@ class HFEngine:
         pass
 
     def abort(self) -> None:
-        pass
+        """End a generation in flight (in another thread) after its current decode step; what it returns is
+        cut short and is to be discarded."""
+        self._aborting = True
 
     def metrics(self) -> dict:
         return {}

@@ -369,9 +369,11 @@ class RewardFn:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return asyncio.run(self(samples))
-        raise RuntimeError("RewardFn.score() called inside a running event loop; "
-                           "use `await reward_fn(samples)` there instead")
+            pass  # no loop: run one (outside this except, so a reward error is not chained to this one)
+        else:
+            raise RuntimeError("RewardFn.score() called inside a running event loop; "
+                               "use `await reward_fn(samples)` there instead")
+        return asyncio.run(self(samples))
 
     async def _score_groups(self, samples: list[Sample], sem: asyncio.Semaphore) -> list[float]:
         (name, fn), = self.fns.items()

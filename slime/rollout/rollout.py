@@ -7,9 +7,12 @@ are then cut to exactly rollout.batch_size groups, lower ranks first, from gathe
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import numbers
+import threading
+import time
 
 from slime.config import RolloutConfig
 from slime.data.prompts import Prompt, PromptSource
@@ -138,10 +141,10 @@ def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfi
 
 
 def _draw_and_generate(engine, data: PromptSource, cfg: RolloutConfig, tokenizer, reward_fn, dims: ParallelDims, *,
-                       step: int, attempt: int, n_prompts: int | None) -> list[Sample]:
+                       step: int, attempt: int, n_prompts: int | None, seed: int | None = None) -> list[Sample]:
     """One sampling attempt on this rank: draw prompts, generate, score, shape. Each sample records the engine
     weight version that generated it (metadata weight_version)."""
-    params = sampling_params(cfg)
+    params = dataclasses.replace(sampling_params(cfg), seed=seed)
     version = engine.weight_version
     prompts = data.next_batch(n_prompts)
     # Ids from the share drawn, not from the prompts kept: a rank whose image broke since load has fewer, and
@@ -165,24 +168,45 @@ class RolloutAhead:
     while the trainer trains on step k's. The thread runs no collective (the trainer's collectives run at the
     same time): it draws this rank's prompts, generates and scores; the metrics, which reduce over ranks, are
     computed when the batch is taken. The caller pushes weights only between `take` and the next `start`,
-    when nothing is generating."""
+    when nothing is generating.
 
-    def __init__(self, engine, data: PromptSource, cfg: RolloutConfig, tokenizer, reward_fn, dims: ParallelDims):
-        from concurrent.futures import ThreadPoolExecutor
+    The thread is a daemon: a run that stops (an error, a signal) does not wait at exit for a batch it will not
+    use. Each batch samples from its own generator, seeded by `seed`, the step and the rank: the trainer's
+    activation checkpointing saves and restores torch's global generator while this thread would draw from it,
+    which made runs irreproducible."""
 
+    STOP_WAIT_S = 60.0  # at close, how long a batch in flight may take to finish before it is abandoned
+
+    def __init__(self, engine, data: PromptSource, cfg: RolloutConfig, tokenizer, reward_fn, dims: ParallelDims,
+                 seed: int = 0):
         self.engine, self.data, self.cfg, self.tokenizer, self.reward_fn, self.dims = \
             engine, data, cfg, tokenizer, reward_fn, dims
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-ahead")
+        self.seed = seed
         self._future = None
         self.data_state = data.state_dict()
         """The prompt source's position before the batch in flight: what a checkpoint must record, so that a
         resumed run generates that batch again."""
 
     def start(self, step: int) -> None:
+        from concurrent.futures import Future
+
         assert self._future is None, "a rollout is already in flight"
         self.data_state = self.data.state_dict()
-        self._future = self._pool.submit(_draw_and_generate, self.engine, self.data, self.cfg, self.tokenizer,
-                                         self.reward_fn, self.dims, step=step, attempt=0, n_prompts=None)
+        future: Future = Future()
+        seed = (self.seed * 1_000_003 + step) * 1009 + self.dims.rank
+
+        def work():
+            start = time.perf_counter()
+            try:
+                samples = _draw_and_generate(self.engine, self.data, self.cfg, self.tokenizer, self.reward_fn,
+                                             self.dims, step=step, attempt=0, n_prompts=None, seed=seed)
+            except BaseException as e:  # noqa: BLE001 -- handed to the main thread by take()
+                future.set_exception(e)
+            else:
+                future.set_result((samples, time.perf_counter() - start))
+
+        threading.Thread(target=work, name="rollout-ahead", daemon=True).start()
+        self._future = future
 
     @property
     def in_flight(self) -> bool:
@@ -191,8 +215,9 @@ class RolloutAhead:
     def take(self, trainer_version: int) -> tuple[list[Sample], dict]:
         """Wait for the batch in flight; its samples and metrics (a collective: every rank calls it)."""
         future, self._future = self._future, None
-        samples = future.result()
+        samples, seconds = future.result()
         metrics = rollout_metrics(samples, self.dims)
+        metrics["time/generate"] = seconds  # in the background, while the last step trained
         lag, n = self.dims.all_reduce_sum([sum(trainer_version - s.metadata["weight_version"] for s in samples),
                                            len(samples)])
         metrics.update({"rollout/sampling_attempts": 1, "rollout/kept_groups": self.cfg.batch_size,
@@ -200,10 +225,22 @@ class RolloutAhead:
         return samples, metrics
 
     def close(self) -> None:
-        if self._future is not None:
-            self._future.result()  # let a generation in flight finish before the engine goes away
-            self._future = None
-        self._pool.shutdown()
+        """Discard a batch in flight (a stop or an error: the checkpoint records the prompt position before it,
+        so a resumed run generates it again). Its engine requests are aborted; it gets STOP_WAIT_S to finish
+        before the engine goes away, and an error it ends with is logged, not raised over the stop's own."""
+        from concurrent.futures import TimeoutError as Timeout
+
+        future, self._future = self._future, None
+        if future is None:
+            return
+        self.engine.abort()
+        try:
+            future.result(timeout=self.STOP_WAIT_S)
+        except Timeout:
+            logger.warning("the batch generated ahead did not finish within %.0f s of the stop; abandoned",
+                           self.STOP_WAIT_S)
+        except BaseException as e:  # noqa: BLE001
+            logger.warning("the discarded batch generated ahead failed: %s: %s", type(e).__name__, e)
 
 
 def _cut_to_batch_size(kept: list[Sample], batch_size: int, dims: ParallelDims) -> list[Sample]:
@@ -222,6 +259,9 @@ def rollout_metrics(samples: list[Sample], dims: ParallelDims) -> dict:
         sum(len(s.response_ids) for s in samples), sum(s.finish_reason == "length" for s in samples),
         sum("turns" in s.metadata for s in samples), sum(s.metadata.get("turns", 0) for s in samples),
         sum(len(s.response_ids) - s.num_loss_tokens for s in samples)])
+    if not n:
+        raise RuntimeError("no rank has a sample this step (every prompt drawn was skipped; see the warnings "
+                           "above)")
     mean = r / n
     out = {"rollout/reward_mean": mean, "rollout/reward_std": max(r2 / n - mean ** 2, 0.0) ** 0.5,
            "rollout/response_len": length / n, "rollout/truncated_frac": trunc / n,

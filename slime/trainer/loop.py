@@ -170,7 +170,7 @@ def run(cfg: Config) -> dict:
 
     # One-step-off rollout: the batch of step k+1 is generated while step k trains. Weights are pushed (and
     # evaluation runs) only while nothing generates: after the batch in flight is taken, before the next starts.
-    ahead = RolloutAhead(engine, data, cfg.rollout, tokenizer, reward_fn, dims) \
+    ahead = RolloutAhead(engine, data, cfg.rollout, tokenizer, reward_fn, dims, seed=cfg.train.seed) \
         if cfg.rollout.one_step_off and not sft else None
     pending_eval: list[int] = []
 
@@ -242,8 +242,9 @@ def run(cfg: Config) -> dict:
             metrics.update({"time/train": t_train, "time/step": time.time() - t0})
             if "train/tokens" in metrics:
                 metrics["perf/train_tokens_per_s"] = metrics["train/real_tokens"] / t_train
-            if "rollout/gen_tokens" in metrics:
-                metrics["perf/gen_tokens_per_s"] = metrics["rollout/gen_tokens"] / metrics["time/rollout"]
+            if "rollout/gen_tokens" in metrics:  # one-step-off: time/rollout is only the wait for the batch
+                metrics["perf/gen_tokens_per_s"] = \
+                    metrics["rollout/gen_tokens"] / metrics.get("time/generate", metrics["time/rollout"])
             log.log(done, metrics)
             phase.now = "evaluation"
             if ahead is not None and not last:
