@@ -49,23 +49,19 @@ def one_sample_repeated(ctx: RolloutContext):
     return [traj.sample()] * ctx.n
 
 
-def mask_of_fives(ctx: RolloutContext):
+def _two_token_samples(ctx: RolloutContext, spoil) -> list:
     samples = []
     for _ in range(ctx.n):
         traj = ctx.trajectory()
         traj.generate(max_new_tokens=2)
-        s = traj.sample()
-        s.response_mask = [5] * len(s.response_ids)
-        samples.append(s)
+        samples.append(traj.sample())
+        spoil(samples[-1])
     return samples
+
+
+def mask_of_fives(ctx: RolloutContext):
+    return _two_token_samples(ctx, lambda s: setattr(s, "response_mask", [5] * len(s.response_ids)))
 
 
 def text_reward(ctx: RolloutContext):
-    samples = []
-    for _ in range(ctx.n):
-        traj = ctx.trajectory()
-        traj.generate(max_new_tokens=2)
-        s = traj.sample()
-        s.metadata["given_reward"] = "n/a"
-        samples.append(s)
-    return samples
+    return _two_token_samples(ctx, lambda s: s.metadata.update(given_reward="n/a"))
