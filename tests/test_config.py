@@ -111,7 +111,11 @@ def test_ds_config_auto_fields_filled(tmp_path):
     for content, words in (('{"zero_optimization": {"stage": 3},}', "is not valid JSON"),
                            ('{"zero_optimization": {"stage": "three"}}', "zero_optimization.stage='three'"),
                            ('{"zero_optimization": {"stage": 3}, "gradient_clippng": 0.3}',
-                            "unknown key 'gradient_clippng' (DeepSpeed would ignore it); did you mean 'gradient_clipping'")):
+                            "unknown key 'gradient_clippng' (DeepSpeed would ignore it); did you mean 'gradient_clipping'"),
+                           ('{"zero_optimization": {"stage": 3}, "gradient_clipping": 0.3}',
+                            "'gradient_clipping' is 0.3 but the run config's train.grad_clip gives 0.5"),
+                           ('{"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}',
+                            "'optimizer.params.lr' is 0.1 but the run config's train.lr gives 0.0003")):
         bad.write_text(content)
         with pytest.raises(ValueError) as e:
             build_ds_config(cfg.train, bad, bf16=False)

@@ -44,6 +44,7 @@ def build_ds_config(train: TrainConfig, path: str | Path | None = None, *, bf16:
         "optimizer.params.torch_adam": torch_adam,
         "optimizer.params.fused": FUSED,
     }
+    _refuse_second_settings(ds, auto, str(path))
     _fill(ds, auto, str(path))
     params = ds.get("optimizer", {}).get("params", {})
     if params.get("fused") is FUSED:
@@ -109,6 +110,24 @@ def check_stage(stage: int, train: TrainConfig, *, sp: int, ep: int, offload_par
         raise ValueError(f"train.ds_config={train.ds_config} sets ZeRO stage {stage}, but {' and '.join(needs)} "
                          f"{'is' if len(needs) == 1 else 'are'} built and tested on ZeRO-3 only; use "
                          "ds_configs/zero3.json")
+
+
+# DeepSpeed keys the run config owns: an explicit value in the JSON would be overridden (lr) or would override
+# the run config's without a word (gradient_clipping, the dtype).
+OWNED = {"gradient_clipping": "train.grad_clip", "bf16.enabled": "model.dtype", "optimizer.params.lr": "train.lr",
+         "optimizer.params.betas": "train.betas", "optimizer.params.weight_decay": "train.weight_decay"}
+
+
+def _refuse_second_settings(ds: dict, auto: dict, source: str) -> None:
+    for full, setting in OWNED.items():
+        *parents, leaf = full.split(".")
+        node = ds
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or node.get(leaf, "auto") in ("auto", auto[full]):
+            continue
+        raise ValueError(f"{source}: '{full}' is {node[leaf]!r} but the run config's {setting} gives {auto[full]!r}; "
+                         f"set {setting} and leave '{full}' as \"auto\" (one setting, one place)")
 
 
 def _fill(node: dict, auto: dict, source: str, prefix: str = "") -> None:
