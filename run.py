@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = ap.parse_args(argv)
+    if args.num_gpus < 1 or args.gpu_memory_gb <= 0:
+        ap.error(f"--num-gpus ({args.num_gpus}) must be >= 1 and --gpu-memory-gb ({args.gpu_memory_gb}) > 0")
     try:
         cfg = load_config(args.config, args.overrides)
     except (ValueError, TypeError, FileNotFoundError) as e:

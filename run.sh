@@ -4,9 +4,15 @@
 # NPROC overrides the rank count (default: number of GPUs, or 2 on CPU); MASTER_PORT the rendezvous
 # port (default 29500; give each of two concurrent runs its own).
 set -euo pipefail
-cd "$(dirname "$0")"
 config=${1:?usage: run.sh CONFIG.yaml [section.key=value ...]}
 shift
+if [[ $config == -* || ! -f $config ]]; then
+  echo "run.sh: the first argument must be the run config (a YAML file), got '$config'" >&2
+  echo "usage: run.sh CONFIG.yaml [section.key=value ...] [--dry-run]" >&2
+  exit 2
+fi
+config=$(realpath "$config")  # the repo root becomes the working directory (paths inside configs are relative to it)
+cd "$(dirname "$0")"
 
 # --dry-run anywhere among the arguments: print the layout and memory per GPU for the rank count below, launch nothing.
 dry_run=0

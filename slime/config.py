@@ -517,14 +517,22 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
-        raw = yaml.safe_load(path.read_text()) or {}
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override '{item}' must look like section.key=value")
         key, text = item.split("=", 1)
-        _set_dotted(raw, key.strip(), yaml.safe_load(text) if text.strip() else "")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError as e:
+            raise ValueError(f"override '{item}': the value is not valid YAML ({str(e).splitlines()[0]}); quote "
+                             "it if it is a string") from None
+        _set_dotted(raw, key.strip(), value)
     return _build(Config, raw)
 
 

@@ -159,6 +159,11 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
         fraction = s.mem_fraction or SGLANG_DEFAULT_MEM_FRACTION
         weights = 2 * shape.params // s.tp_size
         pool = fraction * gpu_gib * GIB
+        if weights >= pool:
+            raise ValueError(f"SGLang's memory pool (rollout.sglang.mem_fraction={fraction} of {gpu_gib:g} GiB = "
+                             f"{pool / GIB:.1f} GiB) does not hold the model's bf16 weights ({weights / GIB:.1f} GiB "
+                             f"per GPU at tp_size={s.tp_size}), leaving no KV cache; raise mem_fraction or "
+                             "rollout.sglang.tp_size")
         kv_per_token = 2 * shape.layers * shape.kv_dim * 2 // s.tp_size  # K and V, bf16
         out.update(engine_weights=weights, engine_pool=pool, kv_cache=max(pool - weights, 0),
                    kv_tokens=int(max(pool - weights, 0) // kv_per_token))

@@ -174,3 +174,35 @@ def test_zero2_refuses_what_needs_partitioned_parameters():
                                   (1, 1, True, "algo.ref_offload=true")):
         with pytest.raises(ValueError, match=f"zero2.json sets ZeRO stage 2, but {what}.*use ds_configs/zero3.json"):
             check_stage(2, cfg.train, sp=sp, ep=ep, offload_params=offload)
+
+
+def test_yaml_errors_and_bad_launch_arguments_are_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  path: x\n   bad: 1\n")
+    with pytest.raises(ValueError, match=r"bad.yaml is not valid YAML: mapping values are not allowed"):
+        load_config(bad)
+    with pytest.raises(ValueError, match=r"override 'train.lr=\[1,': the value is not valid YAML"):
+        load_config(None, BASE + ["train.lr=[1,"])
+    example = str(REPO / "examples/cpu_tiny_grpo.yaml")
+    bad.unlink()
+    for cmd, words in (([sys.executable, str(REPO / "run.py"), "--config", example, "--dry-run", "--num-gpus", "0"],
+                        "--num-gpus (0) must be >= 1"),
+                       (["bash", str(REPO / "run.sh"), str(bad)], "run.sh: the first argument must be the run config"),
+                       (["bash", str(REPO / "run.sh"), "--dry-run", example], "got '--dry-run'")):
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
+        assert proc.returncode != 0 and words in proc.stderr, (cmd, proc.stderr[-500:])
+
+
+def test_an_unwritable_run_dir_or_a_missing_logger_is_said_before_anything_loads(tmp_path, monkeypatch):
+    import importlib.util
+
+    from slime.trainer.loop import check_run_dir
+
+    (tmp_path / "afile").write_text("")
+    cfg = load_config(None, BASE)
+    with pytest.raises(ValueError, match=r"log.run_dir=.*afile cannot be written"):
+        check_run_dir(cfg, tmp_path / "afile")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ValueError, match="log.tensorboard=true but tensorboard is not installed"):
+        check_run_dir(load_config(None, BASE + ["log.tensorboard=true"]), tmp_path / "run")

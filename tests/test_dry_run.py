@@ -102,3 +102,10 @@ def test_run_sh_passes_dry_run_through(tmp_path):
                           capture_output=True, text=True, cwd=REPO, timeout=300, env={"NPROC": "8", "PATH": "/usr/bin:/bin:" + sys.prefix + "/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "8 trainer ranks" in proc.stdout and "deepspeed" not in proc.stdout.lower().split("layout")[0]
+
+
+def test_an_sglang_pool_smaller_than_the_weights_is_refused():
+    cfg = load_config(REPO / "examples/gpu_qwen3_8b_long_sp.yaml",
+                      [f"model.path={REPO / 'examples/model_configs/qwen3-8b'}", "rollout.sglang.mem_fraction=0.15"])
+    with pytest.raises(ValueError, match=r"mem_fraction=0.15 of 80 GiB = 12.0 GiB\) does not hold the model's bf16"):
+        plan(cfg, 8, 80.0)

@@ -8,7 +8,9 @@ import contextlib
 import datetime
 import functools
 import hashlib
+import importlib.util
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -104,7 +106,19 @@ def checkpoint_identity(cfg: Config) -> dict:
 
 
 def check_run_dir(cfg: Config, run_dir: Path) -> None:
-    """A used run directory is continued (checkpoint.resume) or refused, never mixed into."""
+    """A used run directory is continued (checkpoint.resume) or refused, never mixed into; one that cannot be
+    written, or a logger that is not installed, is said before any model loads."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"log.run_dir={run_dir} cannot be written ({e.strerror}: {e.filename}); give a writable "
+                         "directory") from None
+    for flag, module in (("log.wandb", "wandb"), ("log.tensorboard", "tensorboard")):
+        if getattr(cfg.log, flag.split(".")[1]) and importlib.util.find_spec(module) is None:
+            raise ValueError(f"{flag}=true but {module} is not installed: pip install {module}, or set {flag}=false")
     metrics = run_dir / "metrics.jsonl"
     if not cfg.checkpoint.resume and metrics.is_file() and metrics.stat().st_size:
         raise ValueError(f"log.run_dir={run_dir} already holds a run ({metrics}); with checkpoint.resume=false it "
