@@ -211,9 +211,10 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
         try:
             try:
                 # A text-only model reads "<image>" in a prompt without images as text.
-                images = processor is not None or bool(row.get(cfg.images_key))
+                may_have_images = processor is not None or bool(row.get(cfg.images_key))
                 parsed = parse_row(row, prompt_key=cfg.prompt_key, messages_key=cfg.messages_key,
-                                   images_key=cfg.images_key, placeholder=cfg.image_placeholder if images else "")
+                                   images_key=cfg.images_key,
+                                   placeholder=cfg.image_placeholder if may_have_images else "")
             except TypeError as e:
                 raise TypeError(f"{path}:{line}: {e}") from None
             if _is_empty(row, cfg):
@@ -348,10 +349,9 @@ class PromptSource:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.offset = state["epoch"], state["offset"]
         self._order = self._make_order()
-        saved = state.get("order")  # absent in checkpoints of older versions
-        if saved is not None and saved != self._order_settings():
-            changes = ", ".join(f"{k} {saved.get(k)!r} -> {v!r}" for k, v in self._order_settings().items()
-                                if saved.get(k) != v)
+        saved, now = state.get("order"), self._order_settings()  # no "order" in checkpoints of older versions
+        if saved is not None and saved != now:
+            changes = ", ".join(f"{k} {saved.get(k)!r} -> {v!r}" for k, v in now.items() if saved.get(k) != v)
             logger.warning("resumed with another prompt order (%s): the run continues at position %d of epoch %d "
                            "of the new order, so prompts of this epoch may repeat or be left out until it ends",
                            changes, self.offset, self.epoch)

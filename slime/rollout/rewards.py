@@ -12,8 +12,8 @@ the samples of one ``group_id`` to one number (or dict) per sample, in order.
 
 Where things run: built-ins are CPU-bound Python, so they run inline on the calling thread (threads
 would not speed them up under the GIL); off the main thread (one-step-off rollout) `math` runs in a child
-process, where math-verify's signal-based timeouts work. User sync functions run in a thread pool (they may do I/O, e.g. call a reward server);
-user async functions run concurrently. At most ``max_concurrency`` user calls are in flight.
+process, where math-verify's signal-based timeouts work. User sync functions run in a thread pool (they may do
+I/O, e.g. call a reward server); user async functions run concurrently. At most ``max_concurrency`` user calls are in flight.
 """
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def math_reward(sample: Sample) -> dict[str, float]:
     reward 0 and are counted in the returned ``math/error`` (also ``math/pred_unparsed`` when the
     response holds no parseable expression). Off the main thread it runs in a child process (_math_off_main).
     """
-    golds = _labels(sample, "math")
+    golds = _labels(sample, "math")  # a missing label fails here, in the caller's thread
     if threading.current_thread() is not threading.main_thread():
         return _math_off_main(sample)
     timeout = MATH_VERIFY_TIMEOUT_S

@@ -7,6 +7,7 @@ are then cut to exactly rollout.batch_size groups, lower ranks first, from gathe
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -188,11 +189,9 @@ class RolloutAhead:
         resumed run generates that batch again."""
 
     def start(self, step: int) -> None:
-        from concurrent.futures import Future
-
         assert self._future is None, "a rollout is already in flight"
         self.data_state = self.data.state_dict()
-        future: Future = Future()
+        future: concurrent.futures.Future = concurrent.futures.Future()
         seed = (self.seed * 1_000_003 + step) * 1009 + self.dims.rank
 
         def work():
@@ -228,15 +227,13 @@ class RolloutAhead:
         """Discard a batch in flight (a stop or an error: the checkpoint records the prompt position before it,
         so a resumed run generates it again). Its engine requests are aborted; it gets STOP_WAIT_S to finish
         before the engine goes away, and an error it ends with is logged, not raised over the stop's own."""
-        from concurrent.futures import TimeoutError as Timeout
-
         future, self._future = self._future, None
         if future is None:
             return
         self.engine.abort()
         try:
             future.result(timeout=self.STOP_WAIT_S)
-        except Timeout:
+        except concurrent.futures.TimeoutError:
             logger.warning("the batch generated ahead did not finish within %.0f s of the stop; abandoned",
                            self.STOP_WAIT_S)
         except BaseException as e:  # noqa: BLE001

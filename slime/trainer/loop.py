@@ -116,9 +116,10 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
     except OSError as e:
         raise ValueError(f"log.run_dir={run_dir} cannot be written ({e.strerror}: {e.filename}); give a writable "
                          "directory") from None
-    for flag, module in (("log.wandb", "wandb"), ("log.tensorboard", "tensorboard")):
-        if getattr(cfg.log, flag.split(".")[1]) and importlib.util.find_spec(module) is None:
-            raise ValueError(f"{flag}=true but {module} is not installed: pip install {module}, or set {flag}=false")
+    for logger_name in ("wandb", "tensorboard"):  # the flag and the package share the name
+        if getattr(cfg.log, logger_name) and importlib.util.find_spec(logger_name) is None:
+            raise ValueError(f"log.{logger_name}=true but {logger_name} is not installed: pip install {logger_name}, "
+                             f"or set log.{logger_name}=false")
     metrics = run_dir / "metrics.jsonl"
     if not cfg.checkpoint.resume and metrics.is_file() and metrics.stat().st_size:
         raise ValueError(f"log.run_dir={run_dir} already holds a run ({metrics}); with checkpoint.resume=false it "
