@@ -13,7 +13,8 @@ the samples of one ``group_id`` to one number (or dict) per sample, in order.
 Where things run: built-ins are CPU-bound Python, so they run inline on the calling thread (threads
 would not speed them up under the GIL); off the main thread (one-step-off rollout) `math` runs in a child
 process, where math-verify's signal-based timeouts work. User sync functions run in a thread pool (they may do
-I/O, e.g. call a reward server); user async functions run concurrently. At most ``max_concurrency`` user calls are in flight.
+I/O, e.g. call a reward server); user async functions run concurrently. At most ``max_concurrency`` user calls
+are in flight.
 """
 from __future__ import annotations
 
