@@ -265,7 +265,8 @@ def test_calculator_tool_appends_its_result_as_an_observation(tokenizer):
 
 
 class RewardServer:
-    """A local reward server whose behaviour the test sets: ok, error (500), hang, bad_json, bad_request."""
+    """A local reward server whose behaviour the test sets: ok, error (500), hang, trickle, bad_json, short,
+    bad_request."""
 
     def __init__(self):
         self.mode, self.fail_first, self.requests = "ok", 0, []
@@ -309,8 +310,20 @@ class RewardServer:
                     out = json.dumps({"rewards": rewards[:-1]}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
+                if mode == "trickle":  # each byte well within the timeout, the whole answer far beyond it
+                    self.send_header("Content-Length", str(len(out)))
                 self.end_headers()
-                self.wfile.write(out)
+                if mode != "trickle":
+                    self.wfile.write(out)
+                    return
+                for k in range(len(out)):
+                    if server.release.wait(0.05):
+                        return
+                    try:
+                        self.wfile.write(out[k:k + 1])
+                        self.wfile.flush()
+                    except OSError:  # the client gave up
+                        return
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
@@ -365,6 +378,7 @@ def test_remote_reward_retries_a_failing_server_then_succeeds(server):
     ("bad_json", r"malformed answer \(want JSON", 3),
     ("short", r"'rewards' must list 2 values, got 1", 3),
     ("hang", r"no answer within rollout.reward.timeout=0.3s", 3),
+    ("trickle", r"within rollout.reward.timeout=0.3s", 3),
     ("bad_request", r"refused samples index=100..101 \(2\).*HTTP 400", 1),
 ])
 def test_remote_reward_failures_name_the_endpoint_and_the_samples(server, mode, why, attempts):

@@ -10,8 +10,8 @@
 
   and expects ``{"rewards": [r_0, r_1, ...]}`` back, one per sample, in order; each r is a number or a dict
   with a "reward" key plus extra numbers (logged like a user function's). At most
-  ``rollout.reward.max_concurrency`` requests are in flight; each may take ``rollout.reward.timeout``
-  seconds. A connection error, a timeout, a 5xx or 429 answer and a malformed body are retried
+  ``rollout.reward.max_concurrency`` requests are in flight; each answer must be complete within
+  ``rollout.reward.timeout`` seconds (checked as it arrives, so at most one read later). A connection error, a timeout, a 5xx or 429 answer and a malformed body are retried
   ``rollout.reward.max_retries`` times with exponential backoff; then the run stops with the endpoint, the
   samples of the batch and what went wrong named. Other 4xx answers (the request is wrong) stop at once.
   A reward is never silently zero.
@@ -34,6 +34,7 @@ from typing import Any
 
 import requests
 import torch
+import urllib3
 
 from slime.data.sample import Sample
 
@@ -123,27 +124,42 @@ class RemoteReward:
             "rollout.reward.timeout / max_retries")
 
     def _attempt(self, body: dict, batch: list[Sample]) -> list[Any]:
-        try:  # the timeout bounds each wait for the server (connecting, each read), not the whole answer
-            r = self._session.post(self.url, json=body, timeout=self.timeout)
-        except requests.Timeout:
+        deadline = time.monotonic() + self.timeout
+        try:  # requests' timeout bounds each wait (connecting, each read); the deadline bounds the whole answer
+            with self._session.post(self.url, json=body, timeout=self.timeout, stream=True) as r:
+                status, content = r.status_code, self._read(r, deadline)
+        except (requests.Timeout, urllib3.exceptions.TimeoutError):
             raise _Retryable(f"no answer within rollout.reward.timeout={self.timeout}s") from None
         except requests.ConnectionError as e:
             raise _Retryable(f"cannot connect ({type(e).__name__})") from None
-        except requests.RequestException as e:  # e.g. an answer cut short (ChunkedEncodingError)
+        except (requests.RequestException, urllib3.exceptions.HTTPError) as e:  # e.g. an answer cut short
             raise _Retryable(f"{type(e).__name__}: {str(e)[:200]}") from None
-        if r.status_code >= 500 or r.status_code == 429:
-            raise _Retryable(f"HTTP {r.status_code}: {r.text[:200]!r}")
-        if r.status_code >= 400:
-            raise RewardServerError(f"reward server {self.url} refused {_describe(batch)}: HTTP {r.status_code}: "
-                                    f"{r.text[:300]!r}; the request is wrong, so it is not retried")
+        text = content.decode("utf-8", errors="replace")
+        if status >= 500 or status == 429:
+            raise _Retryable(f"HTTP {status}: {text[:200]!r}")
+        if status >= 400:
+            raise RewardServerError(f"reward server {self.url} refused {_describe(batch)}: HTTP {status}: "
+                                    f"{text[:300]!r}; the request is wrong, so it is not retried")
         try:
-            rewards = r.json()["rewards"]
+            rewards = json.loads(content)["rewards"]
         except (ValueError, KeyError, TypeError):
-            raise _Retryable(f"malformed answer (want JSON {{'rewards': [...]}}): {r.text[:200]!r}") from None
+            raise _Retryable(f"malformed answer (want JSON {{'rewards': [...]}}): {text[:200]!r}") from None
         if not isinstance(rewards, list) or len(rewards) != len(batch):
             got = f"{len(rewards)} values" if isinstance(rewards, list) else type(rewards).__name__
             raise _Retryable(f"malformed answer: 'rewards' must list {len(batch)} values, got {got}")
         return rewards
+
+    def _read(self, r: requests.Response, deadline: float) -> bytes:
+        """The body as it arrives, until the deadline: a server that trickles its answer (each piece within the
+        per-read timeout) is cut off at most one read after rollout.reward.timeout."""
+        parts = []
+        while part := r.raw.read1(1 << 16, decode_content=True):
+            parts.append(part)
+            if time.monotonic() > deadline:
+                raise _Retryable(f"the answer was not complete within rollout.reward.timeout={self.timeout}s "
+                                 f"({sum(map(len, parts))} bytes so far)")
+        r.raw.release_conn()  # read to the end: the connection serves the next request (keep-alive)
+        return b"".join(parts)
 
 
 def _jsonable(obj: Any) -> Any:
