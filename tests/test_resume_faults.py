@@ -130,11 +130,14 @@ def test_an_unreadable_line_at_or_before_the_resume_step_is_an_error_naming_file
 def test_a_fresh_start_moves_an_earlier_history_aside(tmp_path, caplog, resume_step):
     metrics, old = tmp_path / "metrics.jsonl", record(1) + record(2)
     metrics.write_bytes(old)
+    (tmp_path / "config.json").write_text('{"the": "earlier run\'s settings"}')
     (tmp_path / "metrics.jsonl.1.bak").write_text("an even earlier run\n")
     log = logger_at(tmp_path, resume_step)  # checkpoint.resume found no checkpoint
     log.log(1, {"train/loss": 0.5})
     log.close()
     assert (tmp_path / "metrics.jsonl.2.bak").read_bytes() == old  # the first free number
+    assert (tmp_path / "config.json.2.bak").read_text() == '{"the": "earlier run\'s settings"}'  # beside it
+    assert json.loads((tmp_path / "config.json").read_text()) != {"the": "earlier run's settings"}
     assert (tmp_path / "metrics.jsonl.1.bak").read_text() == "an even earlier run\n"
     assert [json.loads(line) for line in metrics.read_text().splitlines()] == [{"step": 1, "train/loss": 0.5}]
     assert f"{metrics} holds metrics of an earlier run" in caplog.text and f"moved it to {metrics}.2.bak" in caplog.text

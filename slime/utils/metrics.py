@@ -55,8 +55,11 @@ class MetricsLogger:
                 while (backup := self.path.with_name(f"{self.path.name}.{n}.bak")).exists():
                     n += 1
                 os.replace(self.path, backup)
-                logger.warning("%s holds metrics of an earlier run but no checkpoint was resumed: moved it to %s, "
-                               "this run starts a new one", self.path, backup)
+                config = self.path.with_name("config.json")  # the settings that history was made with go along
+                if config.is_file():
+                    os.replace(config, config.with_name(f"config.json.{n}.bak"))
+                logger.warning("%s holds metrics of an earlier run but no checkpoint was resumed: moved it to %s "
+                               "(and its config.json beside it), this run starts a new one", self.path, backup)
             return
         kept, last_step = [], None
         for lineno, line in enumerate(self.path.read_bytes().split(b"\n"), 1):
