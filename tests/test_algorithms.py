@@ -333,3 +333,21 @@ def test_rollout_correction_long_sequence_does_not_overflow():
     close(w_trunc, [2.0] * n)
     close(w_mask, [0.0] * n)
     close(metrics["tis_clip_frac"], 1.0)
+
+
+def test_a_sample_without_loss_tokens_is_not_counted_by_the_per_sequence_means():
+    """An all-observation turn (loss mask all 0) adds nothing to seq_mean_token_mean; the mini-batch's num_seqs,
+    the normaliser, must not count it either (as verl's seq_mask), or it shrinks every other sequence's weight
+    (1/3 instead of 1/2 here)."""
+    from one_rank import OneRank
+    from slime.data.sample import Sample
+    from slime.trainer.layout import Layout, distribute
+
+    masks = ([1, 1, 0], [0, 0, 0], [0, 1, 1])
+    samples = [Sample(prompt_ids=[1, 2], response_ids=[3, 4, 5], response_mask=m) for m in masks]
+    mini = distribute(samples, OneRank(), Layout(packing=True, max_tokens=64, micro_batch_size=1)).mini_batches[0]
+    assert (mini.num_loss_tokens, mini.num_seqs) == (4, 2)
+    per_token = torch.tensor([1.0, 3.0, 100.0, 100.0, 100.0, 100.0, 100.0, 5.0, 7.0])
+    loss = aggregate_loss(per_token, torch.tensor([m for ms in masks for m in ms]), torch.arange(3).repeat_interleave(3),
+                          mode="seq_mean_token_mean", num_tokens=mini.num_loss_tokens, num_seqs=mini.num_seqs)
+    assert loss.item() == (2.0 + 6.0) / 2  # the token means of samples 0 and 2, averaged

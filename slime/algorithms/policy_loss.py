@@ -219,8 +219,9 @@ def aggregate_loss(
 
     Per-sequence means need each sequence's full loss-token count; by default it is counted from
     loss_mask here, which is right when a sequence is not split across micro-batches or
-    sequence-parallel ranks. Otherwise pass seq_token_counts (S,). Which sequences num_seqs
-    counts (e.g. whether ones with no loss token count) is the caller's choice; be consistent.
+    sequence-parallel ranks. Otherwise pass seq_token_counts (S,). num_seqs counts the sequences
+    with at least one loss token (the trainer's MiniBatch.num_seqs; verl's seq_mask): one with none
+    contributes nothing, and counting it would shrink every other sequence's weight.
     """
     _check_same_shape(per_token_loss=per_token_loss, loss_mask=loss_mask, seq_ids=seq_ids)
     if mode not in LOSS_AGG_MODES:

@@ -101,6 +101,9 @@ class MiniBatch:
     num_loss_tokens: int
     """Loss tokens of the mini-batch over every rank: the global normaliser of token_mean."""
     num_seqs: int
+    """Samples of the mini-batch with a loss token, over every rank: the global normaliser of the per-sequence
+    modes (a sample with none, such as an all-observation turn, adds nothing to the loss and is not counted,
+    as verl's seq_mask)."""
     num_processed: int
     """Tokens of the mini-batch over every rank (prompt and response): weights per-token-of-input terms
     such as a MoE router's aux loss."""
@@ -162,7 +165,7 @@ def distribute(local: list[Sample], dims: ParallelDims, layout: Layout, *, num_m
     minis = []
     for (a, b), plan in zip(zip(bounds[:-1], bounds[1:]), plans):
         minis.append(MiniBatch(micro=[[position[a + i] for i in mb] for mb in plan[me]],
-                               num_loss_tokens=sum(loss_tokens[a:b]), num_seqs=b - a,
+                               num_loss_tokens=sum(loss_tokens[a:b]), num_seqs=sum(n > 0 for n in loss_tokens[a:b]),
                                num_processed=sum(lengths[a:b]),
                                stats=layout.stats(lengths[a:b], plan)))
     by_rank: list[list[int]] = [[] for _ in range(dims.dp)]
