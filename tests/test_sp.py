@@ -105,3 +105,42 @@ def test_dp2_sp2_equals_dp2_sp1(models, tmp_path):
     for name, g in ref["grads"].items():
         torch.testing.assert_close(sp["grads"][name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
     assert_params_close(sp["state"], ref["state"])
+
+
+def test_the_sp_wrapper_of_flash_attention_loads_and_hands_flash_its_own_name(monkeypatch):
+    """transformers takes any attention name with "flash" in it for a flash kernel to import by that name (a
+    wrapper named ulysses_sp2_flash_attention_2 failed at load), and flash's forward passes
+    module.config._attn_implementation on to choose its kernels: the wrapper's name has no "flash", and the
+    function it wraps sees the module with a config naming that function (the model's own config unchanged)."""
+    from transformers import AttentionInterface, AutoModelForCausalLM, Qwen3Config
+
+    import slime.distributed.ulysses as ulysses
+
+    cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=8)
+    name = ulysses.register_ulysses_attention("flash_attention_2", ulysses.SequenceShard(None, 0, 2))
+    assert "flash" not in name
+    AutoModelForCausalLM.from_config(Qwen3Config(**cfg), attn_implementation=name)  # loads without flash-attn
+
+    seen = []
+
+    def fake_flash(module, query, key, value, attention_mask, **kwargs):
+        seen.append((module.config._attn_implementation, module.layer_idx, module.is_causal, attention_mask))
+        return torch.nn.functional.scaled_dot_product_attention(query, key.repeat_interleave(2, 1),
+                                                                value.repeat_interleave(2, 1),
+                                                                is_causal=True).transpose(1, 2), None
+
+    AttentionInterface.register("test_flash_attention", fake_flash)
+    # one rank's view: the all-to-all of an sp group of one is the identity
+    monkeypatch.setattr(ulysses, "_seq_to_heads", lambda x, group, sp: x)
+    monkeypatch.setattr(ulysses, "_heads_to_seq", lambda x, group, sp: x)
+    wrapped = ulysses.register_ulysses_attention("test_flash_attention", ulysses.SequenceShard(None, 0, 1))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3Config(**cfg), attn_implementation=wrapped)
+    ids = torch.randint(0, 64, (1, 7))
+    out = model(input_ids=ids).logits
+    assert [s[:3] for s in seen] == [("test_flash_attention", 0, True), ("test_flash_attention", 1, True)]
+    assert all(s[3] is None for s in seen)  # a custom name gets no mask: cu_seqlens mark the samples
+    assert model.config._attn_implementation == wrapped
+    model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(out, model(input_ids=ids).logits)

@@ -19,6 +19,7 @@ flow only through the rank that produced each value.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -67,18 +68,39 @@ def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, sp: int) -> torch.T
     return recv.permute(1, 2, 0, 3, 4).reshape(b, t // sp, sp * h, d)
 
 
+class _InnerView:
+    """An attention module as the wrapped function sees it: the same module, with a config that names that
+    function. flash-attn's forward passes `module.config._attn_implementation` on to choose its kernels, and the
+    wrapper's own name is not one it knows."""
+
+    def __init__(self, module: torch.nn.Module, inner: str):
+        config = copy.copy(module.config)
+        config._attn_implementation = inner
+        self.__dict__.update(_module=module, config=config)
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
 def register_ulysses_attention(inner: str, shard: SequenceShard) -> str:
-    """Register (once per name) an attention function that wraps the registered `inner` one; returns its name."""
-    name = f"ulysses_sp{shard.size}_{inner}"
+    """Register (once per name) an attention function that wraps the registered `inner` one; returns its name.
+    The name never says "flash": transformers takes any such name for a flash kernel to import by that name (and
+    fails at load). As a custom name it also gets no attention mask, as packed rows need (cu_seqlens say where
+    samples end)."""
+    name = f"ulysses_sp{shard.size}_{inner.replace('flash', 'fa')}"
     inner_fn = AttentionInterface()[inner]
     sp, group = shard.size, shard.group
+    views: dict[int, _InnerView] = {}
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         if key.shape[1] < sp:  # fewer kv heads than ranks: each rank gets (a copy of) one
             key = key.repeat_interleave(sp // key.shape[1], dim=1)
             value = value.repeat_interleave(sp // value.shape[1], dim=1)
         q, k, v = (_seq_to_heads(t, group, sp) for t in (query, key, value))
-        out, _ = inner_fn(module, q, k, v, attention_mask, **kwargs)
+        view = views.get(id(module))
+        if view is None or view._module is not module:
+            view = views[id(module)] = _InnerView(module, inner)
+        out, _ = inner_fn(view, q, k, v, attention_mask, **kwargs)
         return _heads_to_seq(out, group, sp), None
 
     AttentionInterface.register(name, attention)
