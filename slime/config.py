@@ -402,6 +402,10 @@ class Config:
             raise ValueError("algo.old_logprobs=train_forward takes pi_old from the update's own forward, which is "
                              "pi_old only for the first optimizer step and after the advantages: it needs "
                              "train.num_mini_batches=1 and algo.kl_in_reward=false (use algo.old_logprobs=recompute)")
+        if self.algo.advantage_estimator == "gae" and self.algo.policy_loss != "sft" and self.parallel.ep > 1:
+            raise ValueError("algo.advantage_estimator=gae trains a critic, which parallel.ep > 1 does not support yet "
+                             "(expert parallelism covers the policy's MoE blocks only); set parallel.ep=1 or choose a "
+                             "critic-free estimator (grpo, rloo, reinforce_pp)")
         if self.algo.policy_loss != "sft" and self.algo.advantage_estimator in ("grpo", "dr_grpo", "rloo") \
                 and self.rollout.n_samples_per_prompt < 2:
             raise ValueError(f"algo.advantage_estimator={self.algo.advantage_estimator} needs "

@@ -63,6 +63,15 @@ def test_sequence_parallel_needs_packing():
     assert load_config(None, BASE + ["parallel.sp=2"]).parallel.sp == 2
 
 
+def test_a_critic_with_expert_parallelism_is_refused_at_load():
+    """AutoEP's layer pattern covers the policy (hf.model.layers.N.mlp), not a critic backbone (hf.layers.N.mlp),
+    and a dense critic would get the ep settings too: refused before anything loads."""
+    with pytest.raises(ValueError, match="algo.advantage_estimator=gae trains a critic, which parallel.ep > 1"):
+        load_config(None, BASE + ["parallel.ep=2", "algo.advantage_estimator=gae"])
+    assert load_config(None, BASE + ["parallel.ep=2"]).parallel.ep == 2
+    assert load_config(None, BASE + ["algo.advantage_estimator=gae"]).algo.advantage_estimator == "gae"
+
+
 def test_missing_required_paths():
     with pytest.raises(ValueError, match="model.path is required"):
         load_config(None, ["data.path=d.jsonl"])

@@ -94,7 +94,7 @@ def test_ep_needs_a_supported_moe_family(tiny_model, tmp_path):
     from slime.distributed.expert_parallel import expert_parallel_settings
 
     assert expert_parallel_settings(2, "mixtral")["preset_model"] == "mixtral"
-    with pytest.raises(ValueError, match="model type 'qwen2' is not one of deepseek_v2, deepseek_v3, mixtral"):
+    with pytest.raises(ValueError, match="model type 'qwen2' is not one of mixtral, qwen2_moe, qwen3_moe"):
         expert_parallel_settings(2, "qwen2")
 
 

@@ -22,9 +22,10 @@ import torch.distributed as dist
 
 from slime.rollout.engine import NamedTensors
 
-AUTOEP_PRESETS = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen3_moe", "mixtral": "mixtral",
-                  "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}
-"""HF model type -> the DeepSpeed AutoEP preset that covers it (in this DeepSpeed build)."""
+AUTOEP_PRESETS = {"qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen3_moe", "mixtral": "mixtral"}
+"""HF model type -> the DeepSpeed AutoEP preset that covers it (in this DeepSpeed build). DeepSeek-V2/V3 have
+presets too, but the model adapters (slime/models/adapters.py) do not map their fused in-memory experts to the
+checkpoint's names yet, so they cannot load here at all."""
 
 _AUTOEP_PARAM = re.compile(r"^(?P<layer>.+\.mlp)\.(?P<kind>router\.gate\.weight|experts\.w[123])$")
 
