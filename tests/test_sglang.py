@@ -498,25 +498,189 @@ def test_moe_weight_pushes_from_an_expert_parallel_trainer(tmp_path):
     assert not server_processes("moe")
 
 
+def bare_engine(client) -> SGLangEngine:
+    """An engine without servers: only what generate() and abort() read, talking to `client`."""
+    import collections
+    import itertools
+    import types
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = object.__new__(SGLangEngine)
+    engine.client, engine._rid, engine._lock, engine._calls = client, itertools.count(), threading.Lock(), set()
+    engine.dims, engine.eos_id = types.SimpleNamespace(rank=0), None
+    engine._pool, engine.events, engine._stats = ThreadPoolExecutor(8), collections.deque(), collections.Counter()
+    return engine
+
+
+def generation(ids, reason="length"):
+    return {"output_ids": ids, "meta_info": {"prompt_tokens": 3, "finish_reason": {"type": reason},
+                                             "output_token_logprobs": [[-0.1, t, None] for t in ids]}}
+
+
 def test_a_generation_the_server_ended_on_its_own_is_an_error_naming_it():
     """finish_reason abort without an abort of ours (the server ran out of KV cache, refused the request, ...)
     would otherwise be trained on as a short response."""
-    import itertools
-    import types
+    from slime.rollout.sglang_engine import _Call
 
     class Client:
         url = "http://127.0.0.1:30000"
 
         def post(self, path, body, **kw):
-            return {"output_ids": [5, 6], "meta_info": {
-                "prompt_tokens": 3, "output_token_logprobs": [[-0.1, 5, None], [-0.2, 6, None]],
-                "finish_reason": {"type": "abort", "message": "KV cache pool is full"}}}
+            out = generation([5, 6], "abort")
+            out["meta_info"]["finish_reason"]["message"] = "KV cache pool is full"
+            return out
 
-    engine = object.__new__(SGLangEngine)  # only what _generate_one reads
-    engine.client, engine._aborting, engine._rid, engine._lock, engine._inflight = \
-        Client(), False, itertools.count(), threading.Lock(), {}
-    engine.dims = types.SimpleNamespace(rank=0)
+    engine = bare_engine(Client())
     with pytest.raises(SGLangServerError, match="ended request slime-r0-0 .* after 2 tokens .*KV cache pool is full"):
-        engine._generate_one([1, 2, 3], {})
-    engine._aborting = True  # ours: a partial generation, as asked
-    assert engine._generate_one([1, 2, 3], {}).finish_reason == "abort"
+        engine._generate_one(_Call(), [1, 2, 3], {})
+    assert engine._generate_one(_Call(aborted=True), [1, 2, 3], {}).finish_reason == "abort"  # ours: as asked
+    ours = _Call()
+    ours.aborted = True  # aborted while the request ran: a partial generation
+    engine.client.post = lambda path, body, **kw: generation([5], "abort")
+    assert engine._generate_one(ours, [1, 2, 3], {}).finish_reason == "abort"
+
+
+def test_an_answer_that_is_not_a_generation_names_the_server():
+    class Client:
+        url = "http://127.0.0.1:30000"
+
+        def post(self, path, body, **kw):
+            return "<html>a proxy's login page</html>"
+
+    with pytest.raises(SGLangServerError, match="answered request slime-r0-0 with something that is not an SGLang "
+                                                "generation .*login page.*rollout.sglang.urls"):
+        bare_engine(Client()).generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+
+
+def test_a_failed_generate_call_does_not_cut_another_threads_generations():
+    """thread_safe generate functions call generate() from many threads: one call's failure aborts its own
+    requests only; another call's running request finishes normally (it came back as a silent 'abort')."""
+    running, aborted = {}, set()
+
+    class Client:
+        url = "http://127.0.0.1:30000"
+
+        def post(self, path, body, **kw):
+            if path == "/abort_request":
+                aborted.add(body["rid"])
+                running.get(body["rid"], threading.Event()).set()
+                return {}
+            if body["input_ids"] == [1]:  # this call's request fails once the other one runs
+                assert started.wait(5)
+                raise SGLangServerError("boom")
+            running[body["rid"]] = done = threading.Event()
+            started.set()
+            cut = done.wait(2)  # until aborted, or a normal end
+            return generation([7] if cut else [7, 8, 9], "abort" if cut else "length")
+
+    started = threading.Event()
+    engine = bare_engine(Client())
+    results = {}
+
+    def call(prompt):
+        try:
+            results[prompt[0]] = engine.generate([prompt], SamplingParams(max_new_tokens=3))
+        except SGLangServerError as e:
+            results[prompt[0]] = e
+
+    threads = [threading.Thread(target=call, args=([p],)) for p in (2, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert isinstance(results[1], SGLangServerError)
+    assert results[2][0][0].response_ids == [7, 8, 9] and results[2][0][0].finish_reason == "length"
+    assert not aborted & set(running)  # the other call's request was not aborted
+    engine.abort()  # nothing running: nothing to do
+
+
+def test_a_retried_generation_takes_a_new_request_id_and_aborts_the_old_one():
+    """SGLang notices a dropped connection only at its next poll, and until then refuses the same id as a
+    duplicate (HTTP 400, not retried): a retry after a timeout must not reuse it."""
+    live, seen, aborted = set(), [], []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/abort_request":
+                aborted.append(body["rid"])
+                out, code = b"{}", 200
+            elif body["rid"] in live:
+                out, code = json.dumps({"error": f"Duplicate request ID detected: {body['rid']}"}).encode(), 400
+            else:
+                seen.append(body["rid"])
+                live.add(body["rid"])
+                if len(seen) == 1:
+                    time.sleep(3)  # the first attempt outlives the client's timeout
+                out, code = json.dumps(generation([4, 5])).encode(), 200
+            try:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+            except OSError:
+                pass
+
+        def do_GET(self):  # /health
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = SGLangClient(f"http://127.0.0.1:{httpd.server_address[1]}", timeout=1.0, max_retries=3)
+        gens = bare_engine(client).generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+    finally:
+        httpd.shutdown()
+    assert gens[0][0].response_ids == [4, 5]
+    assert len(seen) >= 2 and len(set(seen)) == len(seen)  # every attempt its own id
+    assert seen[0] in aborted  # the timed-out attempt was aborted on the server
+
+
+def test_a_stop_signal_leaves_the_servers_to_the_graceful_stop(tmp_path):
+    """SIGTERM with the trainer's stop handler installed: the step still needs the servers (generation, the
+    weight push), so they stay up; with no handler of ours the servers go and the process dies by the signal."""
+    script = tmp_path / "stop.py"
+    script.write_text(f"""
+import os, signal, sys, time
+sys.path.insert(0, {str(REPO)!r})
+from pathlib import Path
+from slime.rollout import sglang_server
+from slime.rollout.sglang_server import SGLangServer
+graceful = sys.argv[1] == "graceful"
+stopped = []
+if graceful:
+    signal.signal(signal.SIGTERM, lambda *a: stopped.append(1))
+fake = Path({str(tmp_path)!r}) / "fakepy"
+fake.write_text("#!/bin/sh\\nexec sleep 60\\n")
+fake.chmod(0o755)
+server = SGLangServer(str(fake), "m", port=1, args=[], env={{}}, log_path=Path({str(tmp_path)!r}) / "s.log")
+server.start()
+print("pid", server.proc.pid, flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.5)
+print("stop requested:", bool(stopped), "server alive:", server.alive, flush=True)
+server.kill(grace=1)
+""")
+    graceful = subprocess.run([sys.executable, str(script), "graceful"], capture_output=True, text=True, timeout=60)
+    assert graceful.returncode == 0, graceful.stderr
+    assert "stop requested: True server alive: True" in graceful.stdout
+    plain = subprocess.run([sys.executable, str(script), "plain"], capture_output=True, text=True, timeout=60)
+    assert plain.returncode == -signal.SIGTERM and "stop requested" not in plain.stdout
+    pid = int(plain.stdout.split()[1])
+
+    def gone() -> bool:
+        try:
+            return "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+        except FileNotFoundError:
+            return True
+
+    deadline = time.monotonic() + 10
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone()  # the server went with the process

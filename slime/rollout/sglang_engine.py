@@ -17,6 +17,7 @@ computed), and checks the version; the next `wake()` resumes `kv_cache`. Every c
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -91,6 +92,13 @@ def server_args(cfg: SGLangConfig, *, dtype: torch.dtype, gpu_id: int | None, co
     return args + [str(a) for a in cfg.extra_args]
 
 
+@dataclasses.dataclass(eq=False)
+class _Call:
+    """One generate() call: its requests in flight (request id -> client) and whether it was aborted."""
+    inflight: dict = dataclasses.field(default_factory=dict)
+    aborted: bool = False
+
+
 class SGLangEngine:
     thread_safe = True  # requests go out over a pooled HTTP session: callers may generate concurrently
     def __init__(self, cfg: SGLangConfig, model_cfg, tokenizer, dims, *, log_dir: str | None = None):
@@ -109,9 +117,8 @@ class SGLangEngine:
         self._group = None
         self._host_buffers = SharedBuffers() if self.colocated else None  # CPU pushes: kept shared-memory buckets
         self._rid = itertools.count()
-        self._inflight: dict[str, SGLangClient] = {}
+        self._calls: set[_Call] = set()  # generate() calls running (from several threads with thread_safe)
         self._lock = threading.Lock()
-        self._aborting = False
         self._pool = ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="sglang-http")
         self.events: collections.deque = collections.deque(maxlen=1000)
         self._stats = collections.Counter()
@@ -174,55 +181,84 @@ class SGLangEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  mm: list[MultimodalInputs | None] | None = None) -> list[list[Generation]]:
-        self._aborting = False
         stops = [] if params.ignore_eos else sorted({t for t in (self.eos_id, *params.stop_token_ids) if t is not None})
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                     "top_p": params.top_p, "stop_token_ids": stops, "ignore_eos": params.ignore_eos, "n": 1}
         images = [_image_data(m) for m in (mm or [None] * len(prompts))]
         start = time.monotonic()
-        jobs = [self._pool.submit(self._generate_one, list(p), sampling, data)
-                for p, data in zip(prompts, images) for _ in range(params.n)]
+        call = _Call()  # this call's requests and abort: another thread's generate() neither clears nor cuts them
+        with self._lock:
+            self._calls.add(call)
+        jobs = []
         try:
+            jobs = [self._pool.submit(self._generate_one, call, list(p), sampling, data)
+                    for p, data in zip(prompts, images) for _ in range(params.n)]
+            # The first failure ends the call at once (not after the requests submitted before it finish).
+            done, _ = concurrent.futures.wait(jobs, return_when=concurrent.futures.FIRST_EXCEPTION)
+            for job in jobs:
+                if job in done and job.exception() is not None:
+                    job.result()
             flat = [job.result() for job in jobs]
         except BaseException:
             for job in jobs:
                 job.cancel()
-            self.abort()
+            self._abort_calls([call])
             raise
+        finally:
+            with self._lock:
+                self._calls.discard(call)
         self._stats["gen_tokens"] += sum(len(g.response_ids) for g in flat)
         self._stats["gen_s"] += time.monotonic() - start
         self.events.append(("generate", len(flat)))
         return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
 
-    def _generate_one(self, prompt: list[int], sampling: dict, image_data: list[str] | None = None) -> Generation:
-        if self._aborting:
-            return Generation([], [], "abort")
+    def _new_rid(self, call: "_Call", old: str | None = None) -> str:
         rid = f"slime-r{self.dims.rank}-{next(self._rid)}"
-        body = {"rid": rid, "input_ids": prompt, "sampling_params": sampling, "return_logprob": True}
+        with self._lock:
+            call.inflight.pop(old, None)
+            call.inflight[rid] = self.client
+        return rid
+
+    def _generate_one(self, call: "_Call", prompt: list[int], sampling: dict,
+                      image_data: list[str] | None = None) -> Generation:
+        if call.aborted:
+            return Generation([], [], "abort")
+        body = {"rid": self._new_rid(call), "input_ids": prompt, "sampling_params": sampling, "return_logprob": True}
         if image_data:
             body["image_data"] = image_data
-        with self._lock:
-            self._inflight[rid] = self.client
+
+        def fresh_rid(body: dict) -> None:
+            # A retry after a timeout or a reset: the server may still hold the old id (it notices a dropped
+            # connection only at its next poll) and would refuse the same id as a duplicate. Abort it, take a new one.
+            self._abort_rids({body["rid"]: self.client})
+            body["rid"] = self._new_rid(call, old=body["rid"])
+
         try:
-            out = self.client.post("/generate", body)
+            out = self.client.post("/generate", body, before_retry=fresh_rid)
         finally:
             with self._lock:
-                self._inflight.pop(rid, None)
-        served = out["meta_info"].get("prompt_tokens")
+                call.inflight.pop(body["rid"], None)
+        rid = body["rid"]
+        try:
+            meta = out["meta_info"]
+            ids, logprobs = list(out["output_ids"]), [lp for lp, _tok, _text in meta["output_token_logprobs"]]
+            finish = meta.get("finish_reason") or {}
+            served = meta.get("prompt_tokens")
+        except (TypeError, KeyError, ValueError) as e:
+            raise SGLangServerError(f"{self.client.url}/generate answered request {rid} with something that is not "
+                                    f"an SGLang generation ({type(e).__name__}: {e}): {str(out)[:300]!r}. Is "
+                                    "rollout.sglang.urls pointing at an SGLang server?") from None
         if image_data and served is not None and served != len(prompt):
             # SGLang re-runs the image processor on image_data; other sizes would shift every position.
             raise SGLangServerError(
                 f"{self.client.url} expanded request {rid} (a prompt of {len(prompt)} tokens with {len(image_data)} "
                 f"image(s)) to {served} prompt tokens: its image processor sizes the images differently. Use the "
                 "same model.min_pixels / model.max_pixels as the server's preprocessor_config.json")
-        ids = list(out["output_ids"])
-        logprobs = [lp for lp, _tok, _text in out["meta_info"]["output_token_logprobs"]]
         if len(logprobs) != len(ids):
             raise SGLangServerError(f"{self.client.url} returned {len(ids)} tokens but {len(logprobs)} logprobs")
-        finish = out["meta_info"].get("finish_reason") or {}
-        reason = finish.get("type")
+        reason = finish.get("type") if isinstance(finish, dict) else None
         if reason not in ("stop", "length"):
-            if not self._aborting:  # the server cut it short on its own (out of memory, a bad request, ...)
+            if not call.aborted:  # the server cut it short on its own (out of memory, a bad request, ...)
                 raise SGLangServerError(f"{self.client.url} ended request {rid} (a prompt of {len(prompt)} tokens) "
                                         f"after {len(ids)} tokens with finish reason {finish!r:.300}: not a stop or "
                                         "the length limit, and no abort was asked for. The server's log says why")
@@ -230,16 +266,27 @@ class SGLangEngine:
         return Generation(ids, logprobs, reason)
 
     def abort(self) -> None:
-        """Stop this rank's outstanding requests: unsent ones return empty, running ones return what they have."""
-        self._aborting = True
+        """Stop this rank's outstanding requests, of every generate() call running: unsent ones return empty,
+        running ones return what they have."""
         with self._lock:
-            inflight = list(self._inflight.items())
-        for rid, client in inflight:
+            calls = list(self._calls)
+        self._abort_calls(calls)
+
+    def _abort_calls(self, calls: list["_Call"]) -> None:
+        with self._lock:
+            inflight = {}
+            for call in calls:
+                call.aborted = True
+                inflight.update(call.inflight)
+        self._abort_rids(inflight)
+        self.events.append(("abort", len(inflight)))
+
+    def _abort_rids(self, inflight: dict[str, SGLangClient]) -> None:
+        for rid, client in inflight.items():
             try:
                 client.post("/abort_request", {"rid": rid}, timeout=10, retries=0)
             except SGLangServerError as e:
                 logger.warning("abort of %s failed: %s", rid, e)
-        self.events.append(("abort", len(inflight)))
 
     # -- colocated memory ---------------------------------------------------------------------
 
@@ -396,7 +443,8 @@ class SGLangEngine:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._group is not None:
             for client in self.owned:
-                _attempt(client.post, "/destroy_weights_update_group", {"group_name": GROUP_NAME})
+                _attempt(client.post, "/destroy_weights_update_group", {"group_name": GROUP_NAME},
+                         timeout=10, retries=0)  # a hung server must not hold the shutdown
             self.dims.destroy_group(self._group)
             self._group = None
         for client in getattr(self, "clients", []):
@@ -414,10 +462,10 @@ def _image_data(mm: MultimodalInputs | None) -> list[str] | None:
     return [f"data:image/png;base64,{to_png_base64(img)}" for img in mm.images]
 
 
-def _attempt(fn, *args) -> Exception | None:
+def _attempt(fn, *args, **kwargs) -> Exception | None:
     """Run fn; return its exception instead of raising it (raised later on every rank at once)."""
     try:
-        fn(*args)
+        fn(*args, **kwargs)
     except Exception as e:
         logger.error("%s failed: %s", getattr(fn, "__name__", fn), e)
         return e

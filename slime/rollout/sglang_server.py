@@ -23,7 +23,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import requests
 
@@ -51,12 +51,16 @@ def log_tail(path: str | Path | None, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+try:  # loaded here, not in the child: a dlopen between fork and exec of a threaded parent can deadlock
+    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:
+    _LIBC = None  # not Linux: atexit and the SIGTERM handler still apply
+
+
 def _die_with_parent() -> None:
     """preexec_fn: the kernel sends SIGKILL to the server when its launcher dies."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass  # not Linux: atexit and the SIGTERM handler still apply
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class SGLangServer:
@@ -171,12 +175,14 @@ def _install_cleanup() -> None:
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(signum, frame):
-        kill_all_servers()
         if callable(previous):
+            # The trainer's graceful stop: its step still generates and pushes weights, so the servers stay up
+            # until the process exits (atexit; a hard exit takes them down by their parent-death signal).
             previous(signum, frame)
-        else:  # default action: die by the signal, as if no handler were installed
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        kill_all_servers()  # default action: die by the signal, as if no handler were installed
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, on_sigterm)
 
@@ -196,13 +202,15 @@ class SGLangClient:
         self.session.mount("https://", adapter)
 
     def post(self, path: str, body: dict | None = None, *, timeout: float | None = None,
-             retries: int | None = None) -> Any:
-        return self._call("POST", path, body or {}, timeout, retries)
+             retries: int | None = None, before_retry: Callable[[dict], None] | None = None) -> Any:
+        """`before_retry(body)` may change the body before each retry (a new request id)."""
+        return self._call("POST", path, body or {}, timeout, retries, before_retry)
 
     def get(self, path: str, *, timeout: float | None = None) -> Any:
         return self._call("GET", path, None, timeout, 0)
 
-    def _call(self, method: str, path: str, body: dict | None, timeout: float | None, retries: int | None) -> Any:
+    def _call(self, method: str, path: str, body: dict | None, timeout: float | None, retries: int | None,
+              before_retry: Callable[[dict], None] | None = None) -> Any:
         retries = self.max_retries if retries is None else retries
         for attempt in range(retries + 1):
             try:
@@ -220,6 +228,8 @@ class SGLangClient:
             if attempt < retries:
                 logger.warning("%s %s%s failed (%s); retry %d/%d", method, self.url, path, error, attempt + 1, retries)
                 time.sleep(min(2.0 ** attempt, 10.0))
+                if before_retry is not None:
+                    before_retry(body)
         raise SGLangServerError(f"{method} {self.url}{path} failed after {retries + 1} attempt(s): {error}\n"
                                 f"last lines of the server log:\n{log_tail(self.log_path)}")
 
