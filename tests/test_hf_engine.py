@@ -203,3 +203,18 @@ def test_a_seeded_generation_ignores_the_global_generator(engine):
     assert [[g.response_ids for g in gs] for gs in first] == [[g.response_ids for g in gs] for gs in again]
     other = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=8))
     assert [[g.response_ids for g in gs] for gs in other] != [[g.response_ids for g in gs] for gs in first]
+
+
+def test_seeded_sampling_scores_argmax_is_a_draw_from_the_nucleus_at_temperature():
+    """The image-text path with a seed runs HF's generate greedy over SeededSampling's scores: their argmax must
+    be distributed as softmax(logits / T) after top-p (40,000 draws, 4 standard errors)."""
+    from slime.rollout.hf_engine import SeededSampling, top_p_filtered
+
+    logits = torch.tensor([[2.0, 1.5, 0.3, -1.0, 0.9, -3.0]])
+    for temperature, top_p in ((1.0, 1.0), (0.7, 0.9), (1.3, 0.6)):
+        want = top_p_filtered(logits / temperature, top_p).softmax(-1)[0]
+        sampler = SeededSampling(temperature, top_p, torch.Generator().manual_seed(0))
+        draws = sampler(None, logits.expand(40_000, -1)).argmax(-1)
+        got = torch.bincount(draws, minlength=logits.shape[1]).double() / len(draws)
+        assert (got[want == 0] == 0).all(), (temperature, top_p)  # outside the nucleus: never
+        torch.testing.assert_close(got, want.double(), atol=4 * (0.25 / len(draws)) ** 0.5, rtol=0)

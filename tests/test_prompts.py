@@ -146,10 +146,11 @@ def test_eval_rows_without_the_label_the_reward_needs_are_skipped(tmp_path, tok,
     path = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": f"{k}+1=", "label": str(k + 1)} for k in range(9)]
                        + [{"prompt": "9+1="}])
     one = ParallelDims(world_size=1, rank=0, local_rank=0, dp=1)
-    for fn, kept in (("exact_match", 9), ("reward_fns_for_test:length_reward", 10)):
+    for fn, kept, skipped in (("exact_match", 9, {"missing_label": 1}), ("reward_fns_for_test:length_reward", 10, {})):
         cfg = load_config(None, [f"model.path={tiny_model}", f"data.path={path}", f"eval.path={path}",
                                  f"rollout.reward.fn={fn}"])
-        assert len(load_eval_prompts(cfg, tok, one)) == kept, fn
+        evalset = load_eval_prompts(cfg, tok, one)
+        assert len(evalset.prompts) == kept and evalset.skipped == skipped, fn
 
 
 def test_a_text_model_reads_an_image_placeholder_without_images_as_text(tmp_path, tok):

@@ -25,16 +25,19 @@ def test_sft_then_grpo_writes_eval_before_and_after_and_plot(tmp_path):
     data = tmp_path / "data"
     write_data(data)
     init = make_tiny_model(tmp_path / "init", **MODEL)
+    with open(data / "eval.jsonl", "a") as f:  # a row the reward cannot score: left out and reported
+        f.write(json.dumps({"prompt": "1+1="}) + "\n")
     common = [f"data.path={data / 'train.jsonl'}", f"eval.path={data / 'eval.jsonl'}", "eval.max_prompts=8"]
 
     sft_dir = tmp_path / "sft"
     run_ranks([str(REPO / "run.py"), "--config", str(REPO / "examples/tiny_arith_sft.yaml"), f"model.path={init}",
                f"log.run_dir={sft_dir}", "train.num_steps=4", "train.warmup_steps=0", "rollout.batch_size=32",
-               "eval.interval=2", *common])
+               "eval.interval=2", *common, "eval.max_prompts=1"])  # rank 1's share is empty: it still takes part
     sft = read_metrics(sft_dir)
     losses = [r["train/loss"] for r in sft if "train/loss" in r]
     assert len(losses) == 4 and losses[-1] < losses[0]  # cross-entropy on label + EOS goes down
     assert [r["step"] for r in evals(sft)] == [0, 2, 4]
+    assert all(r["eval/num_prompts"] == 1 and r["eval/skipped_missing_label"] == 1 for r in evals(sft))
     assert (sft_dir / "hf/model.safetensors").is_file()
 
     rl_dir = tmp_path / "grpo"
@@ -45,6 +48,7 @@ def test_sft_then_grpo_writes_eval_before_and_after_and_plot(tmp_path):
     ev = evals(rows)
     assert [r["step"] for r in ev] == [0, 1, 2]  # before training, then every eval.interval steps
     assert all(r["eval/num_prompts"] == 8 and 0.0 <= r["eval/accuracy"] <= 1.0 for r in ev)
+    assert all(r["eval/skipped_missing_label"] == 1 for r in ev)
     steps = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for key in ("rollout/reward_mean", "rollout/response_len", "train/entropy", "time/step"):

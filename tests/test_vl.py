@@ -189,3 +189,38 @@ def test_sequence_parallel_cuts_after_the_image_features_are_merged(vl_model, tm
     with torch.no_grad():
         for s, got in zip(samples, result["logprobs"]):
             torch.testing.assert_close(got, alone_logprobs(alone, s), rtol=1e-5, atol=1e-5)
+
+
+def test_a_seeded_image_text_generation_ignores_the_global_generator(vl_model):
+    """One-step-off rollout samples in a thread while activation checkpointing saves and restores torch's global
+    generator: with a seed, the image-text path (HF's generate) draws from its own, as the text path does, and its
+    logprobs are those of the model on what it drew."""
+    from slime.config import ModelConfig
+    from slime.rollout.engine import SamplingParams
+    from slime.rollout.hf_engine import HFEngine
+
+    tok = AutoTokenizer.from_pretrained(vl_model)
+    engine = HFEngine(ModelConfig(path=str(vl_model), dtype="float32"), tok, device=torch.device("cpu"))
+    samples = vl_samples(vl_model, text_only=0)[:2]
+    prompts, mm = [s.prompt_ids for s in samples], [s.mm for s in samples]
+
+    def draw(seed, global_seed):
+        torch.manual_seed(global_seed)
+        gens = engine.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.95, n=2,
+                                                       ignore_eos=True, seed=seed), mm)
+        return [g for group in gens for g in group]
+
+    first = draw(seed=5, global_seed=0)
+    assert [g.response_ids for g in draw(seed=5, global_seed=1)] == [g.response_ids for g in first]
+    assert [g.response_ids for g in draw(seed=6, global_seed=0)] != [g.response_ids for g in first]
+    assert all(len(g.response_ids) == 6 and len(g.logprobs) == 6 for g in first)
+    model = engine.model
+    for k, g in enumerate(first):  # teacher-forced logprobs of the drawn tokens at T = 0.8
+        s = samples[k // 2]
+        ids = torch.tensor([s.prompt_ids + g.response_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids, pixel_values=s.mm.pixel_values, image_grid_thw=s.mm.image_grid_thw,
+                           mm_token_type_ids=(ids == model.config.image_token_id).int()).logits
+        want = torch.log_softmax(logits[0, len(s.prompt_ids) - 1:-1].float() / 0.8, -1)
+        want = want.gather(-1, torch.tensor(g.response_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(g.logprobs), want, rtol=1e-4, atol=1e-4)

@@ -18,7 +18,7 @@ import types
 from typing import Iterable
 
 import torch
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
 from slime.models.attention import GQA_SDPA
@@ -86,6 +86,29 @@ def plain_linear(model: torch.nn.Module) -> None:
             module.forward = types.MethodType(_linear_forward, module)
 
 
+def top_p_filtered(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """(B, V) scores with the tokens outside the nucleus at -inf, as HF's TopPLogitsWarper."""
+    if top_p >= 1:
+        return scores
+    ordered, order = scores.sort(-1)
+    drop = ordered.softmax(-1).cumsum(-1) <= 1 - top_p
+    drop[:, -1] = False  # the most likely token always stays
+    return scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+
+
+class SeededSampling(LogitsProcessor):
+    """For HF's generate run greedy: scores whose argmax is a draw from softmax(logits / T) after top-p (the
+    Gumbel-max trick: argmax(log p + G) with G = -log(-log U) is distributed as p), U from `generator`."""
+
+    def __init__(self, temperature: float, top_p: float, generator: torch.Generator):
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logp = top_p_filtered(scores.float() / self.temperature, self.top_p).log_softmax(-1)
+        u = torch.rand(logp.shape, generator=self.generator, device=logp.device)
+        return logp - torch.log(-torch.log(u))
+
+
 class HFEngine:
     def __init__(self, model_cfg, tokenizer, *, device: torch.device, batch_size: int = 64):
         self.model, self.adapter = load_model(model_cfg, attn_implementation=GQA_SDPA, dtype=resolve_dtype(model_cfg.dtype))
@@ -144,11 +167,17 @@ class HFEngine:
         # A fresh GenerationConfig: the model's own defaults (top_k=50, repetition penalty, ...)
         # would change the sampling distribution away from the logprobs we report. top_k=0, not None:
         # generate fills a None from the global defaults, which is top_k=50.
+        # A seed (one-step-off rollout, see _decode): generate runs greedy over SeededSampling's scores, whose
+        # argmax is a draw from this call's own generator; HF's own sampling draws from torch's global one.
+        seeded = params.seed is not None and not greedy
         gen_cfg = GenerationConfig(
-            do_sample=not greedy, temperature=None if greedy else params.temperature,
-            top_p=None if greedy or params.top_p >= 1 else params.top_p, top_k=0,
+            do_sample=not (greedy or seeded), temperature=None if greedy or seeded else params.temperature,
+            top_p=None if greedy or seeded or params.top_p >= 1 else params.top_p, top_k=0,
             max_new_tokens=params.max_new_tokens, num_return_sequences=n_return,
             eos_token_id=stops or [NO_TOKEN], pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True)
+        if seeded:
+            extra["logits_processor"] = LogitsProcessorList([SeededSampling(
+                params.temperature, params.top_p, torch.Generator(self.device).manual_seed(params.seed))])
         try:
             res = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg, **extra)
         except RuntimeError as e:
@@ -219,12 +248,7 @@ class HFEngine:
             if greedy:
                 tok = scores.argmax(-1)
             else:
-                if params.top_p < 1:
-                    ordered, order = scores.sort(-1)
-                    drop = ordered.softmax(-1).cumsum(-1) <= 1 - params.top_p
-                    drop[:, -1] = False  # the most likely token always stays
-                    scores = scores.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-                tok = torch.multinomial(scores.softmax(-1), 1, generator=gen).squeeze(1)
+                tok = torch.multinomial(top_p_filtered(scores, params.top_p).softmax(-1), 1, generator=gen).squeeze(1)
             tok_logp = logp.gather(1, tok[:, None]).squeeze(1)
             if not torch.isfinite(tok_logp).all():  # NaN logits: greedy decoding would pick token 0 silently
                 raise self._not_finite()

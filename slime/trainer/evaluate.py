@@ -1,30 +1,48 @@
 """Greedy evaluation on a held-out prompt file: accuracy and mean reward over every dp rank's share."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 
 from slime.config import Config
-from slime.data.prompts import Prompt, load_prompts, with_pixels
+from slime.data.prompts import SKIP_REASONS, Prompt, load_prompts, with_pixels
 from slime.distributed.parallel_dims import ParallelDims
 from slime.rollout.engine import SamplingParams
 from slime.rollout.rewards import needs_label
 from slime.rollout.rollout import generate_rollout
 
 
-def load_eval_prompts(cfg: Config, tokenizer, dims: ParallelDims, processor=None) -> list[Prompt]:
+@dataclasses.dataclass
+class EvalSet:
+    prompts: list[Prompt]
+    """This rank's share: empty where the file has fewer prompts than ranks (the rank still takes part)."""
+    skipped: dict[str, int]
+    """Prompts of the file left out, by reason, over every rank: reported as eval/skipped_<reason>."""
+
+
+def load_eval_prompts(cfg: Config, tokenizer, dims: ParallelDims, processor=None) -> EvalSet:
     """This rank's slice of the eval file (the first eval.max_prompts prompts, split over every rank), with
-    pixels. Evaluation needs no trainer layout, so sp peers take different prompts too."""
-    prompts, _ = load_prompts(cfg.data, tokenizer, path=cfg.eval.path, processor=processor,
-                              label_required=needs_label(cfg.rollout.reward.fn))
+    pixels. Evaluation needs no trainer layout, so sp peers take different prompts too. A collective (the
+    skip counts are summed over ranks): call on every rank."""
+    prompts, report = load_prompts(cfg.data, tokenizer, path=cfg.eval.path, processor=processor,
+                                   label_required=needs_label(cfg.rollout.reward.fn))
     if cfg.eval.max_prompts:
         prompts = prompts[:cfg.eval.max_prompts]
-    mine, _ = with_pixels(prompts[dims.rank::dims.world_size], cfg.data, processor, cfg.eval.path)
-    return mine
+    mine, drawn = with_pixels(prompts[dims.rank::dims.world_size], cfg.data, processor, cfg.eval.path)
+    # Load-time counts are the same on every rank (each read the whole file); skips when drawn are per rank.
+    skipped = collections.Counter({"too_long": report.too_long, **report.skipped})
+    reasons = sorted(set(SKIP_REASONS) | set(skipped))
+    counts = [float(drawn[r]) for r in reasons]
+    if dims.world_size > 1:
+        counts = dims.all_reduce_sum(counts, group=dims.world_group)
+    for reason, n in zip(reasons, counts):
+        skipped[reason] += int(n)
+    return EvalSet(mine, {r: n for r, n in sorted(skipped.items()) if n})
 
 
-def evaluate(engine, prompts: list[Prompt], cfg: Config, tokenizer, reward_fn, dims: ParallelDims) -> dict:
-    start = time.time()
+def evaluate(engine, evalset: EvalSet, cfg: Config, tokenizer, reward_fn, dims: ParallelDims) -> dict:
+    start, prompts = time.time(), evalset.prompts
     params = SamplingParams(max_new_tokens=cfg.eval.max_response_len or cfg.rollout.max_response_len,
                             temperature=0.0, stop_token_ids=tuple(cfg.rollout.stop_token_ids), n=1)
     engine.wake()  # a colocated engine may still hold its KV cache released after the weight push
@@ -34,4 +52,5 @@ def evaluate(engine, prompts: list[Prompt], cfg: Config, tokenizer, reward_fn, d
         len(samples), sum(s.reward >= cfg.eval.accuracy_threshold for s in samples),
         sum(s.reward for s in samples), sum(len(s.response_ids) for s in samples)], group=dims.world_group)
     return {"eval/accuracy": correct / n, "eval/reward_mean": reward / n, "eval/response_len": length / n,
-            "eval/num_prompts": n, "time/eval": time.time() - start}
+            "eval/num_prompts": n, **{f"eval/skipped_{r}": k for r, k in evalset.skipped.items()},
+            "time/eval": time.time() - start}

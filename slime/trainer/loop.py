@@ -143,11 +143,11 @@ def run(cfg: Config) -> dict:
     data = PromptSource(cfg.data, tokenizer, batch_size=cfg.rollout.batch_size, dp_rank=dims.dp_rank,
                         dp_size=dims.dp, seed=cfg.train.seed, processor=processor,
                         label_required=sft or needs_label(cfg.rollout.reward.fn))
-    eval_prompts = load_eval_prompts(cfg, tokenizer, dims, processor) if cfg.eval.path else None
+    evalset = load_eval_prompts(cfg, tokenizer, dims, processor) if cfg.eval.path else None
     # A colocated engine starts before the trainer and releases its memory at once, so the trainer's
     # states and the engine's cache are never on the GPU together (the trainer offloads around rollout).
     engine = make_engine(cfg.rollout, cfg.model, tokenizer, dims, run_dir=str(run_dir)) \
-        if not sft or eval_prompts else None
+        if not sft or evalset is not None else None
     colocate = engine is not None and cfg.rollout.engine == "sglang" and cfg.rollout.sglang.mode == "colocated"
     if colocate:
         engine.sleep()
@@ -178,10 +178,19 @@ def run(cfg: Config) -> dict:
                 "SFT" if sft else "RL", cfg.train.num_steps - start_step, dims.world_size, cfg.rollout.batch_size,
                 1 if sft else cfg.rollout.n_samples_per_prompt, data.num_too_long)
 
+    def run_eval(done: int) -> None:
+        if colocate:  # as around rollout: the trainer's states leave the GPU while the engine's cache is there
+            actor.offload()
+        result = evaluate(engine, evalset, cfg, tokenizer, reward_fn, dims)
+        if colocate:
+            engine.sleep()
+            actor.reload()
+        log.log(done, result)
+
     def maybe_eval(done: int) -> None:
         last = done == cfg.train.num_steps
-        if eval_prompts is not None and (done == start_step or last or done % cfg.eval.interval == 0):
-            log.log(done, evaluate(engine, eval_prompts, cfg, tokenizer, reward_fn, dims))
+        if evalset is not None and (done == start_step or last or done % cfg.eval.interval == 0):
+            run_eval(done)
 
     # One-step-off rollout: the batch of step k+1 is generated while step k trains. Weights are pushed (and
     # evaluation runs) only while nothing generates: after the batch in flight is taken, before the next starts.
@@ -212,7 +221,7 @@ def run(cfg: Config) -> dict:
                     metrics.update(sync_weights(actor, engine, version=step, bucket_mb=bucket_mb))
                     metrics.update(engine.metrics())
                 for done_before in pending_eval:
-                    log.log(done_before, evaluate(engine, eval_prompts, cfg, tokenizer, reward_fn, dims))
+                    run_eval(done_before)
                 pending_eval.clear()
                 if step + 1 < cfg.train.num_steps:
                     ahead.start(step + 1)  # with the weights of `step` updates, while this step trains
@@ -248,7 +257,7 @@ def run(cfg: Config) -> dict:
             last = done == cfg.train.num_steps
             if ahead is not None and not last:
                 pass  # pushed at the next step, once the batch in flight is taken
-            elif engine is not None and (not sft or (eval_prompts and (done % cfg.eval.interval == 0 or last))):
+            elif engine is not None and (not sft or (evalset is not None and (done % cfg.eval.interval == 0 or last))):
                 if colocate:
                     actor.offload(params=False)  # the gather below still needs the parameters
                 metrics.update(sync_weights(actor, engine, version=done, bucket_mb=bucket_mb))
@@ -263,7 +272,7 @@ def run(cfg: Config) -> dict:
             log.log(done, metrics)
             phase.now = "evaluation"
             if ahead is not None and not last:
-                if eval_prompts is not None and done % cfg.eval.interval == 0:
+                if evalset is not None and done % cfg.eval.interval == 0:
                     pending_eval.append(done)  # the engine is generating: evaluated after the next push
             else:
                 maybe_eval(done)
