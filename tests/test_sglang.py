@@ -684,3 +684,44 @@ server.kill(grace=1)
     while not gone() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone()  # the server went with the process
+
+
+def test_abandon_drops_queued_requests_and_aborts_the_running_one():
+    """A rank that fails must not wait for its rollout: the pool's threads are joined at exit after every queued
+    request. abandon() cancels the queued ones and aborts the running one, without waiting."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    running, started, posted = {}, threading.Event(), []
+
+    class Client:
+        url = "http://127.0.0.1:30000"
+
+        def post(self, path, body, **kw):
+            posted.append((path, body["rid"]))
+            if path == "/abort_request":
+                running[body["rid"]].set()
+                return {}
+            running[body["rid"]] = done = threading.Event()
+            started.set()
+            cut = done.wait(30)
+            return generation([7] if cut else [7, 8], "abort" if cut else "length")
+
+    engine = bare_engine(Client())
+    engine._pool, engine._servers = ThreadPoolExecutor(1), []
+    out = {}
+
+    def call():
+        try:
+            out["gens"] = engine.generate([[1], [2], [3]], SamplingParams(2))
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert started.wait(10)
+    t = time.monotonic()
+    engine.abandon()
+    caller.join(10)
+    assert time.monotonic() - t < 10 and not caller.is_alive()
+    assert [p for p, _ in posted] == ["/generate", "/abort_request"]  # the two queued requests never went out
+    assert type(out["error"]).__name__ == "CancelledError"  # the call fails: its queued requests were dropped

@@ -50,6 +50,9 @@ class RolloutEngine(Protocol):
 
     def abort(self) -> None: ...
 
+    def abandon(self) -> None:
+        """After an error on this rank: stop everything in flight at once, with no collective."""
+
     def metrics(self) -> dict:
         """Engine-side figures since the last call (tokens/s, sync GB/s, memory), for the step's log."""
 

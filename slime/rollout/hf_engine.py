@@ -296,6 +296,10 @@ class HFEngine:
     def wake(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
         pass
 
+    def abandon(self) -> None:
+        """After an error on this rank: stop generating (the same as abort here: nothing runs elsewhere)."""
+        self.abort()
+
     def abort(self) -> None:
         """End a generation in flight (in another thread) after its current decode step; what it returns is
         cut short and is to be discarded."""

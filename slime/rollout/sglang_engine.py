@@ -193,11 +193,10 @@ class SGLangEngine:
         try:
             jobs = [self._pool.submit(self._generate_one, call, list(p), sampling, data)
                     for p, data in zip(prompts, images) for _ in range(params.n)]
-            # The first failure ends the call at once (not after the requests submitted before it finish).
-            done, _ = concurrent.futures.wait(jobs, return_when=concurrent.futures.FIRST_EXCEPTION)
+            _wait_for_all_or_a_failure(jobs)  # a failure ends the call at once, not after the jobs before it
             for job in jobs:
-                if job in done and job.exception() is not None:
-                    job.result()
+                if job.done() and (job.cancelled() or job.exception() is not None):
+                    job.result()  # raises
             flat = [job.result() for job in jobs]
         except BaseException:
             for job in jobs:
@@ -272,12 +271,21 @@ class SGLangEngine:
             calls = list(self._calls)
         self._abort_calls(calls)
 
+    def abandon(self) -> None:
+        """After an error on this rank: stop what it has in flight, at once and without a collective. Queued
+        requests are dropped (the pool's threads are joined at exit, after every queued request), running ones
+        aborted, and this rank's servers stopped, so no request thread waits on them."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.abort()
+        self._kill_servers()
+
     def _abort_calls(self, calls: list["_Call"]) -> None:
         with self._lock:
             inflight = {}
             for call in calls:
-                call.aborted = True
-                inflight.update(call.inflight)
+                if not call.aborted:  # an aborted call's requests were aborted then
+                    call.aborted = True
+                    inflight.update(call.inflight)
         self._abort_rids(inflight)
         self.events.append(("abort", len(inflight)))
 
@@ -460,6 +468,23 @@ def _image_data(mm: MultimodalInputs | None) -> list[str] | None:
     if mm.images is None:
         raise ValueError("image-text prompt without its images: SGLang needs them (MultimodalInputs.images)")
     return [f"data:image/png;base64,{to_png_base64(img)}" for img in mm.images]
+
+
+def _wait_for_all_or_a_failure(jobs: list[concurrent.futures.Future]) -> None:
+    """Until every job is done, or one failed or was cancelled. (concurrent.futures.wait misses the cancel of
+    executor.shutdown(cancel_futures=True): such a future never wakes its waiters, only its callbacks.)"""
+    settled, lock, left = threading.Event(), threading.Lock(), [len(jobs)]
+
+    def on_done(job: concurrent.futures.Future) -> None:
+        with lock:
+            left[0] -= 1
+            if not left[0] or job.cancelled() or job.exception() is not None:
+                settled.set()
+
+    if jobs:
+        for job in jobs:
+            job.add_done_callback(on_done)
+        settled.wait()
 
 
 def _attempt(fn, *args, **kwargs) -> Exception | None:

@@ -204,96 +204,103 @@ def run(cfg: Config) -> dict:
                                identity=identity, keep=cfg.checkpoint.keep)
 
     phase = Phase()
-    maybe_eval(start_step)
-    metrics: dict = {}
-    for step in range(start_step, cfg.train.num_steps):
-        with phase.guard(step + 1, cfg.train.dist_timeout_minutes):
-            t0 = time.time()
-            phase.now = "rollout"
-            if sft:
-                local, metrics = sft_samples(data.next_batch(), tokenizer), {}
-            elif ahead is not None:
-                if not ahead.in_flight:
-                    ahead.start(step)
-                local, metrics = ahead.take(trainer_version=step)
-                metrics["time/rollout"] = time.time() - t0  # the wait for the batch generated during the last step
-                if step > start_step:  # the previous update, now that nothing generates
-                    metrics.update(sync_weights(actor, engine, version=step, bucket_mb=bucket_mb))
+    try:
+        maybe_eval(start_step)
+        metrics: dict = {}
+        for step in range(start_step, cfg.train.num_steps):
+            with phase.guard(step + 1, cfg.train.dist_timeout_minutes):
+                t0 = time.time()
+                phase.now = "rollout"
+                if sft:
+                    local, metrics = sft_samples(data.next_batch(), tokenizer), {}
+                elif ahead is not None:
+                    if not ahead.in_flight:
+                        ahead.start(step)
+                    local, metrics = ahead.take(trainer_version=step)
+                    metrics["time/rollout"] = time.time() - t0  # the wait for the batch generated during the last step
+                    if step > start_step:  # the previous update, now that nothing generates
+                        metrics.update(sync_weights(actor, engine, version=step, bucket_mb=bucket_mb))
+                        metrics.update(engine.metrics())
+                    for done_before in pending_eval:
+                        run_eval(done_before)
+                    pending_eval.clear()
+                    if step + 1 < cfg.train.num_steps:
+                        ahead.start(step + 1)  # with the weights of `step` updates, while this step trains
+                else:
+                    if colocate:
+                        actor.offload()  # every state, parameters included, off the GPU while the engine is awake
+                    local, metrics = collect_rollout(engine, data, cfg.rollout, tokenizer, reward_fn, dims, step=step)
+                    if colocate:
+                        actor.reload()
+                    metrics["time/rollout"] = time.time() - t0
+
+                t1 = time.time()
+                phase.now = "balancing"
+                batch = distribute(local, dims, actor.train_layout, num_mini_batches=cfg.train.num_mini_batches)
+                metrics["train/moved_sample_frac"] = batch.moved / batch.num_samples
+                phase.now = "scoring (old/reference logprobs, values, advantages)"
+                if not sft:
+                    metrics.update(score_batch(batch, cfg, actor, ref, critic, dims))
+                phase.now = "training"
+                if critic is not None:
+                    metrics.update(critic.train_step(batch, functools.partial(critic_loss, cfg.algo.critic)))
+                if critic is None or step >= cfg.algo.critic.warmup_steps:
+                    metrics.update(actor.train_step(batch, functools.partial(actor_loss, cfg.algo)))
+                    if cfg.algo.old_logprobs == "train_forward":  # the scoring pass's metrics, from the update's forward
+                        if "train/train_rollout_logprob_abs_diff" in metrics:
+                            metrics["rollout/train_logprob_abs_diff"] = metrics["train/train_rollout_logprob_abs_diff"]
+                        if "train/old_kl_ref_k1" in metrics:
+                            metrics["rollout/kl_ref_k1"] = metrics.pop("train/old_kl_ref_k1")
+                t_train = time.time() - t1
+
+                done = step + 1
+                phase.now = "weight sync"
+                last = done == cfg.train.num_steps
+                if ahead is not None and not last:
+                    pass  # pushed at the next step, once the batch in flight is taken
+                elif engine is not None and (not sft or (evalset is not None and (done % cfg.eval.interval == 0 or last))):
+                    if colocate:
+                        actor.offload(params=False)  # the gather below still needs the parameters
+                    metrics.update(sync_weights(actor, engine, version=done, bucket_mb=bucket_mb))
                     metrics.update(engine.metrics())
-                for done_before in pending_eval:
-                    run_eval(done_before)
-                pending_eval.clear()
-                if step + 1 < cfg.train.num_steps:
-                    ahead.start(step + 1)  # with the weights of `step` updates, while this step trains
-            else:
-                if colocate:
-                    actor.offload()  # every state, parameters included, off the GPU while the engine is awake
-                local, metrics = collect_rollout(engine, data, cfg.rollout, tokenizer, reward_fn, dims, step=step)
-                if colocate:
-                    actor.reload()
-                metrics["time/rollout"] = time.time() - t0
-
-            t1 = time.time()
-            phase.now = "balancing"
-            batch = distribute(local, dims, actor.train_layout, num_mini_batches=cfg.train.num_mini_batches)
-            metrics["train/moved_sample_frac"] = batch.moved / batch.num_samples
-            phase.now = "scoring (old/reference logprobs, values, advantages)"
-            if not sft:
-                metrics.update(score_batch(batch, cfg, actor, ref, critic, dims))
-            phase.now = "training"
-            if critic is not None:
-                metrics.update(critic.train_step(batch, functools.partial(critic_loss, cfg.algo.critic)))
-            if critic is None or step >= cfg.algo.critic.warmup_steps:
-                metrics.update(actor.train_step(batch, functools.partial(actor_loss, cfg.algo)))
-                if cfg.algo.old_logprobs == "train_forward":  # the scoring pass's metrics, from the update's forward
-                    if "train/train_rollout_logprob_abs_diff" in metrics:
-                        metrics["rollout/train_logprob_abs_diff"] = metrics["train/train_rollout_logprob_abs_diff"]
-                    if "train/old_kl_ref_k1" in metrics:
-                        metrics["rollout/kl_ref_k1"] = metrics.pop("train/old_kl_ref_k1")
-            t_train = time.time() - t1
-
-            done = step + 1
-            phase.now = "weight sync"
-            last = done == cfg.train.num_steps
-            if ahead is not None and not last:
-                pass  # pushed at the next step, once the batch in flight is taken
-            elif engine is not None and (not sft or (evalset is not None and (done % cfg.eval.interval == 0 or last))):
-                if colocate:
-                    actor.offload(params=False)  # the gather below still needs the parameters
-                metrics.update(sync_weights(actor, engine, version=done, bucket_mb=bucket_mb))
-                metrics.update(engine.metrics())
-            metrics.update(data.skipped_metrics(dims.all_reduce_sum))
-            metrics.update({"time/train": t_train, "time/step": time.time() - t0})
-            if "train/tokens" in metrics:
-                metrics["perf/train_tokens_per_s"] = metrics["train/real_tokens"] / t_train
-            if "rollout/gen_tokens" in metrics:  # one-step-off: time/rollout is only the wait for the batch
-                metrics["perf/gen_tokens_per_s"] = \
-                    metrics["rollout/gen_tokens"] / metrics.get("time/generate", metrics["time/rollout"])
-            log.log(done, metrics)
-            phase.now = "evaluation"
-            if ahead is not None and not last:
-                if evalset is not None and done % cfg.eval.interval == 0:
-                    pending_eval.append(done)  # the engine is generating: evaluated after the next push
-            else:
-                maybe_eval(done)
-            phase.now = "checkpoint"
-            stopping = dims.all_reduce_sum([float(stop.requested)], group=dims.world_group)[0] > 0
-            if stopping:
-                stop.step_ended()
-            if stopping or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0) or \
-                    (cfg.checkpoint.save_final and done == cfg.train.num_steps):
-                saved = checkpoint(done)
-            if stopping and done < cfg.train.num_steps:
-                log.close()
-                logger.warning("stopped by signal after step %d of %d; checkpoint %s saved. Run the same command "
-                               "again to continue from it", done, cfg.train.num_steps, saved)
-                if ahead is not None:
-                    ahead.close()
-                if engine is not None:
-                    engine.shutdown()
-                raise SystemExit(stop.exit_code)
-    if ahead is not None:
-        ahead.close()
+                metrics.update(data.skipped_metrics(dims.all_reduce_sum))
+                metrics.update({"time/train": t_train, "time/step": time.time() - t0})
+                if "train/tokens" in metrics:
+                    metrics["perf/train_tokens_per_s"] = metrics["train/real_tokens"] / t_train
+                if "rollout/gen_tokens" in metrics:  # one-step-off: time/rollout is only the wait for the batch
+                    metrics["perf/gen_tokens_per_s"] = \
+                        metrics["rollout/gen_tokens"] / metrics.get("time/generate", metrics["time/rollout"])
+                log.log(done, metrics)
+                phase.now = "evaluation"
+                if ahead is not None and not last:
+                    if evalset is not None and done % cfg.eval.interval == 0:
+                        pending_eval.append(done)  # the engine is generating: evaluated after the next push
+                else:
+                    maybe_eval(done)
+                phase.now = "checkpoint"
+                stopping = dims.all_reduce_sum([float(stop.requested)], group=dims.world_group)[0] > 0
+                if stopping:
+                    stop.step_ended()
+                if stopping or (cfg.checkpoint.interval and done % cfg.checkpoint.interval == 0) or \
+                        (cfg.checkpoint.save_final and done == cfg.train.num_steps):
+                    saved = checkpoint(done)
+                if stopping and done < cfg.train.num_steps:
+                    log.close()
+                    logger.warning("stopped by signal after step %d of %d; checkpoint %s saved. Run the same command "
+                                   "again to continue from it", done, cfg.train.num_steps, saved)
+                    if ahead is not None:
+                        ahead.close()
+                    if engine is not None:
+                        engine.shutdown()
+                    raise SystemExit(stop.exit_code)
+        if ahead is not None:
+            ahead.close()
+    except BaseException:
+        # This rank fails (or stops): what generates in the background must not hold it. The engine's request
+        # threads are joined at exit, after finishing every queued request, before atexit stops the servers.
+        if engine is not None:
+            engine.abandon()
+        raise
     if cfg.checkpoint.export_hf and start_step < cfg.train.num_steps:
         savers = [tokenizer] + ([processor.image_processor] if processor is not None else [])
         actor.export_hf(str(run_dir / "hf"), *savers, bucket_mb=bucket_mb)
