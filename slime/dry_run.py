@@ -45,6 +45,8 @@ class ModelShape:
     mlp_width: int  # per token: dense MLP width, or top-k x expert width
     vocab: int
     model_type: str
+    num_heads: int = 0
+    num_kv_heads: int = 0
 
 
 def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
@@ -69,7 +71,8 @@ def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
     return ModelShape(params=params, largest_layer=largest, expert_params=experts, hidden=text.hidden_size,
                       layers=text.num_hidden_layers, q_dim=text.num_attention_heads * head_dim,
                       kv_dim=text.num_key_value_heads * head_dim, mlp_width=mlp, vocab=text.vocab_size,
-                      model_type=config.model_type)
+                      model_type=config.model_type, num_heads=text.num_attention_heads,
+                      num_kv_heads=text.num_key_value_heads)
 
 
 def model_states_bytes(stage: int, params: int, largest_layer: int, gpus: int) -> int:
@@ -107,6 +110,10 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
     if cfg.rollout.batch_size % dp:
         raise ValueError(f"rollout.batch_size={cfg.rollout.batch_size} must be divisible by dp={dp}")
     shape = model_shape(cfg.model.path, cfg.model.trust_remote_code)
+    if sp > 1:  # the head check, as at launch
+        from slime.distributed.ulysses import check_heads
+
+        check_heads(shape.num_heads, shape.num_kv_heads, sp, cfg.model.path)
     if ep > 1:
         from slime.distributed.expert_parallel import expert_parallel_settings
 

@@ -94,6 +94,9 @@ def test_too_few_gpus_warns_and_bad_layouts_fail():
     cfg.parallel.sp = 3
     with pytest.raises(ValueError, match="parallel.sp=3 must divide --num-gpus=16"):
         plan(cfg, 16)
+    cfg.parallel.sp, cfg.parallel.ep = 3, 1  # 32 query heads: sp=3 cannot split them, as launch would say
+    with pytest.raises(ValueError, match="parallel.sp=3 must divide the number of attention heads \\(32\\)"):
+        plan(cfg, 24)
 
 
 def test_run_sh_passes_dry_run_through(tmp_path):
