@@ -120,6 +120,7 @@ class SGLangEngine:
         self._calls: set[_Call] = set()  # generate() calls running (from several threads with thread_safe)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="sglang-http")
+        self._control: ThreadPoolExecutor | None = None  # weight-update calls (disaggregated), one thread per engine
         self.events: collections.deque = collections.deque(maxlen=1000)
         self._stats = collections.Counter()
         self._since = time.monotonic()  # last change between generating (awake) and released (asleep)
@@ -390,7 +391,8 @@ class SGLangEngine:
             body = {"names": flat.names, "dtypes": [dtype_name(flat.dtype)] * len(flat.names), "shapes": flat.shapes,
                     "group_name": GROUP_NAME, "load_format": "flattened_bucket", "flush_cache": True,
                     "weight_version": str(version)}
-            calls = [self._pool.submit(c.post, "/update_weights_from_distributed", body, retries=0) for c in self.owned]
+            calls = [self._control.submit(c.post, "/update_weights_from_distributed", body, retries=0)
+                     for c in self.owned]
             torch.distributed.broadcast(flat.flat.to(self._group_device), src=0, group=self._group)
             for call in calls:
                 call.result()
@@ -404,7 +406,10 @@ class SGLangEngine:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         # The engines connect back to this rank: at the address on the route to them (127.0.0.1 when local).
         master = address_toward(url_host(self.owned[0].url)) if self.owned else HOST
-        calls = [self._pool.submit(c.post, "/init_weights_update_group", {
+        # Every engine's call returns only once all have joined: one thread each (the generation pool may be
+        # smaller than the number of engines, rollout.sglang.max_concurrency).
+        self._control = ThreadPoolExecutor(max_workers=len(self.owned) or 1, thread_name_prefix="sglang-sync")
+        calls = [self._control.submit(c.post, "/init_weights_update_group", {
             "master_address": master, "master_port": port, "rank_offset": 1 + e * tp, "world_size": world,
             "group_name": GROUP_NAME, "backend": backend}, retries=0) for e, c in enumerate(self.owned)]
         self._group = self.dims.new_external_group(host=master, port=port, world_size=world, group_name=GROUP_NAME,
@@ -449,6 +454,8 @@ class SGLangEngine:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._control is not None:
+            self._control.shutdown(wait=False, cancel_futures=True)
         if self._group is not None:
             for client in self.owned:
                 _attempt(client.post, "/destroy_weights_update_group", {"group_name": GROUP_NAME},
