@@ -218,3 +218,25 @@ def test_seeded_sampling_scores_argmax_is_a_draw_from_the_nucleus_at_temperature
         got = torch.bincount(draws, minlength=logits.shape[1]).double() / len(draws)
         assert (got[want == 0] == 0).all(), (temperature, top_p)  # outside the nucleus: never
         torch.testing.assert_close(got, want.double(), atol=4 * (0.25 / len(draws)) ** 0.5, rtol=0)
+
+
+def test_every_eos_of_the_generation_config_ends_a_response(tmp_path):
+    """SGLang stops at the tokenizer's EOS and at each EOS of generation_config.json (Qwen lists two); the hf
+    engine must end responses at the same tokens, or the two engines train on different responses."""
+    from transformers import GenerationConfig as GenCfg
+
+    path = make_tiny_model(tmp_path / "m", arch="qwen3", seed=1)
+    tok = AutoTokenizer.from_pretrained(path)
+    plain = HFEngine(ModelConfig(path=str(path), dtype="float32"), tok, device=torch.device("cpu"))
+    params = SamplingParams(max_new_tokens=8, temperature=0, n=1)
+    free = plain.generate([PROMPTS[0]], params)[0][0].response_ids
+    second = free[2]  # greedy's third token: made an EOS of the generation config below
+    assert tok.eos_token_id not in free[:3] and second != tok.eos_token_id
+    GenCfg(eos_token_id=[tok.eos_token_id, second]).save_pretrained(path)
+    engine = HFEngine(ModelConfig(path=str(path), dtype="float32"), tok, device=torch.device("cpu"))
+    assert engine.eos_ids == sorted({tok.eos_token_id, second})
+    stopped = engine.generate([PROMPTS[0]], params)[0][0]
+    end = free.index(second) + 1
+    assert stopped.response_ids == free[:end] and stopped.finish_reason == "stop"
+    assert engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=8, temperature=0, n=1, ignore_eos=True)
+                           )[0][0].response_ids == free

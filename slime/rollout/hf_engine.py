@@ -118,6 +118,11 @@ class HFEngine:
         self.device, self.batch_size = device, batch_size
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
+        # What ends a response, as SGLang has it: the tokenizer's EOS and every EOS of the model's generation config
+        # (Qwen's lists <|im_end|> and <|endoftext|>).
+        model_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        model_eos = model_eos if isinstance(model_eos, (list, tuple)) else [model_eos]
+        self.eos_ids = sorted({t for t in (self.eos_id, *model_eos) if t is not None})
         self._params = dict(self.model.named_parameters())
         self._load_plan = self.adapter.load_plan(self.model)  # checkpoint name -> where it goes in memory
         self._version = 0
@@ -162,7 +167,7 @@ class HFEngine:
         width = ids.shape[1]
         if extra:
             extra["mm_token_type_ids"] = (ids == self.model.config.image_token_id).int()
-        stops = [] if params.ignore_eos else [self.eos_id, *params.stop_token_ids]
+        stops = [] if params.ignore_eos else [*self.eos_ids, *params.stop_token_ids]
         greedy = params.temperature == 0
         # A fresh GenerationConfig: the model's own defaults (top_k=50, repetition penalty, ...)
         # would change the sampling distribution away from the logprobs we report. top_k=0, not None:
@@ -221,8 +226,8 @@ class HFEngine:
 
         Sampling is HF's: softmax(logits / T), nucleus filtering as TopPLogitsWarper, one multinomial draw;
         the reported logprob is that of the temperature-scaled distribution before top-p (as SGLang's)."""
-        greedy, stops = params.temperature == 0, set() if params.ignore_eos else {self.eos_id, *params.stop_token_ids}
-        stop_ids = torch.tensor(sorted(t for t in stops if t is not None), dtype=torch.long, device=self.device)
+        greedy, stops = params.temperature == 0, set() if params.ignore_eos else {*self.eos_ids, *params.stop_token_ids}
+        stop_ids = torch.tensor(sorted(stops), dtype=torch.long, device=self.device)
         unique: dict[tuple[int, ...], int] = {}  # the n samples of a prompt share its prefill
         copy_of = torch.tensor([unique.setdefault(tuple(r), len(unique)) for r in rows], device=self.device)
         ids, mask = self._left_padded(list(unique))
