@@ -147,3 +147,30 @@ def test_a_fresh_start_with_an_empty_metrics_file_moves_nothing(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("")
     logger_at(tmp_path, resume_step=0).close()
     assert not list(tmp_path.glob("*.bak"))
+
+
+def test_a_resume_with_another_mini_batch_count_keeps_the_schedule_at_its_step(caplog):
+    """The schedule counts optimizer updates: 5 of 10 steps at 4 mini-batches is update 20 of 40. Resumed with 1
+    mini-batch, the next update is step 6 of 10 on a schedule of 10 updates, not update 20 of 10 (past the end:
+    min_lr, here 0, for the rest of the run)."""
+    import types
+
+    import torch
+
+    from slime.config import load_config
+    from slime.trainer.policy_engine import PolicyEngine, lr_lambda
+
+    cfg = load_config(None, ["model.path=m", "data.path=d.jsonl", "train.num_steps=10", "train.lr=1e-3",
+                             "train.warmup_steps=0", "train.min_lr=0", "train.lr_schedule=cosine",
+                             "train.num_mini_batches=1"])
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    fn = lr_lambda(cfg.train, cfg.train.num_steps * cfg.train.num_mini_batches)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+    scheduler.last_epoch = 5 * 4  # as the checkpoint restores it
+    actor = object.__new__(PolicyEngine)
+    actor.role, actor.engine = "actor", types.SimpleNamespace(lr_scheduler=scheduler, optimizer=optimizer)
+    actor.apply_optim_settings(cfg, changed={"train.num_mini_batches": (4, 1)})
+    assert scheduler.last_epoch == 5
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * fn(5)) and fn(5) > 0.3
+    scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * fn(6))

@@ -230,6 +230,10 @@ class PolicyEngine:
             mine.pop("train.lr", None)
         lr = cfg.algo.critic.lr if self.role == "critic" else cfg.train.lr
         scheduler, optimizer = self.engine.lr_scheduler, self.engine.optimizer
+        if scheduler is not None and "train.num_mini_batches" in changed:
+            # The schedule counts optimizer updates (steps x mini-batches): the restored count, in this run's.
+            old, new = changed["train.num_mini_batches"]
+            scheduler.last_epoch = scheduler.last_epoch * new // old
         # The restored groups hold the rate the old schedule gave its last step; this run's schedule (built from
         # this config: its num_steps, warmup, floor) sets the rate from here on, the next step included.
         factor = scheduler.lr_lambdas[0](scheduler.last_epoch) if scheduler is not None else 1.0
