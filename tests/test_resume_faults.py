@@ -131,6 +131,8 @@ def test_a_fresh_start_moves_an_earlier_history_aside(tmp_path, caplog, resume_s
     metrics, old = tmp_path / "metrics.jsonl", record(1) + record(2)
     metrics.write_bytes(old)
     (tmp_path / "config.json").write_text('{"the": "earlier run\'s settings"}')
+    (tmp_path / "tensorboard").mkdir()
+    (tmp_path / "tensorboard" / "events.out.tfevents.1").write_bytes(b"earlier events")
     (tmp_path / "metrics.jsonl.1.bak").write_text("an even earlier run\n")
     log = logger_at(tmp_path, resume_step)  # checkpoint.resume found no checkpoint
     log.log(1, {"train/loss": 0.5})
@@ -138,6 +140,8 @@ def test_a_fresh_start_moves_an_earlier_history_aside(tmp_path, caplog, resume_s
     assert (tmp_path / "metrics.jsonl.2.bak").read_bytes() == old  # the first free number
     assert (tmp_path / "config.json.2.bak").read_text() == '{"the": "earlier run\'s settings"}'  # beside it
     assert json.loads((tmp_path / "config.json").read_text()) != {"the": "earlier run's settings"}
+    assert (tmp_path / "tensorboard.2.bak" / "events.out.tfevents.1").read_bytes() == b"earlier events"
+    assert not (tmp_path / "tensorboard").exists()  # this run's events start afresh
     assert (tmp_path / "metrics.jsonl.1.bak").read_text() == "an even earlier run\n"
     assert [json.loads(line) for line in metrics.read_text().splitlines()] == [{"step": 1, "train/loss": 0.5}]
     assert f"{metrics} holds metrics of an earlier run" in caplog.text and f"moved it to {metrics}.2.bak" in caplog.text
@@ -174,3 +178,33 @@ def test_a_resume_with_another_mini_batch_count_keeps_the_schedule_at_its_step(c
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * fn(5)) and fn(5) > 0.3
     scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * fn(6))
+
+
+def test_a_save_clears_what_killed_saves_of_other_steps_left(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    for step in (3, 7):  # two saves killed mid-way (a stop's save cut off by the launcher's SIGKILL)
+        (ckpt / ".partial" / f"step_{step}" / "actor").mkdir(parents=True)
+        (ckpt / ".partial" / f"step_{step}" / "actor" / "model_states.pt").write_bytes(b"half a model")
+    save(ckpt, 5, keep=2)
+    assert not (ckpt / ".partial").exists() or not any((ckpt / ".partial").iterdir())
+    assert step_dirs(ckpt) == ["step_5"]
+
+
+def test_a_resume_drops_the_tensorboard_events_after_its_checkpoint(tmp_path):
+    """metrics.jsonl is cut back to the resumed step; the TensorBoard events must be too, or the steps between the
+    checkpoint and the kill show twice."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def run(resume_step, steps, value):
+        log = MetricsLogger(LogConfig(run_dir=str(tmp_path), tensorboard=True), run_config={}, enabled=True,
+                            total_steps=4, resume_step=resume_step)
+        for step in steps:
+            log.log(step, {"train/loss": value + step})
+        log.close()
+
+    run(0, [1, 2, 3], 0.0)  # killed after step 3; the checkpoint is of step 2
+    run(2, [3, 4], 10.0)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]

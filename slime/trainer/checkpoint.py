@@ -69,7 +69,9 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
     tag = f"step_{step}"
     staging = ckpt_dir / PARTIAL / tag
     if dims.is_main:
-        shutil.rmtree(staging, ignore_errors=True)  # what a killed save left behind
+        # What killed saves left behind, of any step (a stop saves at whatever step the signal came): one
+        # save runs at a time, so nothing in there is in use, and each would hold a model's worth of disk.
+        shutil.rmtree(ckpt_dir / PARTIAL, ignore_errors=True)
         staging.mkdir(parents=True)
     dims.barrier()
     for role, engine in engines.items():

@@ -41,7 +41,8 @@ class MetricsLogger:
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            # A resumed run drops the events after its checkpoint, as metrics.jsonl is cut back (no step twice).
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
 
     def _truncate(self, resume_step: int | None) -> None:
         """Keep only what the resumed run will not log again: every record of an earlier step, and the training
@@ -55,11 +56,13 @@ class MetricsLogger:
                 while (backup := self.path.with_name(f"{self.path.name}.{n}.bak")).exists():
                     n += 1
                 os.replace(self.path, backup)
-                config = self.path.with_name("config.json")  # the settings that history was made with go along
-                if config.is_file():
-                    os.replace(config, config.with_name(f"config.json.{n}.bak"))
+                for name in ("config.json", "tensorboard"):  # the settings and event files of that history go along
+                    other = self.path.with_name(name)
+                    if other.exists():
+                        os.replace(other, other.with_name(f"{name}.{n}.bak"))
                 logger.warning("%s holds metrics of an earlier run but no checkpoint was resumed: moved it to %s "
-                               "(and its config.json beside it), this run starts a new one", self.path, backup)
+                               "(and its config.json and tensorboard/ beside it), this run starts a new one", self.path,
+                               backup)
             return
         kept, last_step = [], None
         for lineno, line in enumerate(self.path.read_bytes().split(b"\n"), 1):
