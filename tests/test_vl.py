@@ -191,7 +191,7 @@ def test_sequence_parallel_cuts_after_the_image_features_are_merged(vl_model, tm
             torch.testing.assert_close(got, alone_logprobs(alone, s), rtol=1e-5, atol=1e-5)
 
 
-def test_a_seeded_image_text_generation_ignores_the_global_generator(vl_model):
+def test_a_seeded_image_text_generation_ignores_the_global_generator(vl_model, tmp_path):
     """One-step-off rollout samples in a thread while activation checkpointing saves and restores torch's global
     generator: with a seed, the image-text path (HF's generate) draws from its own, as the text path does, and its
     logprobs are those of the model on what it drew."""
@@ -199,8 +199,17 @@ def test_a_seeded_image_text_generation_ignores_the_global_generator(vl_model):
     from slime.rollout.engine import SamplingParams
     from slime.rollout.hf_engine import HFEngine
 
-    tok = AutoTokenizer.from_pretrained(vl_model)
-    engine = HFEngine(ModelConfig(path=str(vl_model), dtype="float32"), tok, device=torch.device("cpu"))
+    import shutil
+
+    from transformers import GenerationConfig
+
+    # An Instruct checkpoint's generation defaults (Qwen2-VL's): HF's generate would apply them to every option
+    # left unset (near-greedy top_p, a repetition penalty); the engine's sampling must not take them.
+    model_dir = shutil.copytree(vl_model, tmp_path / "instruct")
+    GenerationConfig(do_sample=True, top_p=0.001, top_k=1, temperature=0.01, repetition_penalty=1.05).save_pretrained(
+        model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    engine = HFEngine(ModelConfig(path=str(model_dir), dtype="float32"), tok, device=torch.device("cpu"))
     samples = vl_samples(vl_model, text_only=0)[:2]
     prompts, mm = [s.prompt_ids for s in samples], [s.mm for s in samples]
 
@@ -211,8 +220,13 @@ def test_a_seeded_image_text_generation_ignores_the_global_generator(vl_model):
         return [g for group in gens for g in group]
 
     first = draw(seed=5, global_seed=0)
-    assert [g.response_ids for g in draw(seed=5, global_seed=1)] == [g.response_ids for g in first]
+    assert len({tuple(g.response_ids) for g in first}) > 1  # sampled, not the checkpoint's near-greedy defaults
+    assert [g.response_ids for g in draw(seed=5, global_seed=0)] != [g.response_ids for g in first]  # drawn on
     assert [g.response_ids for g in draw(seed=6, global_seed=0)] != [g.response_ids for g in first]
+    assert [g.response_ids for g in draw(seed=5, global_seed=1)] == [g.response_ids for g in first]  # afresh
+    unseeded = [g for group in engine.generate(prompts, SamplingParams(max_new_tokens=6, n=4, ignore_eos=True), mm)
+                for g in group]
+    assert len({tuple(g.response_ids) for g in unseeded}) > 1
     assert all(len(g.response_ids) == 6 and len(g.logprobs) == 6 for g in first)
     model = engine.model
     for k, g in enumerate(first):  # teacher-forced logprobs of the drawn tokens at T = 0.8

@@ -21,6 +21,7 @@ class SamplingParams:
     n: int = 1
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, tests); no stop token ends a response
     seed: int | None = None  # hf engine: sample from a generator of this seed instead of torch's global one
+    # (made at a call with a new seed, then drawn on by the calls that follow with the same seed)
 
 
 @dataclasses.dataclass

@@ -123,6 +123,11 @@ class HFEngine:
         model_eos = getattr(self.model.generation_config, "eos_token_id", None)
         model_eos = model_eos if isinstance(model_eos, (list, tuple)) else [model_eos]
         self.eos_ids = sorted({t for t in (self.eos_id, *model_eos) if t is not None})
+        # HF's generate fills every option we leave unset from the model's generation_config.json (Qwen-VL Instruct
+        # ships top_p=0.001 and repetition_penalty=1.05: near-greedy, penalised sampling whose logprobs we would
+        # report as those of the plain distribution). Ours says everything: nothing of the model's applies.
+        self.model.generation_config = GenerationConfig()
+        self._seeded: tuple[int, torch.Generator] | None = None
         self._params = dict(self.model.named_parameters())
         self._load_plan = self.adapter.load_plan(self.model)  # checkpoint name -> where it goes in memory
         self._version = 0
@@ -182,7 +187,7 @@ class HFEngine:
             eos_token_id=stops or [NO_TOKEN], pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True)
         if seeded:
             extra["logits_processor"] = LogitsProcessorList([SeededSampling(
-                params.temperature, params.top_p, torch.Generator(self.device).manual_seed(params.seed))])
+                params.temperature, params.top_p, self._generator(params.seed))])
         try:
             res = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg, **extra)
         except RuntimeError as e:
@@ -204,6 +209,15 @@ class HFEngine:
             end = end or len(toks)
             gens.append(Generation(toks[:end], token_logps[row, :end].tolist(), reason))
         return [gens[k:k + params.n] for k in range(0, len(gens), params.n)]  # n generations per prompt, in order
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        """The generator of `seed`: made when the seed is new, then drawn on across calls (a batch's chunks and a
+        generate function's calls share a seed and must not repeat each other's draws)."""
+        if seed is None:
+            return None
+        if self._seeded is None or self._seeded[0] != seed:
+            self._seeded = (seed, torch.Generator(self.device).manual_seed(seed))
+        return self._seeded[1]
 
     def _left_padded(self, rows: list[list[int]] | list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         """ids and attention mask (B, width) on the device, left-padded: generation continues from the right edge."""
@@ -242,7 +256,7 @@ class HFEngine:
             cache.batch_select_indices(copy_of)
         # A seed (one-step-off rollout: generation in a thread while the trainer's activation checkpointing saves
         # and restores torch's global generator) gives this call its own generator.
-        gen = None if params.seed is None else torch.Generator(self.device).manual_seed(params.seed)
+        gen = self._generator(params.seed)
         live = torch.arange(len(rows), device=self.device)  # the original row of each row still decoding
         next_pos = positions[:, -1] + 1
         tokens, logps = [[] for _ in rows], [[] for _ in rows]
