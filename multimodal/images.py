@@ -21,7 +21,8 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 # Modes Pillow converts to RGB faithfully. 16-bit and float modes ("I;16", "I", "F") would be clipped.
 SUPPORTED_MODES = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "RGBa", "CMYK", "YCbCr", "La"}
 REASONS = ("missing_image", "corrupt_image", "unsupported_mode", "too_large", "fetch_failed", "placeholder_mismatch",
-           "bad_reference", "changed_since_load")
+           "bad_reference", "changed_since_load", "bad_aspect")
+MAX_ASPECT_RATIO = 200  # the Qwen-VL image processors refuse a longer side over 200x the shorter
 
 
 class ImageError(ValueError):
@@ -91,6 +92,9 @@ def read_image(ref: Any, base_dir: str | Path, *, max_pixels: int, timeout: floa
         except Image.DecompressionBombError as e:
             raise ImageError("too_large", f"{describe(ref)}: {e}") from None
     width, height = img.size
+    if max(width, height) > MAX_ASPECT_RATIO * max(min(width, height), 1):
+        raise ImageError("bad_aspect", f"{describe(ref)} is {width}x{height}: the image processor takes no aspect "
+                                       f"ratio over {MAX_ASPECT_RATIO}; crop or pad it")
     if width * height > max_pixels:
         raise ImageError("too_large", f"{describe(ref)} has {width}x{height} = {width * height} pixels, more than "
                                       f"data.max_image_pixels={max_pixels}")
@@ -104,6 +108,10 @@ def read_image(ref: Any, base_dir: str | Path, *, max_pixels: int, timeout: floa
             img = ImageOps.exif_transpose(img)
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning) as e:
         raise ImageError("corrupt_image", f"{describe(ref)} could not be decoded: {e}") from None
+    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+        # On white, as Qwen's own qwen_vl_utils does: convert("RGB") keeps whatever colour lies under transparent
+        # pixels (black, often: a black-on-transparent diagram became a black square).
+        img = Image.alpha_composite(Image.new("RGBA", img.size, (255, 255, 255, 255)), img.convert("RGBA"))
     return img.convert("RGB")
 
 

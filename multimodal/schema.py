@@ -84,7 +84,7 @@ def parse_row(row: dict, *, prompt_key: str, messages_key: str, images_key: str,
                 continue
             parts = []
             for part in content:
-                if part.get("type") == "image":
+                if part.get("type") in ("image", "image_url"):  # OpenAI's {"type": "image_url", "image_url": ...}
                     if any(part.get(key) is not None for key in IMAGE_KEYS):
                         refs.append(_image_ref(part))
                     else:

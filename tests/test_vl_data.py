@@ -46,9 +46,12 @@ def test_both_schemas_give_the_same_prompt(tmp_path, vl):
     uri = {"messages": [{"role": "user", "content": [{"type": "image", "image": data_uri},
                                                      {"type": "text", "text": Q}]}], "label": "red"}
     file_url = {"prompt": f"<image>{Q}", "images": [f"file://{tmp_path / name}"], "label": "red"}
-    prompts, report = load_prompts(DataConfig(path=str(rows_file(tmp_path, [flat, chat, uri, file_url]))), tok,
-                                   processor=proc)
-    assert not report.skipped and len(prompts) == 4
+    openai = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri}},
+                                                        {"type": "text", "text": Q}]}], "label": "red"}
+    prompts, report = load_prompts(DataConfig(path=str(rows_file(tmp_path, [flat, chat, uri, file_url, openai]))),
+                                   tok, processor=proc)
+    assert not report.skipped and len(prompts) == 5
+    assert all(p.images for p in prompts)  # OpenAI's image_url part is an image (it was dropped: text-only)
     assert all(p.prompt_ids == prompts[0].prompt_ids for p in prompts)
     n_tokens = proc.image_tokens(60, 50)
     assert prompts[0].prompt_ids.count(proc.image_token_id) == n_tokens == 4  # 56x56 after resizing: 2x2 tokens
@@ -207,3 +210,24 @@ def test_a_raised_pixel_limit_passes_pillows_own(tmp_path, vl, monkeypatch):
     with pytest.raises(ImageError) as e:
         read_image("wide.png", tmp_path, max_pixels=4_000)
     assert e.value.reason == "too_large"
+
+
+def test_transparent_pixels_are_white_and_extreme_aspect_ratios_are_named(tmp_path, vl):
+    """convert("RGB") keeps the colour under transparent pixels: a black line on a transparent (0, 0, 0, 0)
+    canvas, the usual diagram, became a black square. And the processor's own refusal of a 250:1 image was
+    reported as a placeholder mismatch."""
+    from slime.multimodal.images import ImageError, read_image
+
+    img = Image.new("RGBA", (40, 30), (0, 0, 0, 0))
+    for x in range(40):
+        img.putpixel((x, 15), (0, 0, 0, 255))
+    img.save(tmp_path / "diagram.png")
+    rgb = read_image("diagram.png", tmp_path, max_pixels=10**6)
+    assert rgb.mode == "RGB" and rgb.getpixel((3, 3)) == (255, 255, 255) and rgb.getpixel((3, 15)) == (0, 0, 0)
+    img.convert("P").save(tmp_path / "palette.png", transparency=0)
+    assert read_image("palette.png", tmp_path, max_pixels=10**6).getpixel((3, 3)) == (255, 255, 255)
+    Image.new("RGB", (1000, 4)).save(tmp_path / "strip.png")
+    with pytest.raises(ImageError, match="strip.png is 1000x4: the image processor takes no aspect ratio over 200") \
+            as e:
+        read_image("strip.png", tmp_path, max_pixels=10**6)
+    assert e.value.reason == "bad_aspect"
