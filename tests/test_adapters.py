@@ -146,3 +146,26 @@ def test_an_export_replaces_an_earlier_one_with_other_shards(tmp_path):
     assert not (tmp_path / "out" / "model.safetensors").exists()
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
     assert all(torch.equal(reloaded[k], bumped[k]) for k in bumped if k in reloaded)
+
+
+def test_an_export_that_fails_midway_leaves_the_earlier_one_whole(tmp_path):
+    from slime.models.export import exported_step, save_hf_dir
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m", arch="qwen3", seed=0))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    save_hf_dir(tmp_path / "out", state, model=model, marker={"step": 3})
+    assert exported_step(tmp_path / "out") == 3
+
+    class DiskFull:
+        def save_pretrained(self, out):
+            raise OSError(28, "No space left on device")
+
+    bumped = {k: v + 1 for k, v in state.items()}
+    with pytest.raises(OSError, match="No space left"):
+        save_hf_dir(tmp_path / "out", bumped, model=model, extra_savers=[DiskFull()], marker={"step": 5},
+                    max_shard_size="20KB")
+    assert exported_step(tmp_path / "out") == 3  # the earlier export, whole: no new shard, no index beside it
+    assert sorted(p.name for p in (tmp_path / "out").glob("model*")) == ["model.safetensors"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    assert all(torch.equal(reloaded[k], state[k]) for k in state if k in reloaded)
+    assert exported_step(tmp_path / "nowhere") is None

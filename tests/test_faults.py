@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -387,3 +388,23 @@ def test_the_epoch_tail_is_carried_into_the_next_epoch(tmp_path, tok):
 def test_invalid_counts_are_config_errors(override):
     with pytest.raises(ValueError, match=override.split("=")[0]):
         load_config(None, ["model.path=m", "data.path=d.jsonl", override])
+
+
+def test_an_export_the_finished_run_did_not_complete_is_made_by_the_rerun(model, task_dir, tmp_path):
+    """The final checkpoint is saved before the HF export: a run killed (or out of disk) in the export used to be
+    'finished' for good, a rerun exiting 0 with no export. The export is written beside hf/ and renamed into place
+    with the step it holds; a rerun at the end makes a missing or older one, and leaves a complete one alone."""
+    run_dir = tmp_path / "run"
+    launch(model, task_dir, run_dir, "train.num_steps=1", "checkpoint.export_hf=true", nproc=1)
+    first = load_file(run_dir / "hf" / "model.safetensors")
+    assert json.loads((run_dir / "hf" / "slime_export.json").read_text()) == {"step": 1}
+    shutil.rmtree(run_dir / "hf")  # the export never finished
+    (run_dir / ".hf.partial").mkdir()  # what a kill mid-export leaves beside it
+    proc = launch(model, task_dir, run_dir, "train.num_steps=1", "checkpoint.export_hf=true", nproc=1)
+    assert "nothing to do" in proc.stdout + proc.stderr
+    again = load_file(run_dir / "hf" / "model.safetensors")
+    assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
+    assert not (run_dir / ".hf.partial").exists()
+    stamp = (run_dir / "hf" / "model.safetensors").stat().st_mtime_ns
+    launch(model, task_dir, run_dir, "train.num_steps=1", "checkpoint.export_hf=true", nproc=1)
+    assert (run_dir / "hf" / "model.safetensors").stat().st_mtime_ns == stamp  # complete: left alone

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Iterable
 
@@ -10,14 +12,19 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
 
+EXPORT_MARKER = "slime_export.json"  # written last: the step the export holds
+
+
 def save_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], *, model, extra_savers: Iterable = (),
-                max_shard_size: str = "5GB") -> Path:
+                max_shard_size: str = "5GB", marker: dict | None = None) -> Path:
     """Safetensors shards (+ index when several) of `state`, the model's config and generation config,
     and whatever `extra_savers` (tokenizer, processor) write with their own `save_pretrained`."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
-        old.unlink(missing_ok=True)  # an earlier export with other shards would be read instead of (or with) these
+    final = Path(out_dir)
+    # Written whole beside the folder, then renamed into place: a kill or a full disk mid-way leaves the earlier
+    # export (or none) as it was, never a folder of some new shards (or an old shard read with new ones).
+    out = final.with_name(f".{final.name}.partial")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
@@ -31,4 +38,20 @@ def save_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], *, model, e
         model.generation_config.save_pretrained(out)
     for saver in extra_savers:
         saver.save_pretrained(out)
-    return out
+    if marker is not None:
+        (out / EXPORT_MARKER).write_text(json.dumps(marker))
+    previous = final.with_name(f".{final.name}.previous")
+    shutil.rmtree(previous, ignore_errors=True)
+    if final.exists():
+        os.replace(final, previous)
+    os.replace(out, final)
+    shutil.rmtree(previous, ignore_errors=True)
+    return final
+
+
+def exported_step(out_dir: str | Path) -> int | None:
+    """The training step a complete export in `out_dir` holds (None: no export of ours there)."""
+    try:
+        return int(json.loads((Path(out_dir) / EXPORT_MARKER).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -22,6 +22,7 @@ from slime.config import Config
 from slime.data.prompts import PromptSource, sft_samples
 from slime.distributed.ds_config import build_ds_config, zero_stage
 from slime.distributed.parallel_dims import ParallelDims
+from slime.models.export import exported_step
 from slime.models.loading import load_processor, load_tokenizer
 from slime.rollout.engine import make_engine
 from slime.rollout.rewards import needs_label, reward_fn_from_config
@@ -301,9 +302,13 @@ def run(cfg: Config) -> dict:
         if engine is not None:
             engine.abandon()
         raise
-    if cfg.checkpoint.export_hf and start_step < cfg.train.num_steps:
+    final_step = max(start_step, cfg.train.num_steps)
+    # Also when resumed at the end: an export the finished run did not complete (a full disk, a kill) is made now.
+    stale = cfg.checkpoint.export_hf and exported_step(run_dir / "hf") != final_step
+    if dims.all_reduce_sum([float(stale)], group=dims.world_group)[0]:  # every rank joins the gather
+        stop.step_ended()  # a stop that came during the last step's save: the export takes the time it needs
         savers = [tokenizer] + ([processor.image_processor] if processor is not None else [])
-        actor.export_hf(str(run_dir / "hf"), *savers, bucket_mb=bucket_mb)
+        actor.export_hf(str(run_dir / "hf"), *savers, bucket_mb=bucket_mb, step=final_step)
     log.close()
     if dims.is_main and (run_dir / "metrics.jsonl").is_file():
         plot = plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")

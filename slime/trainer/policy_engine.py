@@ -325,13 +325,14 @@ class PolicyEngine:
         return iter_gathered_buckets(expert_units(hf.named_parameters()), bucket_bytes=int(bucket_mb * 2**20),
                                      to_checkpoint=lambda named: self.adapter.to_checkpoint(hf, experts(named)))
 
-    def export_hf(self, out_dir: str, *savers, bucket_mb: float = 64.0) -> None:
+    def export_hf(self, out_dir: str, *savers, bucket_mb: float = 64.0, step: int | None = None) -> None:
         """Write an HF model directory that `from_pretrained` and SGLang load (collective; rank 0 writes).
-        `savers`: objects with save_pretrained (tokenizer, processor)."""
+        `savers`: objects with save_pretrained (tokenizer, processor); `step` is recorded with it."""
         state = {}
         for bucket in self.gathered_weight_buckets(bucket_mb):
             if self.dims.is_main:
                 state.update((name, t.cpu()) for name, t in bucket)
         if self.dims.is_main:
-            save_hf_dir(out_dir, state, model=self.engine.module.hf, extra_savers=savers)
+            save_hf_dir(out_dir, state, model=self.engine.module.hf, extra_savers=savers,
+                        marker=None if step is None else {"step": step})
         self.dims.barrier()
