@@ -160,3 +160,23 @@ def test_a_text_model_reads_an_image_placeholder_without_images_as_text(tmp_path
     write_jsonl(path, [{"prompt": "1<image>2"}])
     prompts, report = load_prompts(DataConfig(path=str(path), apply_chat_template=False), tok)
     assert [p.prompt_text for p in prompts] == ["1<image>2"] and not report.skipped
+
+
+def test_ranks_that_loaded_different_rows_keep_only_the_common_ones(tmp_path, tok):
+    """Each rank loads the file itself; an image fetch that fails on one rank only would leave the ranks with
+    different lists, so that one shuffled order drew different prompts (the same prompt twice, others never).
+    The loop keeps the rows every rank loaded: here rank 1 could not load row 2."""
+    from slime.data.prompts import PromptSource
+
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"{k}+1="} for k in range(6)])
+    ranks = [PromptSource(DataConfig(path=str(path)), tok, batch_size=2, dp_rank=r, dp_size=2, seed=3) for r in (0, 1)]
+    ranks[1].prompts = [p for p in ranks[1].prompts if p.index != 2]  # as if loaded without it
+    ranks[1]._order = ranks[1]._make_order()
+    common = set.intersection(*({p.index for p in src.prompts} for src in ranks))
+    assert [src.keep_only(common) for src in ranks] == [1, 0]
+    # The first two batches take 4 of the epoch's 5 prompts: every rank draws from the same order, so no prompt
+    # twice and none that a rank lacks (with the lists apart, one order indexed two different lists).
+    drawn = [p.index for _ in range(2) for src in ranks for p in src.next_batch()]
+    assert len(set(drawn)) == 4 and set(drawn) <= common
+    with pytest.raises(ValueError, match="prompts that every rank could load, fewer than rollout.batch_size=2"):
+        ranks[0].keep_only({0})

@@ -313,6 +313,19 @@ class PromptSource:
         self.epoch, self.offset = 0, 0
         self._order = self._make_order()
 
+    def keep_only(self, rows: set[int]) -> int:
+        """Keep the prompts of these source rows only (those every rank could load: an image fetched over http can
+        fail on one rank alone, and ranks drawing from different lists would index different prompts). Returns
+        how many were dropped."""
+        before = len(self.prompts)
+        self.prompts = [p for p in self.prompts if p.index in rows]
+        if len(self.prompts) < self.batch_size:
+            raise ValueError(f"{self.cfg.path} has {len(self.prompts)} prompts that every rank could load, fewer than "
+                             f"rollout.batch_size={self.batch_size}")
+        if len(self.prompts) != before:
+            self._order = self._make_order()
+        return before - len(self.prompts)
+
     def _make_order(self) -> list[int]:
         order = list(range(len(self.prompts)))
         if self.cfg.shuffle:

@@ -144,6 +144,13 @@ def run(cfg: Config) -> dict:
     data = PromptSource(cfg.data, tokenizer, batch_size=cfg.rollout.batch_size, dp_rank=dims.dp_rank,
                         dp_size=dims.dp, seed=cfg.train.seed, processor=processor,
                         label_required=sft or needs_label(cfg.rollout.reward.fn))
+    if dims.world_size > 1:  # every rank loaded the file on its own: the same list everywhere, or none draws right
+        loaded = dims.all_gather_objects([p.index for p in data.prompts], group=dims.world_group)
+        dropped = data.keep_only(set.intersection(*map(set, loaded)))
+        if dropped:
+            logger.warning("%s: %d prompt(s) another rank could not load (an image fetch that failed there) are "
+                           "left out on this rank too, so that every rank draws from the same list", cfg.data.path,
+                           dropped)
     evalset = load_eval_prompts(cfg, tokenizer, dims, processor) if cfg.eval.path else None
     # A colocated engine starts before the trainer and releases its memory at once, so the trainer's
     # states and the engine's cache are never on the GPU together (the trainer offloads around rollout).
