@@ -80,9 +80,14 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
     torch.save(_rng_state(), staging / f"rng_rank{dims.rank}.pt")
     dims.barrier()  # every rank's files are complete
     final = ckpt_dir / tag
+    # Every rank hashes its share of the files (a large model's checkpoint, hashed by one rank, outlasts the
+    # others' wait in the next collective); rank 0 writes the manifest of them all.
+    everything = sorted(p for p in staging.rglob("*") if p.is_file())
+    mine = {str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+            for p in everything[dims.rank::dims.world_size]}
+    shares = dims.all_gather_objects(mine, group=dims.world_group) if dims.world_size > 1 else [mine]
     if dims.is_main:
-        files = {str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-                 for p in sorted(staging.rglob("*")) if p.is_file()}
+        files = dict(sorted((name, meta) for share in shares for name, meta in share.items()))
         manifest = {"step": step, "loop_state": loop_state, "world_size": dims.world_size, **identity,
                     "files": files}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
@@ -105,8 +110,11 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
     return final
 
 
-def verify(path: Path) -> str | None:
-    """None if the checkpoint at `path` is whole and unchanged, else what is wrong with it."""
+def verify(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
+    """None if the checkpoint at `path` is whole and unchanged, else what is wrong with it. `share` = (k, n):
+    check only every n-th file from the k-th (n ranks check a checkpoint together)."""
+    if not path.is_dir():
+        return "its folder does not exist"
     manifest = path / MANIFEST
     if not manifest.is_file():
         return "no manifest.json (an incomplete or pre-manifest checkpoint)"
@@ -117,7 +125,7 @@ def verify(path: Path) -> str | None:
             raise ValueError("no integer 'step' or no 'loop_state'")  # load_checkpoint reads both
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"manifest.json is unreadable or malformed ({type(e).__name__}: {e})"
-    for name, (size, sha256) in files.items():
+    for name, (size, sha256) in sorted(files.items())[share[0]::share[1]]:
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
@@ -128,14 +136,18 @@ def verify(path: Path) -> str | None:
     return None
 
 
-def find_checkpoint(ckpt_dir: Path) -> tuple[Path | None, list[str]]:
-    """The newest checkpoint that verifies, `latest` first, and a note for each one skipped."""
-    notes: list[str] = []
+def candidates(ckpt_dir: Path) -> list[str]:
+    """Checkpoint tags to try, `latest` first, then the step folders newest first."""
     latest = ckpt_dir / "latest"
     tags = [latest.read_bytes().decode("utf-8", "replace").strip()] if latest.is_file() else []  # damage: the fallback finds older ones
-    tags += [p.name for p in sorted(ckpt_dir.glob("step_*"), key=lambda p: -_step_of(p.name)) if p.name not in tags]
-    for tag in tags:
-        problem = verify(ckpt_dir / tag) if (ckpt_dir / tag).is_dir() else "its folder does not exist"
+    return tags + [p.name for p in sorted(ckpt_dir.glob("step_*"), key=lambda p: -_step_of(p.name)) if p.name not in tags]
+
+
+def find_checkpoint(ckpt_dir: Path, verify=verify, tags: list[str] | None = None) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint that verifies (of `tags`, default `candidates`), and a note for each one skipped."""
+    notes: list[str] = []
+    for tag in candidates(ckpt_dir) if tags is None else tags:
+        problem = verify(ckpt_dir / tag)
         if problem is None:
             return ckpt_dir / tag, notes
         notes.append(f"{ckpt_dir / tag}: {problem}")
@@ -145,15 +157,20 @@ def find_checkpoint(ckpt_dir: Path) -> tuple[Path | None, list[str]]:
 def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> dict | None:
     """Collective. Restore the newest good checkpoint; returns its loop state (with 'step') or None when
     there is none. Raises when checkpoints exist but none verifies, or they are of another model."""
-    found = None
+    def together(path: Path) -> str | None:  # every rank checks its share of the files (a collective)
+        problems = dims.all_gather_objects(verify(path, (dims.rank, dims.world_size)), group=dims.world_group)
+        return next((p for p in problems if p), None)
+
+    # Every rank walks rank 0's candidates, each one collectively, so all take the same number of collectives.
+    tags = dims.all_gather_objects(candidates(ckpt_dir) if dims.is_main else None, group=dims.world_group)[0]
+    path, notes = find_checkpoint(ckpt_dir, verify=together, tags=tags)
     if dims.is_main:
-        path, notes = find_checkpoint(ckpt_dir)
         for note in notes:
             logger.error("checkpoint not usable, skipped: %s", note)
         if path is not None and notes:
             logger.warning("resuming from the older checkpoint %s", path)
-        found = (str(path) if path else None, notes)
-    path, notes = dims.all_gather_objects(found, group=dims.world_group)[0]
+    # rank 0's view decides (a rank that saw another folder listing would otherwise pick another checkpoint)
+    path, notes = dims.all_gather_objects((str(path) if path else None, notes), group=dims.world_group)[0]
     if path is None:
         if notes:
             raise RuntimeError(f"{ckpt_dir} holds checkpoints but none is usable:\n  " + "\n  ".join(notes) +
