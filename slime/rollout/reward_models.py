@@ -11,7 +11,8 @@
   and expects ``{"rewards": [r_0, r_1, ...]}`` back, one per sample, in order; each r is a number or a dict
   with a "reward" key plus extra numbers (logged like a user function's). At most
   ``rollout.reward.max_concurrency`` requests are in flight; each answer must be complete within
-  ``rollout.reward.timeout`` seconds (checked as it arrives, so at most one read later). A connection error, a timeout, a 5xx or 429 answer and a malformed body are retried
+  ``rollout.reward.timeout`` seconds (checked as it arrives, so at most one read later). A connection error,
+  a timeout, a 5xx or 429 answer and a malformed body are retried
   ``rollout.reward.max_retries`` times with exponential backoff; then the run stops with the endpoint, the
   samples of the batch and what went wrong named. Other 4xx answers (the request is wrong) stop at once.
   A reward is never silently zero.
