@@ -169,8 +169,6 @@ def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> d
             logger.error("checkpoint not usable, skipped: %s", note)
         if path is not None and notes:
             logger.warning("resuming from the older checkpoint %s", path)
-    # rank 0's view decides (a rank that saw another folder listing would otherwise pick another checkpoint)
-    path, notes = dims.all_gather_objects((str(path) if path else None, notes), group=dims.world_group)[0]
     if path is None:
         if notes:
             raise RuntimeError(f"{ckpt_dir} holds checkpoints but none is usable:\n  " + "\n  ".join(notes) +
