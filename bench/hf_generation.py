@@ -1,4 +1,5 @@
-"""hf engine decoding: our loop (stopped rows leave the batch) vs HF's generate, same model and prompts.
+"""hf engine decoding: our loop (stopped rows leave the batch) vs HF's generate, same model and prompts; and our
+loop with its decode step (slime/models/decode_step.py) vs the same loop over HF's forward.
 
     python bench/hf_generation.py [--hidden 512] [--layers 10] [--prompts 16] [--n 4] [--max-new 64] [--reps 3]
                                   [--prompt-len 0]
@@ -46,6 +47,8 @@ def main() -> None:
                            heads=4, kv_heads=2)
     engine = HFEngine(ModelConfig(path=str(path), dtype="float32"), AutoTokenizer.from_pretrained(path),
                       device=torch.device("cpu"), batch_size=args.prompts * args.n)
+    hf_forward = HFEngine(ModelConfig(path=str(path), dtype="float32"), AutoTokenizer.from_pretrained(path),
+                          device=torch.device("cpu"), batch_size=args.prompts * args.n, decode_step=False)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 250, (args.prompt_len or int(torch.randint(4, 12, (1,), generator=g)),),
                              generator=g).tolist() for _ in range(args.prompts)]
@@ -65,16 +68,18 @@ def main() -> None:
         ends = torch.isin(new, torch.tensor(stops)).int().argmax(1)
         return int(torch.where(torch.isin(new, torch.tensor(stops)).any(1), ends + 1, new.shape[1]).sum())
 
-    def ours(params: SamplingParams) -> int:
+    def ours(params: SamplingParams, engine=engine) -> int:
         return sum(len(x.response_ids) for group in engine.generate(prompts, params) for x in group)
+
+    runs = {"ours": ours, "ours, hf forward": lambda params: ours(params, hf_forward), "hf generate": hf_generate}
 
     settings = {"fixed lengths": SamplingParams(max_new_tokens=args.max_new, n=args.n, ignore_eos=True),
                 "ragged lengths": SamplingParams(max_new_tokens=args.max_new, n=args.n,
                                                  stop_token_ids=tuple(range(5, 15)))}
     for name, params in settings.items():
-        times, tokens = {"ours": [], "hf generate": []}, {}
+        times, tokens = {label: [] for label in runs}, {}
         for _ in range(args.reps):
-            for label, fn in (("ours", ours), ("hf generate", hf_generate)):
+            for label, fn in runs.items():
                 start = time.perf_counter()
                 tokens[label] = fn(params)
                 times[label].append(time.perf_counter() - start)
@@ -82,8 +87,9 @@ def main() -> None:
         print(f"{name}: {args.prompts}x{args.n} rows, <= {args.max_new} new tokens "
               f"(ours {tokens['ours']} tokens, HF {tokens['hf generate']})")
         for label in t:
-            print(f"  {label:12s} {t[label]:6.2f} s  {tokens[label] / t[label]:7.0f} tokens/s")
-        print(f"  ours / hf generate: {t['ours'] / t['hf generate']:.2f}x the time")
+            print(f"  {label:16s} {t[label]:6.2f} s  {tokens[label] / t[label]:7.0f} tokens/s")
+        print(f"  ours / hf generate: {t['ours'] / t['hf generate']:.2f}x the time; "
+              f"ours / ours over hf forward: {t['ours'] / t['ours, hf forward']:.2f}x")
 
 
 if __name__ == "__main__":

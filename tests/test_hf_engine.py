@@ -52,8 +52,7 @@ def test_sampling_draws_what_hf_generate_draws(engine, temperature, top_p):
     the same seed gives the same tokens, and the same logprobs."""
     params = SamplingParams(max_new_tokens=12, temperature=temperature, top_p=top_p, n=3, ignore_eos=True)
     batch_rows = []
-    hook = engine.model.model.register_forward_pre_hook(lambda m, a, kw: batch_rows.append(kw["input_ids"].shape),
-                                                        with_kwargs=True)
+    hook = engine.model.model.embed_tokens.register_forward_pre_hook(lambda m, a: batch_rows.append(a[0].shape))
     torch.manual_seed(3)
     try:
         ours = engine.generate(PROMPTS, params)
@@ -61,7 +60,7 @@ def test_sampling_draws_what_hf_generate_draws(engine, temperature, top_p):
         hook.remove()
     # the prefill runs once per prompt (HF's generate: once per row); its cache rows serve the prompt's n samples
     assert batch_rows[0] == (len(PROMPTS), max(len(p) for p in PROMPTS))
-    assert batch_rows[1] == (len(PROMPTS) * params.n, 1)
+    assert batch_rows[1][0] == len(PROMPTS) * params.n
     torch.manual_seed(3)
     tokens, logps = hf_generate(engine, PROMPTS, params)
     flat = [g for group in ours for g in group]

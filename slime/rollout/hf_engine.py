@@ -8,11 +8,14 @@ are rows of one batch that share one prefill of the prompt (its cache rows are c
 row that has stopped leaves the batch (its cache rows are dropped), so
 responses of very different lengths cost what they generate, not n x the longest (HF's generate keeps
 finished rows to the end). The cache is written in place (PreallocatedLayer) and a decode step's attention is
-two batched matmuls (slime/models/attention.py). Image-text prompts use HF's generate, which knows each family's multimodal
-rope and pixel inputs.
+two batched matmuls (slime/models/attention.py). For Llama, Qwen2 and Qwen3 a decode step skips HF's forward
+(slime/models/decode_step.py: the same computation in a few tensor calls per layer); other families decode through
+the model's forward. Image-text prompts use HF's generate, which knows each family's multimodal rope and pixel
+inputs.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import types
 from typing import Iterable
@@ -22,8 +25,9 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessor, Logits
 from transformers.cache_utils import DynamicLayer
 
 from slime.models.attention import GQA_SDPA
+from slime.models.decode_step import DecodeStep
 from slime.models.loading import load_model, resolve_dtype
-from slime.models.onednn import use_onednn_linears
+from slime.models.onednn import linear as onednn_linear, use_onednn_linears
 from slime.multimodal.processor import MultimodalInputs
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
 
@@ -110,11 +114,19 @@ class SeededSampling(LogitsProcessor):
 
 
 class HFEngine:
-    def __init__(self, model_cfg, tokenizer, *, device: torch.device, batch_size: int = 64):
+    def __init__(self, model_cfg, tokenizer, *, device: torch.device, batch_size: int = 64,
+                 decode_step: bool = True):
         self.model, self.adapter = load_model(model_cfg, attn_implementation=GQA_SDPA, dtype=resolve_dtype(model_cfg.dtype))
         self.model.to(device).eval()
-        if not (model_cfg.cpu_linear == "onednn" and use_onednn_linears(self.model, fallback=torch._C._nn.linear)):
+        onednn = model_cfg.cpu_linear == "onednn" and use_onednn_linears(self.model, fallback=torch._C._nn.linear)
+        if not onednn:
             plain_linear(self.model)
+        # Text decode steps of Llama-family models skip HF's forward (slime/models/decode_step.py).
+        why = DecodeStep.unsupported(self.model) if decode_step else "turned off"
+        self._step = None if why else DecodeStep(self.model, functools.partial(onednn_linear, fallback=torch._C._nn.linear)
+                                                 if onednn else torch._C._nn.linear)
+        if why:
+            logger.info("hf engine: decode steps run the model's own forward (%s)", why)
         self.device, self.batch_size = device, batch_size
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
@@ -249,6 +261,8 @@ class HFEngine:
         cache = DynamicCache(config=self.model.config)
         if all(type(layer) is DynamicLayer for layer in cache.layers):  # sliding-window layers keep their own
             cache.layers = [PreallocatedLayer(ids.shape[1] + params.max_new_tokens) for _ in cache.layers]
+        if self._step is not None:
+            self._step.check()
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                             use_cache=True, logits_to_keep=1).logits[:, -1]
         if len(unique) < len(rows):  # each row gets its prompt's cache rows and next-token logits
@@ -284,8 +298,11 @@ class HFEngine:
                 live, tok, next_pos, mask = live[keep], tok[keep], next_pos[keep], mask[keep]
                 cache.batch_select_indices(keep)
             mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
-            logits = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                                past_key_values=cache, use_cache=True).logits[:, -1]
+            if self._step is not None:
+                logits = self._step(tok, next_pos, mask.bool(), cache)
+            else:
+                logits = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                                    past_key_values=cache, use_cache=True).logits[:, -1]
             next_pos = next_pos + 1
         return [Generation(t, lp, "stop" if done else "length") for t, lp, done in zip(tokens, logps, finished)]
 

@@ -1,0 +1,135 @@
+"""One decode step (one new token per row) of a dense Llama-family model in a few tensor calls per layer.
+
+At a decode step the hf engine's matmuls are small (64 rows), and HF's forward spends as long again on its
+machinery: per layer ~100 Python-level tensor calls (masks, the cache's bookkeeping, rotate_half's slices
+and cat, three projections where one would do). `DecodeStep` runs the same computation as the model's forward
+for Llama, Qwen2 and Qwen3:
+
+- q, k and v are one matmul over their weights stacked, and gate and up another: the model's parameters are
+  made views of the stacked tensors, so a weight push into the parameters lands in the stacked ones too;
+- RMSNorm is `F.rms_norm` (bitwise HF's formula in fp32), Qwen3's per-head q and k norms one call over both;
+- rope is q * cos + roll(q) * sin', with sin' = sin with its first half negated: roll(q, D/2) is rotate_half(q)
+  without the sign, so the product is rotate_half(q) * sin exactly;
+- attention is the engine's decode attention (slime/models/attention.py) on the engine's in-place KV cache.
+
+`python bench/hf_generation.py` measures it against the same loop over HF's forward. Other families (MoE,
+sliding windows, VL) decode through the model's own forward: `DecodeStep.unsupported(model)` says why.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from slime.models.attention import _decode_attention
+
+FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # all weight * x * rsqrt(mean(x^2) + eps)
+
+
+def _stack_as_views(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stack the layers' weights (and biases) along their outputs and make each layer's parameters views of the
+    stack; returns the stacked weight and bias."""
+    stacked = []
+    for name in ("weight", "bias"):
+        parts = [getattr(m, name) for m in linears]
+        if parts[0] is None:
+            stacked.append(None)
+            continue
+        whole = torch.cat([p.data for p in parts])
+        start = 0
+        for p in parts:
+            p.data = whole[start:start + p.shape[0]]
+            start += p.shape[0]
+        stacked.append(whole)
+    return stacked[0], stacked[1]
+
+
+class DecodeStep:
+    """`step(tokens, positions, mask, cache) -> logits` for a model `unsupported(model)` accepts."""
+
+    @staticmethod
+    def unsupported(model: torch.nn.Module) -> str | None:
+        """Why the step cannot run this model (None: it can)."""
+        cfg = model.config
+        if type(model).__name__ not in FAMILIES:
+            return f"{type(model).__name__} is not one of {', '.join(FAMILIES)}"
+        if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+            return "sliding-window layers"
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            norms = [layer.input_layernorm, layer.post_attention_layernorm, model.model.norm,
+                     *(m for m in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if m is not None)]
+            if any(type(n).__name__ not in NORMS for n in norms):
+                return "a norm other than RMSNorm"
+            if getattr(attn, "sliding_window", None) is not None:
+                return "sliding-window attention"
+            if (getattr(attn.q_proj, "bias", None) is None) != (getattr(attn.v_proj, "bias", None) is None):
+                return "biases on some of q, k, v only"
+            if getattr(layer.mlp, "gate_proj", None) is None:
+                return "an MLP without gate_proj"
+        return None
+
+    def __init__(self, model: torch.nn.Module, linear: Callable = torch._C._nn.linear):
+        why = self.unsupported(model)
+        if why is not None:
+            raise ValueError(f"DecodeStep cannot run this model: {why}")
+        self.model, self.linear = model, linear
+        self._layers: list[tuple] = []
+        self._views: list[int] = []
+        self._stack()
+
+    def _stack(self) -> None:
+        self._layers = []
+        for layer in self.model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            n_kv = attn.v_proj.weight.shape[0] // attn.head_dim
+            n_q = attn.q_proj.weight.shape[0] // attn.head_dim
+            qk_norm = getattr(attn, "q_norm", None) is not None
+            self._layers.append((*_stack_as_views([attn.q_proj, attn.k_proj, attn.v_proj]),
+                                 *_stack_as_views([mlp.gate_proj, mlp.up_proj]), n_q, n_kv, qk_norm))
+        self._views = self._pointers()
+
+    def _pointers(self) -> list[int]:
+        return [p.data_ptr() for layer in self.model.model.layers
+                for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                          layer.mlp.gate_proj, layer.mlp.up_proj) for p in (m.weight, m.bias) if p is not None]
+
+    def check(self) -> None:
+        """Stack again if a parameter is no longer a view of its stack (the model was moved or cast since)."""
+        if self._pointers() != self._views:
+            self._stack()
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
+                 cache) -> torch.Tensor:
+        """tokens, positions (B,) long; mask (B, L) bool over the L keys the cache holds after this step (None: all
+        valid); cache a DynamicCache whose layers' `update(k, v)` return their whole keys and values -> the
+        next-token logits (B, V)."""
+        inner, linear, b = self.model.model, self.linear, tokens.shape[0]
+        x = inner.embed_tokens(tokens)
+        cos, sin = inner.rotary_emb(x, positions[:, None])  # (B, 1, D), attention scaling applied
+        half = cos.shape[-1] // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
+        mask = mask[:, None, None] if mask is not None else None
+        for layer, (w_qkv, b_qkv, w_gu, b_gu, n_q, n_kv, qk_norm), cache_layer in zip(inner.layers, self._layers,
+                                                                                       cache.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            ln = layer.input_layernorm
+            h = F.rms_norm(x, ln.weight.shape, ln.weight, ln.variance_epsilon)
+            qkv = linear(h, w_qkv, b_qkv).view(b, n_q + 2 * n_kv, attn.head_dim)
+            qk, v = qkv[:, :n_q + n_kv], qkv[:, n_q + n_kv:]
+            if qk_norm:
+                weight = torch.cat([attn.q_norm.weight.expand(n_q, -1), attn.k_norm.weight.expand(n_kv, -1)])
+                qk = F.rms_norm(qk, weight.shape[-1:], None, attn.q_norm.variance_epsilon) * weight
+            qk = qk * cos + qk.roll(half, -1) * sin
+            keys, values = cache_layer.update(qk[:, n_q:, None], v[:, :, None])
+            o = _decode_attention(qk[:, :n_q, None], keys, values, mask, attn.scaling)  # (B, 1, H, D)
+            x = x + linear(o.reshape(b, -1), attn.o_proj.weight, attn.o_proj.bias)
+            ln = layer.post_attention_layernorm
+            h = F.rms_norm(x, ln.weight.shape, ln.weight, ln.variance_epsilon)
+            gate, up = linear(h, w_gu, b_gu).chunk(2, -1)
+            x = x + linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        norm = inner.norm
+        x = F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+        return linear(x, self.model.lm_head.weight, self.model.lm_head.bias)

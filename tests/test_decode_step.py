@@ -1,0 +1,114 @@
+"""The hf engine's decode step (slime/models/decode_step.py) against the model's own forward over whole sequences."""
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from data_tools.make_tiny_model import tiny_config
+from slime.models.attention import GQA_SDPA
+from slime.models.decode_step import DecodeStep
+from slime.rollout.hf_engine import PreallocatedLayer
+
+VOCAB = 97
+
+
+def tiny(arch: str, **overrides) -> torch.nn.Module:
+    cfg = tiny_config(arch, VOCAB, hidden=64, layers=3, heads=4, kv_heads=2, init_std=0.1)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=GQA_SDPA).eval()
+    for name, p in model.named_parameters():  # norms and biases start at 1 and 0: give them values of their own
+        if "norm" in name or name.endswith("bias"):
+            p.data.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def decode(stepped: torch.nn.Module, step: DecodeStep, prompts: list[list[int]], new: torch.Tensor,
+           keep_after: dict[int, list[int]]) -> list[torch.Tensor]:
+    """Prefill the left-padded prompts with the model's forward, then one step per column of `new` (B, S);
+    rows not in keep_after[s] leave the batch after step s. Returns each step's logits (rows still going, V)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    cache = DynamicCache(config=stepped.config)
+    cache.layers = [PreallocatedLayer(width + 2) for _ in cache.layers]  # grows past its capacity, too
+    stepped(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+    live, pos, out = torch.arange(len(prompts)), positions[:, -1] + 1, []
+    for s in range(new.shape[1]):
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], 1)
+        out.append(step(new[live, s], pos, mask.bool(), cache))
+        pos = pos + 1
+        if s in keep_after:
+            keep = torch.tensor(keep_after[s])
+            live, pos, mask = live[keep], pos[keep], mask[keep]
+            cache.batch_select_indices(keep)
+    return out
+
+
+def reference(model, prompts, new, keep_after) -> list[torch.Tensor]:
+    """Each step's logits from a forward over each row's whole prompt + tokens so far, row by row."""
+    live, out = list(range(len(prompts))), []
+    for s in range(new.shape[1]):
+        rows = [model(input_ids=torch.tensor([prompts[r] + new[r, :s + 1].tolist()])).logits[0, -1] for r in live]
+        out.append(torch.stack(rows))
+        if s in keep_after:
+            live = [live[k] for k in keep_after[s]]
+    return out
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("qwen3", {}),  # per-head q and k norms
+    ("qwen2", {}),  # q, k, v biases
+    ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+])
+def test_decode_step_gives_the_models_logits(arch, overrides):
+    model = tiny(arch, **overrides)
+    assert DecodeStep.unsupported(model) is None
+    stepped = copy.deepcopy(model)
+    step = DecodeStep(stepped)
+    prompts = [[5, 17, 33], [40, 41, 42, 43, 44, 45, 46], [9], [60, 7, 7, 12]]
+    new = torch.randint(3, VOCAB, (len(prompts), 6), generator=torch.Generator().manual_seed(1))
+    keep_after = {1: [0, 1, 3], 3: [2, 0]}  # rows leave, and the order of those left changes
+    with torch.no_grad():
+        got, want = decode(stepped, step, prompts, new, keep_after), reference(model, prompts, new, keep_after)
+    for s, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {s}: {m}")
+
+
+def test_a_weight_written_into_the_parameters_reaches_the_stacked_matmuls():
+    """The engine pushes weights by copying into the parameters; q/k/v and gate/up are views of the stacks the step
+    multiplies with, so it sees the push. A parameter given new storage (a cast, a move) is stacked again."""
+    model = tiny("qwen3")
+    stepped = copy.deepcopy(model)
+    step = DecodeStep(stepped)
+    prompts, new = [[5, 17, 33], [9]], torch.tensor([[4, 8], [15, 16]])
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                     "model.layers.2.self_attn.v_proj.weight"):
+            fresh = torch.randn(model.get_parameter(name).shape, generator=g)
+            model.get_parameter(name).copy_(fresh)
+            stepped.get_parameter(name).copy_(fresh)
+        torch.testing.assert_close(decode(stepped, step, prompts, new, {}), reference(model, prompts, new, {}),
+                                   rtol=1e-5, atol=1e-5)
+        fresh = torch.randn(model.model.layers[0].self_attn.q_proj.weight.shape, generator=g)
+        model.model.layers[0].self_attn.q_proj.weight.data = fresh.clone()
+        stepped.model.layers[0].self_attn.q_proj.weight.data = fresh.clone()  # no longer a view of the stack
+        step.check()
+        torch.testing.assert_close(decode(stepped, step, prompts, new, {}), reference(model, prompts, new, {}),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch,overrides,why", [
+    ("qwen3_moe", {}, "is not one of"),
+    ("qwen2", {"layer_types": ["full_attention", "sliding_attention", "full_attention"], "sliding_window": 4,
+               "use_sliding_window": True}, "sliding"),
+])
+def test_other_models_are_refused_with_the_reason(arch, overrides, why):
+    model = tiny(arch, **overrides)
+    assert why in DecodeStep.unsupported(model)
+    with pytest.raises(ValueError, match=why):
+        DecodeStep(model)
