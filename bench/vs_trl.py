@@ -253,7 +253,7 @@ def main() -> None:
                            ("ours_zero2_compile", "trl_onednn"),
                            ("ours_2_ranks", "trl_2_threads"), ("ours_zero2_2_ranks", "trl_2_threads"),
                            ("ours_zero2_compile_2_ranks", "trl_2_threads")):
-            if name in step:
+            if name in step and base in step:
                 ratio = step[name] / step[base]
                 print(f"  {name} / {base}: {ratio:.2f}x the step time (target <= {TARGET_RATIO}: "
                       f"{'met' if ratio <= TARGET_RATIO else 'NOT met'})")

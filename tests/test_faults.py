@@ -64,14 +64,16 @@ def test_a_nan_loss_on_one_rank_skips_the_step_everywhere_and_repeated_skips_sto
     assert "2 consecutive optimizer steps of the actor had a non-finite loss or gradient" in r["error"]
 
 
-def launch(model, task_dir, run_dir, *overrides, nproc=2, check=True, timeout=600):
+def launch(model, task_dir, run_dir, *overrides, nproc=2, check=True, timeout=600, env=None):
     args = [str(REPO / "run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"), f"model.path={model}",
             f"data.path={task_dir / 'train.jsonl'}", f"log.run_dir={run_dir}", "eval.path=null",
             "rollout.reward.fn=e2e_rewards:digit_fraction", "rollout.batch_size=4", "rollout.n_samples_per_prompt=4",
             "rollout.max_response_len=6", "train.lr=5e-3", "train.max_tokens_per_gpu=64", *overrides]
     if check:
+        assert env is None, "env: with check=False"
         return run_ranks(args, nproc=nproc, timeout=timeout)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1",
+           **(env or {})}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                            *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -325,7 +327,8 @@ def test_a_rank_that_stops_answering_is_named_with_step_and_phase(model, task_di
     loop's timeout with the step and the phase; the launcher's SIGTERM finds rank 1 still hung, which then
     prints where (its reward function) and exits."""
     proc = launch(model, task_dir, tmp_path / "run", "rollout.reward.fn=e2e_rewards:sleep_on_rank1",
-                  "rollout.reward.timeout=600", "train.dist_timeout_minutes=0.1", "train.num_steps=1", check=False)
+                  "rollout.reward.timeout=600", "train.dist_timeout_minutes=0.1", "train.num_steps=1", check=False,
+                  env={"SLIME_STUCK_AFTER_S": "3"})
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "step 1, rollout: a collective waited more than train.dist_timeout_minutes=0.1" in out

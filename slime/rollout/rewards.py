@@ -30,9 +30,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from math_verify import parse, verify
-from math_verify.errors import TimeoutException
-
 from slime.data.sample import Sample
 from slime.rollout.reward_models import RemoteReward, RewardModel, is_remote, is_reward_model
 
@@ -133,6 +130,8 @@ def format_reward(sample: Sample) -> float:
 def _mv_parse(text: str, timeout: int | None, *, bare: bool) -> list:
     """math-verify parse. A `bare` answer such as 'x^2+1' is only found inside math delimiters,
     so it is wrapped in $...$ first; free text is left to math-verify's own extraction."""
+    from math_verify import parse  # imported when first used: with sympy ~0.35 s of every process's start
+
     has_delims = "$" in text or "\\(" in text or "\\[" in text
     candidates = [f"${text}$", text] if bare and not has_delims else [text]
     for candidate in candidates:
@@ -152,6 +151,9 @@ def math_reward(sample: Sample) -> dict[str, float]:
     golds = _labels(sample, "math")  # a missing label fails here, in the caller's thread
     if threading.current_thread() is not threading.main_thread():
         return _math_off_main(sample)
+    from math_verify import verify
+    from math_verify.errors import TimeoutException
+
     timeout = MATH_VERIFY_TIMEOUT_S
     pred_text = extract_answer(sample.response_text)
     info = {"reward": 0.0, "math/pred_unparsed": 0.0, "math/error": 0.0}
