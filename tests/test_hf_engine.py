@@ -10,10 +10,25 @@ from slime.rollout.hf_engine import HFEngine
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory.mktemp("hf-engine") / "m", arch="qwen3", seed=1)
-    return HFEngine(ModelConfig(path=str(path), dtype="float32"), AutoTokenizer.from_pretrained(path),
-                    device=torch.device("cpu"))
+def model_path(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("hf-engine") / "m", arch="qwen3", seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    engine = HFEngine(ModelConfig(path=str(model_path), dtype="float32"), AutoTokenizer.from_pretrained(model_path),
+                      device=torch.device("cpu"))
+    assert engine._step is not None  # decode steps of its own (slime/models/decode_step.py)
+    return engine
+
+
+@pytest.fixture(scope="module", params=["decode_step", "hf_forward"])
+def engines(request, engine, model_path):
+    """The engine, and one whose decode steps run the model's own forward (as other families' do)."""
+    if request.param == "decode_step":
+        return engine
+    return HFEngine(ModelConfig(path=str(model_path), dtype="float32"), AutoTokenizer.from_pretrained(model_path),
+                    device=torch.device("cpu"), decode_step=False)
 
 
 NEVER = 10**9
@@ -47,9 +62,10 @@ def teacher_forced(engine, prompt, response, temperature):
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
-def test_sampling_draws_what_hf_generate_draws(engine, temperature, top_p):
+def test_sampling_draws_what_hf_generate_draws(engines, temperature, top_p):
     """Without stops no row leaves the batch, so the random stream is consumed as HF's generate does:
     the same seed gives the same tokens, and the same logprobs."""
+    engine = engines
     params = SamplingParams(max_new_tokens=12, temperature=temperature, top_p=top_p, n=3, ignore_eos=True)
     batch_rows = []
     hook = engine.model.model.embed_tokens.register_forward_pre_hook(lambda m, a: batch_rows.append(a[0].shape))
@@ -69,7 +85,8 @@ def test_sampling_draws_what_hf_generate_draws(engine, temperature, top_p):
     assert all(g.finish_reason == "length" for g in flat)
 
 
-def test_greedy_with_stops_equals_hf_generate(engine):
+def test_greedy_with_stops_equals_hf_generate(engines):
+    engine = engines
     stops = tuple(range(20, 60))  # common enough that rows stop at different steps
     params = SamplingParams(max_new_tokens=16, temperature=0, stop_token_ids=stops, n=1)
     ours = [g for group in engine.generate(PROMPTS, params) for g in group]
@@ -79,9 +96,10 @@ def test_greedy_with_stops_equals_hf_generate(engine):
         assert g.response_ids == row[:end]
 
 
-def test_rows_that_stop_leave_the_batch_and_the_others_continue_on_their_own_context(engine):
+def test_rows_that_stop_leave_the_batch_and_the_others_continue_on_their_own_context(engines):
     """Stops make rows leave at different steps (their cache rows are dropped); every response's logprobs
     must still be those of a full forward over its own prompt + response, and stop exactly at a stop token."""
+    engine = engines
     stops = tuple(range(20, 45))
     params = SamplingParams(max_new_tokens=24, temperature=1.0, stop_token_ids=stops, n=4)
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from slime.config import DataConfig
-from slime.data.prompts import PromptSource, load_prompts
+from slime.data.prompts import SKIP_REASONS, PromptSource, load_prompts
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +180,25 @@ def test_ranks_that_loaded_different_rows_keep_only_the_common_ones(tmp_path, to
     assert len(set(drawn)) == 4 and set(drawn) <= common
     with pytest.raises(ValueError, match="prompts that every rank could load, fewer than rollout.batch_size=2"):
         ranks[0].keep_only({0})
+
+
+def test_skips_when_drawn_are_summed_over_ranks_into_a_checkpoint_and_continue_after_a_resume(task_dir, tok):
+    """data/skipped_<reason> are cumulative: a checkpoint holds the skips of every rank (summed), a resume gives them
+    to dp rank 0 alone, so that the next sum over ranks continues from them."""
+    cfg = DataConfig(path=str(task_dir / "train.jsonl"))
+    sources = [PromptSource(cfg, tok, batch_size=8, dp_rank=r, dp_size=2, seed=3) for r in range(2)]
+    sources[0].skipped_when_drawn["changed_since_load"] += 1
+    sources[1].skipped_when_drawn.update({"changed_since_load": 2, "fetch_failed": 1})
+    states = [s.state_dict() for s in sources]
+    rank1 = [float(states[1]["skipped_when_drawn"].get(r, 0)) for r in SKIP_REASONS]
+    saved = PromptSource.with_skips_of_all_ranks(states[0], lambda mine: [a + b for a, b in zip(mine, rank1)])
+    assert saved["skipped_when_drawn"] == {"changed_since_load": 3, "fetch_failed": 1}
+    resumed = [PromptSource(cfg, tok, batch_size=8, dp_rank=r, dp_size=2, seed=3) for r in range(2)]
+    for s in resumed:
+        s.load_state_dict(saved)
+    assert dict(resumed[0].skipped_when_drawn) == {"changed_since_load": 3, "fetch_failed": 1}
+    assert not resumed[1].skipped_when_drawn
+    resumed[1].skipped_when_drawn["changed_since_load"] += 1  # a skip after the resume
+    totals = [sum(s.skipped_when_drawn[r] for s in resumed) for r in SKIP_REASONS]
+    metrics = resumed[0].skipped_metrics(lambda values: totals)
+    assert metrics["data/skipped_changed_since_load"] == 4 and metrics["data/skipped_fetch_failed"] == 1

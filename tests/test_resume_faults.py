@@ -208,3 +208,29 @@ def test_a_resume_drops_the_tensorboard_events_after_its_checkpoint(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+
+
+def test_a_save_puts_every_file_and_folder_on_disk_before_the_renames_publish_them(tmp_path, monkeypatch):
+    """A rename can reach the disk before the data it publishes (ext4's delayed allocation, a power loss): every
+    file and folder of the checkpoint is fsynced before the folder is renamed into place, `latest.tmp` before it
+    replaces `latest`, and the checkpoints folder after."""
+    import os
+
+    import slime.trainer.checkpoint as checkpoint
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(checkpoint.os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                            real_fsync(fd))[1])
+    monkeypatch.setattr(checkpoint.os, "replace", lambda a, b: (events.append(("replace", str(a))), real_replace(a, b))[1])
+    ckpt = tmp_path / "checkpoints"
+    final = save(ckpt, step=3, keep=2)
+    staging = str(ckpt / ".partial" / "step_3")
+    renamed = events.index(("replace", staging))
+    synced = {path for op, path in events[:renamed] if op == "fsync"}
+    published = {str(p).replace(str(final), staging) for p in final.rglob("*")} | {staging}
+    assert published - synced == set(), "files or folders renamed into place before they were on disk"
+    assert {str(final / "manifest.json").replace(str(final), staging), staging + "/actor"} <= synced
+    latest = events.index(("replace", str(ckpt / "latest.tmp")))
+    assert ("fsync", str(ckpt / "latest.tmp")) in events[renamed:latest]
+    assert ("fsync", str(ckpt)) in events[latest:]

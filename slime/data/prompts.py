@@ -357,10 +357,23 @@ class PromptSource:
                 if self.report.skipped[r] + d}
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "offset": self.offset, "order": self._order_settings()}
+        """Where the order stands, and this rank's prompts skipped when drawn (a checkpoint records their sum over
+        ranks: `with_skips_of_all_ranks`)."""
+        return {"epoch": self.epoch, "offset": self.offset, "order": self._order_settings(),
+                "skipped_when_drawn": {r: n for r, n in self.skipped_when_drawn.items() if n}}
+
+    @staticmethod
+    def with_skips_of_all_ranks(state: dict, reduce_sum) -> dict:
+        """`state` (a state_dict of this rank) with the skips of every rank summed by `reduce_sum` (a collective)."""
+        mine = state.get("skipped_when_drawn", {})
+        total = reduce_sum([float(mine.get(r, 0)) for r in SKIP_REASONS])
+        return {**state, "skipped_when_drawn": {r: int(n) for r, n in zip(SKIP_REASONS, total) if n}}
 
     def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's state: its skip counts (the sum over the ranks that wrote it) go to dp rank 0, so the
+        cumulative `data/skipped_*` continue where they were."""
         self.epoch, self.offset = state["epoch"], state["offset"]
+        self.skipped_when_drawn = collections.Counter(state.get("skipped_when_drawn", {}) if self.dp_rank == 0 else {})
         self._order = self._make_order()
         saved, now = state.get("order"), self._order_settings()  # no "order" in checkpoints of older versions
         if saved is not None and saved != now:

@@ -3,8 +3,9 @@
 A checkpoint is written into `checkpoints/.partial/step_N/` and becomes visible only when it is whole:
 every rank has written its engine files and RNG state, rank 0 has written `manifest.json` (size and
 SHA-256 of every file, the step, the model it came from and the optimisation settings), the folder
-has been renamed to `checkpoints/step_N/`, and then `checkpoints/latest` is replaced atomically. A kill
-at any moment leaves the previous checkpoint as `latest`. Only the newest `checkpoint.keep` up to the saved step
+has been renamed to `checkpoints/step_N/`, and then `checkpoints/latest` is replaced atomically. Files and
+folders are synced to disk (fsync) before each rename publishes them. A kill at any moment leaves the previous
+checkpoint as `latest`. Only the newest `checkpoint.keep` up to the saved step
 survive; newer ones, left by a run that resumed from an older checkpoint, are removed.
 
 Resuming verifies the manifest of `latest`; a torn or corrupt checkpoint is reported and the newest
@@ -48,12 +49,31 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _sha256(path: Path) -> str:
+def _sha256(path: Path, sync: bool = False) -> str:
+    """The file's SHA-256; `sync`: and its data on disk (fsync) before the hash is returned."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
+        if sync:
+            os.fsync(f.fileno())
     return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the entries of a folder (files created, renamed or removed in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _step_of(tag: str) -> int:
@@ -81,21 +101,25 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
     dims.barrier()  # every rank's files are complete
     final = ckpt_dir / tag
     # Every rank hashes its share of the files (a large model's checkpoint, hashed by one rank, outlasts the
-    # others' wait in the next collective); rank 0 writes the manifest of them all.
+    # others' wait in the next collective) and puts them on disk (fsync: the renames below must not become
+    # durable before the data they publish, or a power loss could leave a `latest` naming empty files); rank 0
+    # writes the manifest of them all.
     everything = sorted(p for p in staging.rglob("*") if p.is_file())
-    mine = {str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    mine = {str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": _sha256(p, sync=True)}
             for p in everything[dims.rank::dims.world_size]}
     shares = dims.all_gather_objects(mine, group=dims.world_group) if dims.world_size > 1 else [mine]
     if dims.is_main:
         files = dict(sorted((name, meta) for share in shares for name, meta in share.items()))
         manifest = {"step": step, "loop_state": loop_state, "world_size": dims.world_size, **identity,
                     "files": files}
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        _write_durably(staging / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        for folder in sorted({p.parent for p in everything} | {staging}, key=lambda p: -len(p.parts)):
+            _fsync_dir(folder)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
-        latest_tmp = ckpt_dir / "latest.tmp"
-        latest_tmp.write_text(tag)
-        os.replace(latest_tmp, ckpt_dir / "latest")
+        _write_durably(ckpt_dir / "latest.tmp", tag)
+        os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
+        _fsync_dir(ckpt_dir)
         saved = sorted((p for p in ckpt_dir.glob("step_*") if _step_of(p.name) >= 0), key=lambda p: _step_of(p.name))
         # Folders above `step` are from an abandoned timeline (resume fell back past them as corrupt): left in
         # place they would count among the newest kept and push out the checkpoint just written.

@@ -208,6 +208,7 @@ def run(cfg: Config) -> dict:
 
     def checkpoint(done: int) -> Path:
         data_state = ahead.data_state if ahead is not None and ahead.in_flight else data.state_dict()
+        data_state = data.with_skips_of_all_ranks(data_state, dims.all_reduce_sum)
         return save_checkpoint(trained, ckpt_dir, step=done, loop_state={"data": data_state}, dims=dims,
                                identity=identity, keep=cfg.checkpoint.keep)
 
