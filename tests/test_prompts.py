@@ -153,6 +153,36 @@ def test_eval_rows_without_the_label_the_reward_needs_are_skipped(tmp_path, tok,
         assert len(evalset.prompts) == kept and evalset.skipped == skipped, fn
 
 
+class RankOfTwo:
+    """Rank 0 of two, whose peer loaded the rows `other` (and skipped none when drawn)."""
+    world_size, rank, is_main, world_group = 2, 0, True, None
+
+    def __init__(self, other):
+        self.other = other
+
+    def all_gather_objects(self, obj, group=None):
+        return [obj, self.other]
+
+    def all_reduce_sum(self, values, group=None):
+        return [float(v) for v in values]
+
+
+@pytest.mark.parametrize("max_prompts,mine", [(0, [0, 3, 5]), (4, [0, 3])])
+def test_eval_rows_another_rank_could_not_load_are_left_out_and_counted(tmp_path, tok, tiny_model, max_prompts, mine):
+    """Each rank loads the eval file itself and takes every world_size-th prompt: a row missing on one rank (an
+    image fetch that failed there) would shift its slice, so that some prompts were evaluated twice and others
+    never. Every rank keeps the rows all of them loaded (then the first eval.max_prompts)."""
+    from slime.config import load_config
+    from slime.trainer.evaluate import load_eval_prompts
+
+    path = write_jsonl(tmp_path / "eval.jsonl", [{"prompt": f"{k}+1=", "label": str(k + 1)} for k in range(6)])
+    cfg = load_config(None, [f"model.path={tiny_model}", f"data.path={path}", f"eval.path={path}",
+                             f"eval.max_prompts={max_prompts}"])
+    evalset = load_eval_prompts(cfg, tok, RankOfTwo(other=[0, 1, 3, 4, 5]))  # the peer lacks row 2
+    assert [p.index for p in evalset.prompts] == mine  # the peer's slice: rows 1, 4
+    assert evalset.skipped == {"not_on_every_rank": 1}
+
+
 def test_a_text_model_reads_an_image_placeholder_without_images_as_text(tmp_path, tok):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1<image>2"}, {"prompt": "<image>x", "images": ["a.png"]}])
     with pytest.raises(ValueError, match="p.jsonl:2: the row has images but model.path is a text-only model"):
@@ -174,6 +204,7 @@ def test_ranks_that_loaded_different_rows_keep_only_the_common_ones(tmp_path, to
     ranks[1]._order = ranks[1]._make_order()
     common = set.intersection(*({p.index for p in src.prompts} for src in ranks))
     assert [src.keep_only(common) for src in ranks] == [1, 0]
+    assert ranks[0].skipped_metrics(lambda values: values) == {"data/skipped_not_on_every_rank": 1}
     # The first two batches take 4 of the epoch's 5 prompts: every rank draws from the same order, so no prompt
     # twice and none that a rank lacks (with the lists apart, one order indexed two different lists).
     drawn = [p.index for _ in range(2) for src in ranks for p in src.next_batch()]

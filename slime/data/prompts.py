@@ -192,7 +192,7 @@ class SkippedRow(ValueError):
         self.reason = reason
 
 
-SKIP_REASONS = REASONS + ("missing_label", "empty_prompt")
+SKIP_REASONS = REASONS + ("missing_label", "empty_prompt", "not_on_every_rank")  # the last: see keep_only
 
 
 def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor: VLProcessor | None = None,
@@ -316,9 +316,10 @@ class PromptSource:
     def keep_only(self, rows: set[int]) -> int:
         """Keep the prompts of these source rows only (those every rank could load: an image fetched over http can
         fail on one rank alone, and ranks drawing from different lists would index different prompts). Returns
-        how many were dropped."""
+        how many were dropped; they count as skipped (`data/skipped_not_on_every_rank`)."""
         before = len(self.prompts)
         self.prompts = [p for p in self.prompts if p.index in rows]
+        self.report.skipped["not_on_every_rank"] += before - len(self.prompts)
         if len(self.prompts) < self.batch_size:
             raise ValueError(f"{self.cfg.path} has {len(self.prompts)} prompts that every rank could load, fewer than "
                              f"rollout.batch_size={self.batch_size}")

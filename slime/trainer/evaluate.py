@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import time
 
 from slime.config import Config
@@ -11,6 +12,8 @@ from slime.distributed.parallel_dims import ParallelDims
 from slime.rollout.engine import SamplingParams
 from slime.rollout.rewards import needs_label
 from slime.rollout.rollout import generate_rollout
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -27,11 +30,21 @@ def load_eval_prompts(cfg: Config, tokenizer, dims: ParallelDims, processor=None
     skip counts are summed over ranks): call on every rank."""
     prompts, report = load_prompts(cfg.data, tokenizer, path=cfg.eval.path, processor=processor,
                                    label_required=needs_label(cfg.rollout.reward.fn))
+    not_everywhere = 0
+    if dims.world_size > 1:  # as the training file: rows one rank failed to load would shift every slice after them
+        loaded = dims.all_gather_objects([p.index for p in prompts], group=dims.world_group)
+        common = set.intersection(*map(set, loaded))
+        not_everywhere = len(prompts) - len(common)
+        if not_everywhere:
+            logger.warning("%s: %d eval prompt(s) another rank could not load are left out on this rank too",
+                           cfg.eval.path, not_everywhere)
+            prompts = [p for p in prompts if p.index in common]
     if cfg.eval.max_prompts:
         prompts = prompts[:cfg.eval.max_prompts]
     mine, drawn = with_pixels(prompts[dims.rank::dims.world_size], cfg.data, processor, cfg.eval.path)
     # Load-time counts are the same on every rank (each read the whole file); skips when drawn are per rank.
-    skipped = collections.Counter({"too_long": report.too_long, **report.skipped})
+    skipped = collections.Counter({"too_long": report.too_long, "not_on_every_rank": not_everywhere,
+                                   **report.skipped})
     reasons = sorted(set(SKIP_REASONS) | set(skipped))
     counts = [float(drawn[r]) for r in reasons]
     if dims.world_size > 1:
