@@ -27,6 +27,8 @@ class MultimodalInputs:
     """The image placeholder token; the prompt's occurrences of it (never a generated one) take the features."""
     images: list[Image.Image] | None = None
     """The images at their processed size, for engines that run the processor themselves (SGLang)."""
+    num_tokens: int = -1
+    """Placeholder tokens the images fill (-1: not known)."""
 
     @property
     def num_patches(self) -> int:
@@ -34,6 +36,17 @@ class MultimodalInputs:
 
     def without_images(self) -> "MultimodalInputs":
         return dataclasses.replace(self, images=None)
+
+    def check_context(self, ids: list[int], row: int) -> None:
+        """An engine generates from ids whose image tokens are all filled by these images; a generated image token
+        in a multi-turn context is one no image fills (the trainer reads it as text; the engines cannot)."""
+        n = sum(t == self.token_id for t in ids)
+        if self.num_tokens >= 0 and n != self.num_tokens:
+            raise ValueError(
+                f"image-text prompt {row} of this generate call holds {n} image tokens (id {self.token_id}) but its "
+                f"images fill {self.num_tokens}: a multi-turn context that carries a generated image token? A "
+                "generate function must not send the model's own image tokens back as context (drop or replace "
+                "them, or end the turn)")
 
 
 class VLProcessor:
@@ -80,5 +93,6 @@ class VLProcessor:
         """Patches of RGB images (in prompt order), and the images at their processed size."""
         out = self.image_processor(images=images, return_tensors="pt")
         resized = [img.resize(self.processed_size(*img.size), Image.BICUBIC) for img in images]
-        return MultimodalInputs(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"].long(),
-                                token_id=self.image_token_id, images=resized)
+        grid = out["image_grid_thw"].long()
+        return MultimodalInputs(pixel_values=out["pixel_values"], image_grid_thw=grid, token_id=self.image_token_id,
+                                images=resized, num_tokens=int(grid.prod(-1).sum()) // self.merge ** 2)

@@ -238,3 +238,23 @@ def test_a_seeded_image_text_generation_ignores_the_global_generator(vl_model, t
         want = torch.log_softmax(logits[0, len(s.prompt_ids) - 1:-1].float() / 0.8, -1)
         want = want.gather(-1, torch.tensor(g.response_ids)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(g.logprobs), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_context_with_an_image_token_no_image_fills_is_refused_by_name(vl_model):
+    """A multi-turn generate function that sends the model's own image token back as context: the image tokens
+    outnumber what the images fill, which HF's rope index met with a bare StopIteration."""
+    from slime.config import ModelConfig
+    from slime.rollout.engine import SamplingParams
+    from slime.rollout.hf_engine import HFEngine
+
+    engine = HFEngine(ModelConfig(path=str(vl_model), dtype="float32"), AutoTokenizer.from_pretrained(vl_model),
+                      device=torch.device("cpu"))
+    first, second = vl_samples(vl_model, text_only=0)[:2]
+    fills = first.prompt_ids.count(first.mm.token_id)
+    assert first.mm.num_tokens == fills > 0
+    context = first.prompt_ids + first.response_ids[:2] + [first.mm.token_id]  # the model generated an image token
+    params = SamplingParams(max_new_tokens=2, n=1, temperature=0)
+    with pytest.raises(ValueError, match=rf"prompt 1 of this generate call holds {fills + 1} image tokens .* its "
+                                         rf"images fill {fills}: a multi-turn context"):
+        engine.generate([second.prompt_ids, context], params, [second.mm, first.mm])
+    assert len(engine.generate([context[:-1]], params, [first.mm])[0][0].response_ids) == 2

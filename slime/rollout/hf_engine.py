@@ -156,6 +156,9 @@ class HFEngine:
         out: list[list[Generation]] = []
         per_call = max(1, self.batch_size // params.n)
         mm = mm or [None] * len(prompts)
+        for row, (ids, m) in enumerate(zip(prompts, mm)):
+            if m is not None:
+                m.check_context(ids, row)
         for i in range(0, len(prompts), per_call):
             out.extend(self._generate_batch(prompts[i:i + per_call], params, mm[i:i + per_call]))
         return out
