@@ -227,6 +227,10 @@ def test_a_seeded_image_text_generation_ignores_the_global_generator(vl_model, t
     unseeded = [g for group in engine.generate(prompts, SamplingParams(max_new_tokens=6, n=4, ignore_eos=True), mm)
                 for g in group]
     assert len({tuple(g.response_ids) for g in unseeded}) > 1
+    torch.manual_seed(2)
+    again = engine.generate(prompts, SamplingParams(max_new_tokens=6, n=4, ignore_eos=True), mm)
+    torch.manual_seed(2)
+    assert engine.generate(prompts, SamplingParams(max_new_tokens=6, n=4, ignore_eos=True), mm) == again
     assert all(len(g.response_ids) == 6 and len(g.logprobs) == 6 for g in first)
     model = engine.model
     for k, g in enumerate(first):  # teacher-forced logprobs of the drawn tokens at T = 0.8

@@ -102,15 +102,25 @@ def top_p_filtered(scores: torch.Tensor, top_p: float) -> torch.Tensor:
 
 class SeededSampling(LogitsProcessor):
     """For HF's generate run greedy: scores whose argmax is a draw from softmax(logits / T) after top-p (the
-    Gumbel-max trick: argmax(log p + G) with G = -log(-log U) is distributed as p), U from `generator`."""
+    Gumbel-max trick: argmax(log p + G) with G = -log(-log U) is distributed as p), U from `generator`; at T = 0
+    the logits themselves. Each step's drawn token's logprob under softmax(logits / T) before top-p (what SGLang
+    reports) is kept, (B,) a step, so that no step's full-vocabulary logits need keeping."""
 
-    def __init__(self, temperature: float, top_p: float, generator: torch.Generator):
+    def __init__(self, temperature: float, top_p: float, generator: torch.Generator | None):
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self.logprobs: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        logp = top_p_filtered(scores.float() / self.temperature, self.top_p).log_softmax(-1)
-        u = torch.rand(logp.shape, generator=self.generator, device=logp.device)
-        return logp - torch.log(-torch.log(u))
+        scaled = scores.float() / (self.temperature or 1.0)
+        if self.temperature == 0:
+            out = scaled
+        else:
+            logp = top_p_filtered(scaled, self.top_p).log_softmax(-1)
+            u = torch.rand(logp.shape, generator=self.generator, device=logp.device)
+            out = logp - torch.log(-torch.log(u))
+        token = out.argmax(-1)
+        self.logprobs.append(scaled.log_softmax(-1).gather(1, token[:, None]).squeeze(1))
+        return out
 
 
 class HFEngine:
@@ -173,46 +183,33 @@ class HFEngine:
                     raise
                 raise self._not_finite() from e
             return [gens[k:k + params.n] for k in range(0, len(gens), params.n)]
-        extra, n_return = {}, params.n
-        if any(m is not None for m in mm):
-            # Image inputs follow their rows, so each prompt is repeated n times here rather than expanded
-            # by generate (which does not repeat pixel patches along with the rows).
-            prompts = [p for p in prompts for _ in range(params.n)]
-            mm = [m for m in mm for _ in range(params.n)]
-            images = [m for m in mm if m is not None]
-            extra = {"pixel_values": torch.cat([m.pixel_values for m in images]).to(self.device, self.model.dtype),
-                     "image_grid_thw": torch.cat([m.image_grid_thw for m in images]).to(self.device)}
-            n_return = 1
+        # Image inputs follow their rows, so each prompt is repeated n times here rather than expanded by generate
+        # (which does not repeat pixel patches along with the rows).
+        prompts = [p for p in prompts for _ in range(params.n)]
+        images = [m for m in mm for _ in range(params.n) if m is not None]
         ids, mask = self._left_padded(prompts)
         width = ids.shape[1]
-        if extra:
-            extra["mm_token_type_ids"] = (ids == self.model.config.image_token_id).int()
+        extra = {"pixel_values": torch.cat([m.pixel_values for m in images]).to(self.device, self.model.dtype),
+                 "image_grid_thw": torch.cat([m.image_grid_thw for m in images]).to(self.device),
+                 "mm_token_type_ids": (ids == self.model.config.image_token_id).int()}
         stops = [] if params.ignore_eos else [*self.eos_ids, *params.stop_token_ids]
-        greedy = params.temperature == 0
-        # A fresh GenerationConfig: the model's own defaults (top_k=50, repetition penalty, ...)
-        # would change the sampling distribution away from the logprobs we report. top_k=0, not None:
-        # generate fills a None from the global defaults, which is top_k=50.
-        # A seed (one-step-off rollout, see _decode): generate runs greedy over SeededSampling's scores, whose
-        # argmax is a draw from this call's own generator; HF's own sampling draws from torch's global one.
-        seeded = params.seed is not None and not greedy
-        gen_cfg = GenerationConfig(
-            do_sample=not (greedy or seeded), temperature=None if greedy or seeded else params.temperature,
-            top_p=None if greedy or seeded or params.top_p >= 1 else params.top_p, top_k=0,
-            max_new_tokens=params.max_new_tokens, num_return_sequences=n_return,
-            eos_token_id=stops or [NO_TOKEN], pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True)
-        if seeded:
-            extra["logits_processor"] = LogitsProcessorList([SeededSampling(
-                params.temperature, params.top_p, self._generator(params.seed))])
-        try:
-            res = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg, **extra)
-        except RuntimeError as e:
-            if "probability tensor contains" not in str(e):
-                raise
-            raise self._not_finite() from e
+        # HF's generate runs greedy over SeededSampling's scores, whose argmax is a draw from the engine's own
+        # generator (the seed's; without one, seeded from torch's global generator), and which keeps each step's
+        # token logprob: HF's output_logits would keep every step's (rows, vocabulary) logits to the end. A fresh
+        # GenerationConfig: the model's own defaults (top_k=50, a repetition penalty, ...) would change the
+        # distribution away from the logprobs we report; top_k=0, not None, which generate fills with 50.
+        generator = None
+        if params.temperature > 0:
+            generator = self._generator(params.seed) if params.seed is not None else torch.Generator(
+                self.device).manual_seed(int(torch.randint(2**62, (1,))))
+        sampler = SeededSampling(params.temperature, params.top_p, generator)
+        gen_cfg = GenerationConfig(do_sample=False, top_k=0, max_new_tokens=params.max_new_tokens,
+                                   eos_token_id=stops or [NO_TOKEN],
+                                   pad_token_id=self.pad_id, return_dict_in_generate=True)
+        res = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg,
+                                  logits_processor=LogitsProcessorList([sampler]), **extra)
         new = res.sequences[:, width:].cpu()  # (B*n, L)
-        logits = torch.stack(res.logits, dim=1).float().cpu()  # (B*n, L, V) raw logits
-        logps = torch.log_softmax(logits / (1.0 if greedy else params.temperature), dim=-1)
-        token_logps = logps.gather(-1, new[..., None]).squeeze(-1)
+        token_logps = torch.stack(sampler.logprobs, 1).cpu()[:, :new.shape[1]]
         if not torch.isfinite(token_logps).all():
             raise self._not_finite()
         stop_set = set(stops)
