@@ -133,8 +133,8 @@ class HFEngine:
             plain_linear(self.model)
         # Text decode steps of Llama-family models skip HF's forward (slime/models/decode_step.py).
         why = DecodeStep.unsupported(self.model) if decode_step else "turned off"
-        self._step = None if why else DecodeStep(self.model, functools.partial(onednn_linear, fallback=torch._C._nn.linear)
-                                                 if onednn else torch._C._nn.linear)
+        linear = functools.partial(onednn_linear, fallback=torch._C._nn.linear) if onednn else torch._C._nn.linear
+        self._step = None if why else DecodeStep(self.model, linear)
         if why:
             logger.info("hf engine: decode steps run the model's own forward (%s)", why)
         self.device, self.batch_size = device, batch_size

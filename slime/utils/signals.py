@@ -3,10 +3,10 @@
 The first signal only sets a flag: the loop finishes the step it is in, every rank agrees to stop,
 a checkpoint is saved and the run exits non-zero. A second signal exits at once, without saving.
 
-A rank that does not reach the end of its step within STUCK_AFTER_S (20, or $SLIME_STUCK_AFTER_S) of the first signal is stuck (in a user
-function that does not return, say, while a launcher stops the job because another rank failed): it prints
-where each of its threads is (faulthandler) and exits, rather than waiting for the launcher's SIGKILL, which
-would leave no trace of where it hung.
+A rank that does not reach the end of its step within STUCK_AFTER_S (20, or $SLIME_STUCK_AFTER_S) of the first
+signal is stuck (in a user function that does not return, say, while a launcher stops the job because another
+rank failed): it prints where each of its threads is (faulthandler) and exits, rather than waiting for the
+launcher's SIGKILL, which would leave no trace of where it hung.
 """
 from __future__ import annotations
 
