@@ -49,6 +49,13 @@ class MultimodalInputs:
                 "them, or end the turn)")
 
 
+def check_contexts(prompts: list[list[int]], mm: list[MultimodalInputs | None] | None) -> None:
+    """`MultimodalInputs.check_context` of each image-text row of a generate call."""
+    for row, (ids, m) in enumerate(zip(prompts, mm or ())):
+        if m is not None:
+            m.check_context(ids, row)
+
+
 class VLProcessor:
     def __init__(self, model_path: str, tokenizer, *, min_pixels: int | None = None, max_pixels: int | None = None):
         from transformers import AutoConfig, AutoImageProcessor

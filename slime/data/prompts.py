@@ -295,6 +295,14 @@ def with_pixels(prompts: list[Prompt], cfg: DataConfig, processor: VLProcessor |
     return out, skipped
 
 
+def rows_on_every_rank(prompts: list[Prompt], dims) -> set[int]:
+    """The source rows every rank loaded (a collective over the world). Every rank reads a data file itself, and
+    an image fetch can fail on one rank alone: ranks slicing or drawing from different lists would take different
+    prompts."""
+    loaded = dims.all_gather_objects([p.index for p in prompts], group=dims.world_group)
+    return set.intersection(*map(set, loaded))
+
+
 class PromptSource:
     """Global batches of prompts in a seeded order; each dp rank gets its slice."""
 

@@ -28,7 +28,7 @@ from slime.models.attention import GQA_SDPA
 from slime.models.decode_step import DecodeStep
 from slime.models.loading import load_model, resolve_dtype
 from slime.models.onednn import linear as onednn_linear, use_onednn_linears
-from slime.multimodal.processor import MultimodalInputs
+from slime.multimodal.processor import MultimodalInputs, check_contexts
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -166,9 +166,7 @@ class HFEngine:
         out: list[list[Generation]] = []
         per_call = max(1, self.batch_size // params.n)
         mm = mm or [None] * len(prompts)
-        for row, (ids, m) in enumerate(zip(prompts, mm)):
-            if m is not None:
-                m.check_context(ids, row)
+        check_contexts(prompts, mm)
         for i in range(0, len(prompts), per_call):
             out.extend(self._generate_batch(prompts[i:i + per_call], params, mm[i:i + per_call]))
         return out

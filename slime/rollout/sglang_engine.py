@@ -34,7 +34,7 @@ import torch
 
 from slime.config import SGLangConfig
 from slime.multimodal.images import to_png_base64
-from slime.multimodal.processor import MultimodalInputs
+from slime.multimodal.processor import MultimodalInputs, check_contexts
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
 from slime.rollout.sglang_server import HOST, SGLangClient, SGLangServer, SGLangServerError
 from slime.utils.net import address_toward, node_address, url_host
@@ -185,9 +185,7 @@ class SGLangEngine:
         stops = [] if params.ignore_eos else sorted({t for t in (self.eos_id, *params.stop_token_ids) if t is not None})
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature,
                     "top_p": params.top_p, "stop_token_ids": stops, "ignore_eos": params.ignore_eos, "n": 1}
-        for row, (ids, m) in enumerate(zip(prompts, mm or ())):
-            if m is not None:
-                m.check_context(ids, row)
+        check_contexts(prompts, mm)
         images = [_image_data(m) for m in (mm or [None] * len(prompts))]
         start = time.monotonic()
         call = _Call()  # this call's requests and abort: another thread's generate() neither clears nor cuts them

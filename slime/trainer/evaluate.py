@@ -7,7 +7,7 @@ import logging
 import time
 
 from slime.config import Config
-from slime.data.prompts import SKIP_REASONS, Prompt, load_prompts, with_pixels
+from slime.data.prompts import SKIP_REASONS, Prompt, load_prompts, rows_on_every_rank, with_pixels
 from slime.distributed.parallel_dims import ParallelDims
 from slime.rollout.engine import SamplingParams
 from slime.rollout.rewards import needs_label
@@ -32,8 +32,7 @@ def load_eval_prompts(cfg: Config, tokenizer, dims: ParallelDims, processor=None
                                    label_required=needs_label(cfg.rollout.reward.fn))
     not_everywhere = 0
     if dims.world_size > 1:  # as the training file: rows one rank failed to load would shift every slice after them
-        loaded = dims.all_gather_objects([p.index for p in prompts], group=dims.world_group)
-        common = set.intersection(*map(set, loaded))
+        common = rows_on_every_rank(prompts, dims)
         not_everywhere = len(prompts) - len(common)
         if not_everywhere:
             logger.warning("%s: %d eval prompt(s) another rank could not load are left out on this rank too",

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from slime.config import Config
-from slime.data.prompts import PromptSource, sft_samples
+from slime.data.prompts import PromptSource, rows_on_every_rank, sft_samples
 from slime.distributed.ds_config import build_ds_config, zero_stage
 from slime.distributed.parallel_dims import ParallelDims
 from slime.models.export import exported_step
@@ -145,8 +145,7 @@ def run(cfg: Config) -> dict:
                         dp_size=dims.dp, seed=cfg.train.seed, processor=processor,
                         label_required=sft or needs_label(cfg.rollout.reward.fn))
     if dims.world_size > 1:  # every rank loaded the file on its own: the same list everywhere, or none draws right
-        loaded = dims.all_gather_objects([p.index for p in data.prompts], group=dims.world_group)
-        dropped = data.keep_only(set.intersection(*map(set, loaded)))
+        dropped = data.keep_only(rows_on_every_rank(data.prompts, dims))
         if dropped:
             logger.warning("%s: %d prompt(s) another rank could not load (an image fetch that failed there) are "
                            "left out on this rank too, so that every rank draws from the same list", cfg.data.path,
