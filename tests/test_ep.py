@@ -10,7 +10,10 @@ from transformers import AutoModelForCausalLM
 from conftest import REPO, assert_params_close, run_ranks, stable_adam_ds_config
 from data_tools.make_tiny_model import make_tiny_model
 from dist.actor_checks import fixed_batch
+from slime.data.batch import build_micro_batch, build_padded_micro_batch
 from slime.models.adapters import read_checkpoint_shapes
+from slime.models.attention import PACKED_SDPA
+from slime.models.policy import PolicyModel
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +45,40 @@ def assert_same_step(ref, ep):
     assert_params_close(ep["after"], ref["after"])  # in checkpoint names: every expert of every rank
     assert ep["metrics"]["train/grad_norm"] == pytest.approx(ref["metrics"]["train/grad_norm"], rel=1e-5)
     assert ep["metrics"]["train/loss"] == pytest.approx(ref["metrics"]["train/loss"], rel=1e-5, abs=1e-7)
+
+
+def test_router_terms_count_only_real_tokens(moe_models):
+    """The aux loss and balance metrics of a micro-batch with padding (sequence parallel's pad segment, the padded
+    layout's row ends) are those of the same samples packed without any; a dummy batch adds nothing."""
+    torch.manual_seed(0)
+    model = PolicyModel(AutoModelForCausalLM.from_pretrained(moe_models["qwen3_moe"], attn_implementation=PACKED_SDPA))
+    samples, idx = fixed_batch(), [0, 1, 2]
+
+    def router(mb, mask=True):
+        with torch.no_grad():
+            *_, stats = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len,
+                              target_ids=mb.target_ids, token_mask=mb.token_mask if mask else None)
+        return stats
+
+    plain = router(build_micro_batch(samples, idx))
+    assert plain["tokens"] == sum(samples[i].total_len for i in idx)
+    padded = build_padded_micro_batch(samples, idx)
+    sp_pad = build_micro_batch(samples, idx, pad_to=16)
+    assert sp_pad.num_tokens % 16 == 0 and sp_pad.num_tokens > plain["tokens"]
+    for mb in (sp_pad, padded):
+        got = router(mb)
+        assert got["tokens"] == plain["tokens"] and got["entropy_n"] == plain["entropy_n"]
+        torch.testing.assert_close(got["expert_counts"], plain["expert_counts"], rtol=0, atol=0)
+        for key in ("aux", "entropy_sum"):
+            torch.testing.assert_close(got[key], plain[key], rtol=1e-5, atol=1e-6)
+    unmasked = router(padded, mask=False)  # control: the padding does change the terms when it is counted
+    assert unmasked["tokens"] > plain["tokens"] and not torch.allclose(unmasked["aux"], plain["aux"])
+
+    dummy = build_micro_batch(samples, [])
+    *_, stats = model(dummy.input_ids, dummy.position_ids, dummy.cu_seqlens, dummy.pred_index,
+                      max_len=dummy.max_len, target_ids=dummy.target_ids, token_mask=dummy.token_mask)
+    assert stats["tokens"] == 0 and stats["expert_counts"].sum() == 0 and stats["entropy_n"] == 0
+    assert stats["aux"] == 0 and stats["aux"].requires_grad  # in the graph, as every rank's forward must be
 
 
 def test_ep2_equals_ep1_with_the_router_aux_loss(qwen3_runs):

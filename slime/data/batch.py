@@ -52,6 +52,10 @@ class MicroBatch:
     prompt_prefixes: torch.Tensor | None = None
     """(S, 2) long, packed with shared prompts: per cu_seqlens segment, the span of the prompt it attends to
     before its own tokens ((0, 0): none)."""
+    token_mask: torch.Tensor | None = None
+    """(T,) bool over the flattened input_ids: True on the samples' own tokens, False on padding (sequence
+    parallel's pad segment, the padded layout's row ends) and on a dummy batch's token pair; None: all True.
+    Per-input-token terms (a MoE router's aux loss and balance metrics) count only the True ones."""
 
     @property
     def num_tokens(self) -> int:
@@ -130,6 +134,9 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positio
         if all(v is not None for v in values):
             fields[name] = torch.cat(values).float()
     pad = -cu[-1] % pad_to
+    token_mask = None
+    if pad or not indices:
+        token_mask = torch.arange(cu[-1] + pad) < (cu[-1] if indices else 0)
     if pad:
         input_ids.extend([0] * pad)
         rope_rows = position_ids[0].shape[:-1]
@@ -159,6 +166,7 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positio
         fields=fields,
         extra=extra,
         prompt_prefixes=torch.tensor(prefixes, dtype=torch.long) if any(a != b for a, b in prefixes) else None,
+        token_mask=token_mask,
     )
 
 
@@ -171,6 +179,8 @@ def build_padded_micro_batch(samples: Sequence[Sample], indices: Sequence[int], 
     # Padding continues each row's positions (causal attention never lets a real token see it).
     pos = torch.zeros(*packed.position_ids.shape[:-1], len(rows), width, dtype=torch.long)
     image_mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    lengths = packed.cu_seqlens.diff()
+    token_mask = (torch.arange(width) < lengths[:, None]).flatten() & bool(indices)  # a dummy's pair: none
     pred, starts = [], packed.cu_seqlens.tolist()
     for row, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
         ids[row, :end - start] = packed.input_ids[start:end]
@@ -182,4 +192,5 @@ def build_padded_micro_batch(samples: Sequence[Sample], indices: Sequence[int], 
         pred.extend(range(first, first + len(rows[row].response_ids)))
     extra = {**packed.extra, "image_mask": image_mask} if packed.extra else {}
     return dataclasses.replace(packed, input_ids=ids, position_ids=pos, cu_seqlens=None, extra=extra,
-                               pred_index=torch.tensor(pred, dtype=torch.long))
+                               pred_index=torch.tensor(pred, dtype=torch.long),
+                               token_mask=None if bool(token_mask.all()) else token_mask)

@@ -93,23 +93,32 @@ class ModelAdapter:
         return {"pixel_values": torch.zeros(merge * merge, dim, device=device, dtype=model.dtype),
                 "image_grid_thw": torch.tensor([[1, merge, merge]], device=device)}
 
-    def router_stats(self, model: PreTrainedModel, router_logits: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
-        """From one forward's router logits ((n, E) per MoE layer): transformers' load-balancing aux loss of these
-        n tokens (differentiable), and detached sums for metrics: tokens sent to each expert per layer (L, E)
-        and the routing distribution's entropy summed over tokens and layers."""
+    def router_stats(self, model: PreTrainedModel, router_logits: tuple[torch.Tensor, ...],
+                     real: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """From one forward's router logits ((n, E) per MoE layer) and which of the n tokens are real (bool (n,),
+        None: all; padding is routed too but counts for nothing): transformers' load-balancing aux loss of the real
+        tokens (differentiable), and detached sums for metrics: tokens sent to each expert per layer (L, E) and
+        the routing distribution's entropy summed over tokens and layers."""
         import sys
 
         config = model.config.get_text_config()
         num_experts = getattr(config, "num_experts", None) or config.num_local_experts
         top_k = config.num_experts_per_tok
         aux_fn = sys.modules[type(model).__module__].load_balancing_loss_func
+        if real is not None and not bool(real.all()):
+            kept = tuple(r[real] for r in router_logits)
+            # No real token (a dummy batch, a shard of padding): an aux loss of 0 that stays in the graph.
+            aux = aux_fn(kept, num_experts, top_k) if kept[0].shape[0] else sum(r.sum() for r in router_logits) * 0
+            router_logits = kept
+        else:
+            aux = aux_fn(router_logits, num_experts, top_k)
         logits = torch.stack([r.float() for r in router_logits])  # (L, n, E)
         probs = logits.detach().softmax(-1)
         chosen = probs.topk(top_k, dim=-1).indices  # (L, n, k)
         counts = torch.zeros(logits.shape[0], num_experts, device=logits.device).scatter_add_(
             1, chosen.flatten(1), torch.ones(chosen.flatten(1).shape, device=logits.device))
         entropy = -(probs * probs.clamp_min(1e-20).log()).sum(-1)  # (L, n)
-        return {"aux": aux_fn(router_logits, num_experts, top_k), "tokens": torch.tensor(float(logits.shape[1])),
+        return {"aux": aux, "tokens": torch.tensor(float(logits.shape[1])),
                 "expert_counts": counts, "entropy_sum": entropy.sum(), "entropy_n": torch.tensor(float(entropy.numel()))}
 
     def hidden_states(self, model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor,

@@ -112,11 +112,12 @@ class PolicyModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
                 pred_index: torch.Tensor, *, max_len: int, temperature: float = 1.0, chunk_size: int = 1024,
                 target_ids: torch.Tensor | None = None, prompt_prefixes: torch.Tensor | None = None,
+                token_mask: torch.Tensor | None = None,
                 **extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
         """input_ids (T,) packed or (B, L) right-padded; position_ids of the same shape, or with a leading
         axis of rope rows (mrope); pred_index (N,) positions of the flattened tokens whose hidden states
-        score target_ids (N,) (default: the next token of each); prompt_prefixes: shared prompts
-        (slime/data/batch.py); `extra`: the adapter's extra inputs (image tensors).
+        score target_ids (N,) (default: the next token of each); prompt_prefixes: shared prompts and token_mask:
+        the samples' own tokens, not padding (slime/data/batch.py); `extra`: the adapter's extra inputs (images).
 
         Returns logprobs (N,) and entropies (N,) of the targets at `temperature` (and, for a mixture of
         experts, the router's aux loss and balance sums of this rank's tokens), or values (N,) of the
@@ -135,7 +136,8 @@ class PolicyModel(nn.Module):
         router = None
         if isinstance(hidden, tuple):  # MoE: (hidden, router logits of this rank's tokens)
             hidden, logits = hidden
-            router = self.adapter.router_stats(self.hf, logits) if self.head == "logprobs" else None
+            real = token_mask.view(input_ids.shape)[..., start:end].flatten() if token_mask is not None else None
+            router = self.adapter.router_stats(self.hf, logits, real) if self.head == "logprobs" else None
         mine = pred_index
         targets = target_ids if target_ids is not None else input_ids.flatten()[pred_index + 1]
         if self.sp is not None:  # the scored positions of this shard (a target may lie in the next shard)

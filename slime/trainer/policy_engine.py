@@ -151,7 +151,8 @@ class PolicyEngine:
         mb = mb.to(self.dims.device)
         return self.engine(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len,
                            temperature=self.temperature, chunk_size=self.train_cfg.logits_chunk_size,
-                           target_ids=mb.target_ids, prompt_prefixes=mb.prompt_prefixes, **mb.extra)
+                           target_ids=mb.target_ids, prompt_prefixes=mb.prompt_prefixes, token_mask=mb.token_mask,
+                           **mb.extra)
 
     @torch.no_grad()
     def score(self, batch: RankBatch) -> list[torch.Tensor]:
