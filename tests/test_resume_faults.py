@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO, run_ranks
 from slime.config import LogConfig
 from slime.trainer.checkpoint import find_checkpoint, save_checkpoint
 from slime.utils.metrics import MetricsLogger
@@ -234,3 +235,15 @@ def test_a_save_puts_every_file_and_folder_on_disk_before_the_renames_publish_th
     latest = events.index(("replace", str(ckpt / "latest.tmp")))
     assert ("fsync", str(ckpt / "latest.tmp")) in events[renamed:latest]
     assert ("fsync", str(ckpt)) in events[latest:]
+
+
+def test_a_save_on_ranks_that_see_different_folders_stops_on_every_rank(tiny_model, tmp_path):
+    """Two ranks saving to folders of their own (nodes with node-local checkpoint disks) would each hold half a
+    checkpoint: the save stops on both with the reason; one shared folder saves and verifies."""
+    run_ranks([str(REPO / "tests/dist/ckpt_checks.py"), str(tiny_model), str(tmp_path)])
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"result{rank}.json").read_text())
+        assert result["shared"] is None  # verifies
+        assert result["error"] and "must be on a file system every rank sees" in result["error"]
+        assert "rank 1 sees other files there than rank 0" in result["error"]
+        assert not result["published"]

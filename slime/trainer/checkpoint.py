@@ -13,7 +13,8 @@ older one that verifies is used. A checkpoint of another model is refused; chang
 settings are applied to the restored optimizer and scheduler and said so.
 
 Layout: step_N/<role>/ (DeepSpeed's files for the actor and, with PPO, the critic), step_N/rng_rank{r}.pt,
-step_N/manifest.json. Like DeepSpeed's own, checkpoints need a file system every rank sees.
+step_N/manifest.json. Like DeepSpeed's own, checkpoints need a file system every rank sees; a save checks that
+every rank sees the same files and otherwise stops, on every rank, saying so.
 """
 from __future__ import annotations
 
@@ -105,6 +106,7 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
     # durable before the data they publish, or a power loss could leave a `latest` naming empty files); rank 0
     # writes the manifest of them all.
     everything = sorted(p for p in staging.rglob("*") if p.is_file())
+    _check_same_files(staging, [str(p.relative_to(staging)) for p in everything], dims)
     mine = {str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": _sha256(p, sync=True)}
             for p in everything[dims.rank::dims.world_size]}
     shares = dims.all_gather_objects(mine, group=dims.world_group) if dims.world_size > 1 else [mine]
@@ -132,6 +134,24 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
         logger.info("saved checkpoint %s (%d files)", final, len(files))
     dims.barrier()
     return final
+
+
+def _check_same_files(staging: Path, names: list[str], dims) -> None:
+    """Collective: every rank must see the same files in the staging folder once all have written theirs. Ranks
+    on nodes whose `checkpoint.dir` is a disk of their own (not one file system) each see only their node's share;
+    such a checkpoint could never be resumed, so the save stops here, on every rank alike, saying why."""
+    if dims.world_size == 1:
+        return
+    listings = dims.all_gather_objects(names, group=dims.world_group)
+    differ = [r for r, seen in enumerate(listings) if seen != listings[0]]
+    if differ:
+        r = differ[0]
+        only_0, only_r = sorted(set(listings[0]) - set(listings[r])), sorted(set(listings[r]) - set(listings[0]))
+        raise RuntimeError(
+            f"checkpoint {staging}: rank {r} sees other files there than rank 0 ({len(only_0)} only rank 0 sees, "
+            f"e.g. {only_0[:2]}; {len(only_r)} only rank {r} sees, e.g. {only_r[:2]}; ranks that differ: {differ}). "
+            "checkpoint.dir must be on a file system every rank sees (on several nodes: a shared mount, not a "
+            "node-local disk), or each node would hold only its part of the checkpoint")
 
 
 def verify(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
