@@ -3,6 +3,7 @@ unreadable metrics.jsonl, and a fresh start in a run directory that already hold
 from __future__ import annotations
 
 import json
+import os
 import logging
 from pathlib import Path
 
@@ -179,6 +180,24 @@ def test_a_resume_with_another_mini_batch_count_keeps_the_schedule_at_its_step(c
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * fn(5)) and fn(5) > 0.3
     scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * fn(6))
+
+
+def test_a_kill_between_the_rename_and_latest_resumes_from_the_new_folder_but_a_rollback_is_kept(tmp_path):
+    """step_5 was renamed into place but the save died before `latest` moved on from step_3: step_5 is tried
+    first. A `latest` written after step_5 was published (a user rolling back) is still tried first."""
+    ckpt = tmp_path / "checkpoints"
+    save(ckpt, 3, keep=3)
+    save(ckpt, 5, keep=3)
+    published = (ckpt / "step_5").stat().st_ctime
+    (ckpt / "latest").write_text("step_3")  # as the killed save left it: pointing at the previous checkpoint ...
+    os.utime(ckpt / "latest", (published - 60, published - 60))  # ... written before step_5's rename
+    assert find_checkpoint(ckpt) == (ckpt / "step_5", [])
+    os.utime(ckpt / "latest", (published + 60, published + 60))  # a rollback, written after step_5 was published
+    assert find_checkpoint(ckpt) == (ckpt / "step_3", [])
+    flip_byte(ckpt / "step_5" / "actor" / "model_states.pt")  # and a damaged newer folder is still skipped
+    os.utime(ckpt / "latest", (published - 60, published - 60))
+    path, notes = find_checkpoint(ckpt)
+    assert path == ckpt / "step_3" and len(notes) == 1 and "step_5" in notes[0]
 
 
 def test_a_save_clears_what_killed_saves_of_other_steps_left(tmp_path):

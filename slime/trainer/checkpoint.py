@@ -4,8 +4,8 @@ A checkpoint is written into `checkpoints/.partial/step_N/` and becomes visible 
 every rank has written its engine files and RNG state, rank 0 has written `manifest.json` (size and
 SHA-256 of every file, the step, the model it came from and the optimisation settings), the folder
 has been renamed to `checkpoints/step_N/`, and then `checkpoints/latest` is replaced atomically. Files and
-folders are synced to disk (fsync) before each rename publishes them. A kill at any moment leaves the previous
-checkpoint as `latest`. Only the newest `checkpoint.keep` up to the saved step
+folders are synced to disk (fsync) before each rename publishes them. A kill at any moment leaves a whole
+checkpoint to resume from: the previous one, or the new one when only `latest` was left to replace. Only the newest `checkpoint.keep` up to the saved step
 survive; newer ones, left by a run that resumed from an older checkpoint, are removed.
 
 Resuming verifies the manifest of `latest`; a torn or corrupt checkpoint is reported and the newest
@@ -181,10 +181,18 @@ def verify(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
 
 
 def candidates(ckpt_dir: Path) -> list[str]:
-    """Checkpoint tags to try, `latest` first, then the step folders newest first."""
+    """Checkpoint tags to try, `latest` first, then the step folders newest first. A step folder published after
+    `latest` was last written (its rename, which sets the folder's ctime, is newer than the file) and of a later
+    step comes before it: a kill between a save's rename and its `latest` lost only the pointer. A `latest` a
+    user wrote afterwards, to roll back, is newer than every folder and still comes first."""
     latest = ckpt_dir / "latest"
-    tags = [latest.read_bytes().decode("utf-8", "replace").strip()] if latest.is_file() else []  # damage: the fallback finds older ones
-    return tags + [p.name for p in sorted(ckpt_dir.glob("step_*"), key=lambda p: -_step_of(p.name)) if p.name not in tags]
+    folders = [p.name for p in sorted(ckpt_dir.glob("step_*"), key=lambda p: -_step_of(p.name))]
+    if not latest.is_file():
+        return folders
+    tag = latest.read_bytes().decode("utf-8", "replace").strip()  # damage: the fallback finds older ones
+    written = latest.stat().st_mtime
+    later = [t for t in folders if _step_of(t) > _step_of(tag) and (ckpt_dir / t).stat().st_ctime > written]
+    return later + [tag] + [t for t in folders if t != tag and t not in later]
 
 
 def find_checkpoint(ckpt_dir: Path, verify=verify, tags: list[str] | None = None) -> tuple[Path | None, list[str]]:
