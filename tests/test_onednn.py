@@ -39,15 +39,16 @@ MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.linear")
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("layout", ["2d", "3d", "strided"])
-def test_linear_matches_fp64_forward_and_backward(bias, layout):
+@pytest.mark.parametrize("out_features", [160, 64])  # wider and narrower than the input: both weight-gradient forms
+def test_linear_matches_fp64_forward_and_backward(bias, layout, out_features):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 300, 96, generator=g)
     if layout == "2d":
         x = x[0]
     elif layout == "strided":  # a view with a gap between rows: reshaped, not misread
         x = torch.randn(2, 300, 2, 96, generator=g)[:, :, 1]
-    w, b = torch.randn(160, 96, generator=g) / 10, torch.randn(160, generator=g) if bias else None
-    up = torch.randn(*x.shape[:-1], 160, generator=g)
+    w, b = torch.randn(out_features, 96, generator=g) / 10, torch.randn(out_features, generator=g) if bias else None
+    up = torch.randn(*x.shape[:-1], out_features, generator=g)
     got = [t.clone().requires_grad_() for t in (x, w) + ((b,) if bias else ())]
     ref = [t.double().requires_grad_() for t in (x, w) + ((b,) if bias else ())]
     with Ops() as ops:

@@ -71,7 +71,9 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         gx = _mm_nt(grad, _gathered(weight).t()) if ctx.needs_input_grad[0] else None
-        gw = _mm_nt(grad.t(), x.t()) if ctx.needs_input_grad[1] else None
+        gw = None
+        if ctx.needs_input_grad[1]:  # oneDNN copies a transposed first operand: transpose the narrower of the two
+            gw = _mm_nt(grad.t(), x.t()) if grad.shape[1] <= x.shape[1] else _mm_nt(x.t(), grad.t()).t().contiguous()
         gb = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb
 
