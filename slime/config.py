@@ -254,6 +254,22 @@ class AlgoConfig:
             raise ValueError("algo.use_kl_loss and algo.kl_in_reward are exclusive; pick where the KL goes")
         if (self.use_kl_loss or self.kl_in_reward) and self.kl_coef <= 0:
             raise ValueError("algo.use_kl_loss / algo.kl_in_reward need algo.kl_coef > 0")
+        if self.kl_coef > 0 and not (self.use_kl_loss or self.kl_in_reward) and self.policy_loss != "sft":
+            raise ValueError(f"algo.kl_coef={self.kl_coef} weighs a KL term, but none is on: set algo.use_kl_loss=true "
+                             "(a loss term) or algo.kl_in_reward=true (a reward penalty); to only log the KL to a "
+                             "reference model, set algo.kl_coef=0 and algo.use_reference=true")
+        if self.kl_in_reward and self.advantage_estimator == "grpo" and self.normalize_std:
+            raise ValueError("algo.kl_in_reward=true with algo.advantage_estimator=grpo and algo.normalize_std=true "
+                             "divides the KL penalty by the group's reward std: a group whose rewards are all equal "
+                             "gets advantages made of KL noise over a tiny std. Use algo.use_kl_loss=true instead "
+                             "(GRPO's KL term, as in DeepSeekMath), or algo.normalize_std=false, or another "
+                             "estimator (rloo, reinforce_pp)")
+        if self.loss_agg_constant <= 0:
+            raise ValueError(f"algo.loss_agg_constant={self.loss_agg_constant} must be > 0 (the divisor of "
+                             "loss_agg=seq_mean_token_sum_norm; Dr.GRPO uses rollout.max_response_len)")
+        if self.policy_loss == "sft" and (self.entropy_coef or self.use_kl_loss or self.kl_in_reward or self.kl_coef):
+            raise ValueError("algo.policy_loss=sft trains on cross-entropy alone: algo.entropy_coef, algo.kl_coef, "
+                             "algo.use_kl_loss and algo.kl_in_reward do not apply to it; leave them at 0 / false")
         if self.clip_low is None and self.policy_loss != "cispo":
             raise ValueError(f"algo.clip_low=null (no lower bound) is only meaningful for policy_loss=cispo, "
                              f"not {self.policy_loss}; give a number")
@@ -406,7 +422,8 @@ class Config:
             raise ValueError("algo.advantage_estimator=gae trains a critic, which parallel.ep > 1 does not support yet "
                              "(expert parallelism covers the policy's MoE blocks only); set parallel.ep=1 or choose a "
                              "critic-free estimator (grpo, rloo, reinforce_pp)")
-        if self.algo.policy_loss != "sft" and self.algo.advantage_estimator in ("grpo", "dr_grpo", "rloo") \
+        if self.algo.policy_loss != "sft" \
+                and self.algo.advantage_estimator in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline") \
                 and self.rollout.n_samples_per_prompt < 2:
             raise ValueError(f"algo.advantage_estimator={self.algo.advantage_estimator} needs "
                              "rollout.n_samples_per_prompt >= 2 (a group baseline of one sample is zero)")

@@ -57,6 +57,31 @@ def test_bad_config_names_key(override, words):
         assert word in str(err.value)
 
 
+@pytest.mark.parametrize("overrides, words", [
+    # a coefficient with no KL term to weigh: nothing regularises, yet a reference model is built
+    (["algo.kl_coef=0.04"], ["algo.kl_coef=0.04", "algo.use_kl_loss=true", "algo.kl_in_reward=true",
+                              "algo.use_reference=true"]),
+    # the KL penalty over a constant group's std of 0 would be the whole advantage
+    (["algo.kl_in_reward=true", "algo.kl_coef=0.01"], ["algo.normalize_std=true", "algo.use_kl_loss=true",
+                                                       "algo.normalize_std=false"]),
+    (["algo.loss_agg_constant=0"], ["algo.loss_agg_constant=0", "> 0"]),
+    (["algo.policy_loss=sft", "algo.entropy_coef=0.01"], ["algo.policy_loss=sft", "algo.entropy_coef"]),
+    (["algo.policy_loss=sft", "algo.use_kl_loss=true", "algo.kl_coef=0.1"], ["algo.policy_loss=sft", "algo.kl_coef"]),
+    # a group baseline of one sample: every advantage 0
+    (["algo.advantage_estimator=reinforce_pp_baseline", "rollout.n_samples_per_prompt=1"],
+     ["reinforce_pp_baseline", "n_samples_per_prompt >= 2"]),
+])
+def test_algo_settings_that_would_train_on_nothing_or_noise_are_refused(overrides, words):
+    with pytest.raises(ValueError) as err:
+        load_config(None, BASE + overrides)
+    for word in words:
+        assert word in str(err.value)
+    fixed = {"algo.kl_coef=0.04": ["algo.kl_coef=0.04", "algo.use_kl_loss=true"],
+             "algo.kl_in_reward=true": ["algo.kl_in_reward=true", "algo.kl_coef=0.01", "algo.normalize_std=false"]}
+    if overrides[0] in fixed:  # and the fix the message names is accepted
+        load_config(None, BASE + fixed[overrides[0]])
+
+
 def test_sequence_parallel_needs_packing():
     with pytest.raises(ValueError, match="parallel.sp > 1 .* train.packing=true"):
         load_config(None, BASE + ["parallel.sp=2", "train.packing=false"])
@@ -132,13 +157,13 @@ def test_ds_config_auto_fields_filled(tmp_path):
 
 
 def test_old_logprobs_from_the_update_need_one_mini_batch_and_no_kl_in_reward():
-    for bad in (["train.num_mini_batches=2"], ["algo.kl_in_reward=true", "algo.kl_coef=0.1"]):
+    for bad in (["train.num_mini_batches=2"], ["algo.kl_in_reward=true", "algo.kl_coef=0.1", "algo.normalize_std=false"]):
         with pytest.raises(ValueError, match="algo.old_logprobs=train_forward .* train.num_mini_batches=1"):
             load_config(None, BASE + ["algo.old_logprobs=train_forward", *bad])
     assert load_config(None, BASE + ["algo.old_logprobs=train_forward"]).algo.old_logprobs == "train_forward"
     # auto (the default): the scoring pass only where the update's forward is not pi_old
     assert load_config(None, BASE).algo.old_logprobs == "train_forward"
-    for recompute in (["train.num_mini_batches=2"], ["algo.kl_in_reward=true", "algo.kl_coef=0.1"]):
+    for recompute in (["train.num_mini_batches=2"], ["algo.kl_in_reward=true", "algo.kl_coef=0.1", "algo.normalize_std=false"]):
         assert load_config(None, BASE + recompute).algo.old_logprobs == "recompute"
 
 

@@ -134,3 +134,17 @@ def test_grpo_group_statistics_do_not_overflow(rewards):
     expected = [(x - mean) / (std + 1e-6) for x in xs]
     assert adv.dtype == torch.float32
     torch.testing.assert_close(adv.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "dr_grpo", "reinforce_pp"])
+def test_reward_mean_is_the_task_rewards_with_kl_in_the_reward(estimator):
+    """With algo.kl_in_reward the estimator sees rewards minus the KL penalty; adv/reward_mean stays the task
+    reward's mean (the penalty has its own metric)."""
+    batch = samples([1.0, 0.0, 1.0, 0.0], [3] * 4)
+    for s in batch:
+        s.old_logprobs = torch.full((3,), -1.0)
+        s.ref_logprobs = torch.full((3,), -1.5)
+    metrics = compute_advantages(batch, AlgoConfig(advantage_estimator=estimator, kl_in_reward=True, kl_coef=0.1,
+                                                   kl_estimator="k1", normalize_std=False), OneRank())
+    assert metrics["adv/reward_mean"] == 0.5
+    assert metrics["adv/kl_reward_penalty"] == pytest.approx(0.1 * 0.5 * 3)
