@@ -138,6 +138,25 @@ def test_dynamic_sampling_that_keeps_no_group_says_why(hf_engine, tokenizer):
         collect_rollout(hf_engine, Prompts(), cfg, tokenizer, make_reward_fn("exact_match"), OneRank(), step=0)
 
 
+def test_dynamic_sampling_filters_on_the_task_reward_not_the_overlong_penalty():
+    """DAPO drops prompts of accuracy 0 or 1: a group of wrong answers where one ran into the overlong buffer has
+    unequal shaped rewards but nothing to learn about the task, so it is dropped; the penalty stays in the reward."""
+    from slime.config import OverlongPenaltyConfig
+    from slime.rollout.rollout import groups_with_signal, shape_overlong
+
+    def group(gid, rewards, lengths):
+        return [Sample(prompt_ids=[1], response_ids=[5] * n, reward=r, group_id=gid) for r, n in zip(rewards, lengths)]
+
+    all_wrong = group(0, [0.0] * 4, [3, 3, 3, 9])  # the last one in the buffer zone
+    mixed = group(1, [0.0, 1.0, 0.0, 1.0], [3, 3, 9, 3])
+    all_right_long = group(2, [1.0] * 4, [12, 12, 12, 12])  # all beyond max_len: equal shaped rewards anyway
+    samples = all_wrong + mixed + all_right_long
+    shape_overlong(samples, OverlongPenaltyConfig(max_len=10, buffer_len=4, factor=1.0))
+    assert [s.reward for s in all_wrong] == [0.0, 0.0, 0.0, -0.75]
+    assert [s.metadata["task_reward"] for s in mixed] == [0.0, 1.0, 0.0, 1.0]
+    assert groups_with_signal(samples) == [mixed]
+
+
 def test_a_batch_generated_ahead_is_discarded_at_a_stop_without_raising_over_it(hf_engine, tokenizer, caplog):
     """A stop (or an error) while step k+1's batch is in flight: the batch is aborted and discarded, an error it
     ends with is logged, not raised in place of the stop's own exit."""

@@ -90,12 +90,27 @@ def overlong_penalty(length: int, *, max_len: int, buffer_len: int, factor: floa
     return factor * ((max_len - buffer_len) - length) / buffer_len
 
 
+def shape_overlong(samples: list[Sample], op) -> None:
+    """Add DAPO's overlong penalty (rollout.overlong_penalty) to each sample's reward; the reward before it stays
+    in metadata["task_reward"], which dynamic sampling filters on."""
+    for s in samples:
+        s.metadata["task_reward"] = s.reward
+        s.reward += overlong_penalty(len(s.response_ids), max_len=op.max_len, buffer_len=op.buffer_len,
+                                     factor=op.factor)
+
+
 def groups_with_signal(samples: list[Sample]) -> list[list[Sample]]:
-    """Groups (in order) whose rewards are not all equal: the ones with a non-zero GRPO advantage."""
+    """Groups (in order) whose task rewards are not all equal. As in DAPO, which drops the prompts of accuracy 0
+    or 1, the overlong penalty does not count: a group of wrong answers, one of them long, has nothing to learn
+    about the task, and its penalised samples would take the place of a group that has."""
     groups: dict[int, list[Sample]] = {}
     for s in samples:
         groups.setdefault(s.group_id, []).append(s)
-    return [g for g in groups.values() if max(s.reward for s in g) > min(s.reward for s in g)]
+
+    def task(s: Sample) -> float:
+        return s.metadata.get("task_reward", s.reward)
+
+    return [g for g in groups.values() if max(map(task, g)) > min(map(task, g))]
 
 
 def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfig, tokenizer, reward_fn,
@@ -155,10 +170,7 @@ def _draw_and_generate(engine, data: PromptSource, cfg: RolloutConfig, tokenizer
     samples = _generate_shared(engine, prompts, params, tokenizer, reward_fn, dims, first_group_id=first,
                                first_index=dims.dp_rank * share * params.n, generate_fn=cfg.generate_fn)
     if cfg.overlong_penalty.max_len:
-        op = cfg.overlong_penalty
-        for s in samples:
-            s.reward += overlong_penalty(len(s.response_ids), max_len=op.max_len, buffer_len=op.buffer_len,
-                                         factor=op.factor)
+        shape_overlong(samples, cfg.overlong_penalty)
     for s in samples:
         s.metadata["weight_version"] = version
     return samples
