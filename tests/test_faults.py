@@ -335,6 +335,28 @@ def test_a_rank_that_stops_answering_is_named_with_step_and_phase(model, task_di
     assert "in sleep_on_rank1" in out, out[-3000:]
 
 
+@pytest.mark.parametrize("error, collective", [
+    (RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 6000ms for recv operation to "
+                  "complete"), True),
+    (RuntimeError("Application timeout caused pair closure"), True),
+    (torch.distributed.DistBackendError("NCCL watchdog"), True),
+    # this rank's own failures that mention a timeout keep their message
+    (RuntimeError("reward server http://h/score failed for sample index=0 after 1 attempts: HTTP 500: 'boom'. "
+                  "Check the server, or raise rollout.reward.timeout / max_retries"), False),
+    (RuntimeError("SGLang server died: Read timed out. (read timeout=30)"), False),
+])
+def test_only_a_collective_timeout_is_reported_as_a_rank_that_stopped_answering(error, collective):
+    from slime.trainer.loop import Phase
+
+    phase = Phase()
+    phase.now = "rollout"
+    with pytest.raises(RuntimeError) as e:
+        with phase.guard(step=3, minutes=10):
+            raise error
+    assert ("step 3, rollout: a collective waited more than" in str(e.value)) is collective
+    assert (e.value is error) is not collective
+
+
 # -- data --------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import importlib.util
 import logging
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -325,6 +326,17 @@ def run(cfg: Config) -> dict:
     return metrics
 
 
+# What torch's backends raise when a peer does not answer within the process group's timeout: NCCL a DistError,
+# gloo a plain RuntimeError with one of these texts. Other errors that mention a timeout (a reward server's, an
+# SGLang server's) are this rank's own and keep their message.
+_GLOO_TIMEOUT = re.compile(r"timed out waiting \d+ ?ms for (recv|send)|application timeout caused pair closure",
+                           re.IGNORECASE)
+
+
+def is_collective_timeout(e: BaseException) -> bool:
+    return isinstance(e, torch.distributed.DistError) or bool(_GLOO_TIMEOUT.search(str(e)))
+
+
 class Phase:
     """Where the loop is, for the message of a collective that timed out."""
 
@@ -336,7 +348,7 @@ class Phase:
         try:
             yield
         except RuntimeError as e:
-            if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            if not is_collective_timeout(e):
                 raise
             raise RuntimeError(f"step {step}, {self.now}: a collective waited more than train.dist_timeout_minutes="
                                f"{minutes:g} for another rank, which stopped answering (crashed, hung in a reward "
