@@ -179,6 +179,35 @@ def test_preallocated_cache_layer_holds_what_dynamic_layer_holds():
     assert ours._keys.shape[2] == 12  # grew once, by doubling, past 6
 
 
+def test_rows_leaving_copy_only_the_positions_written():
+    """A row leaving (and the prefill's copy to a prompt's n samples) copies the cache's written positions, not the
+    buffers sized for max_new_tokens: with a long max_new_tokens and short responses, copying the whole buffers made
+    them resident and cost time in proportion to the cap."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from slime.rollout.hf_engine import PreallocatedLayer
+
+    class Written(TorchDispatchMode):  # elements of every tensor an op returns
+        elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func not in (torch.ops.aten.empty.memory_format, torch.ops.aten.new_empty.default):
+                Written.elements += sum(t.numel() for t in torch.utils._pytree.tree_leaves(out)
+                                        if isinstance(t, torch.Tensor) and not t._is_view())
+            return out
+
+    layer = PreallocatedLayer(capacity=4096)
+    k, v = torch.randn(6, 2, 10, 8), torch.randn(6, 2, 10, 8)
+    layer.update(k, v)
+    with Written():
+        layer.batch_select_indices(torch.tensor([4, 1, 1]))
+    written = 2 * (3 * 2 * 10 * 8)  # keys and values of 3 rows x 10 positions; the whole buffers are 400x that
+    assert Written.elements <= 5 * written
+    assert torch.equal(layer.keys, k[[4, 1, 1]]) and torch.equal(layer.values, v[[4, 1, 1]])
+    assert layer._keys.shape[2] == 4096  # the capacity stays for the positions to come
+
+
 @pytest.mark.parametrize("padded", [True, False])
 def test_decode_attention_equals_sdpa(padded):
     """One query per row against a grouped-KV cache (a strided view, as the preallocated cache returns), with a

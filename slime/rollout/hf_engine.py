@@ -74,9 +74,17 @@ class PreallocatedLayer(DynamicLayer):
         return self.length
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows `indices` (in that order), copying only the positions written: the rest of the buffers
+        (most of them while responses are short against max_new_tokens) is not even resident on CPU until touched,
+        and copying it would make it so, at a cost that grows with the capacity."""
         if self.length:
-            self._keys, self._values = self._keys[indices], self._values[indices]
+            self._keys, self._values = (self._select(t, indices) for t in (self._keys, self._values))
             self._views()
+
+    def _select(self, buffer: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        kept = buffer.new_empty((len(indices), *buffer.shape[1:]))
+        torch.index_select(buffer[:, :, :self.length], 0, indices, out=kept[:, :, :self.length])
+        return kept
 
 
 def plain_linear(model: torch.nn.Module) -> None:
