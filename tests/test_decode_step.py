@@ -112,3 +112,19 @@ def test_other_models_are_refused_with_the_reason(arch, overrides, why):
     assert why in DecodeStep.unsupported(model)
     with pytest.raises(ValueError, match=why):
         DecodeStep(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_steps_rms_norm_is_bitwise_hfs(dtype):
+    """HF normalises in fp32, rounds to the input's dtype, then multiplies by the weight: in bf16 a weighted
+    F.rms_norm (one rounding) is an ulp off a quarter of the time, which the engine's logprobs would carry."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from slime.models.decode_step import rms_norm
+
+    norm = Qwen3RMSNorm(64, eps=1e-6).to(dtype)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=g) * 0.5 + 1)
+        x = (torch.randn(32, 64, generator=g) * 3).to(dtype)
+        assert torch.equal(rms_norm(x, norm), norm(x))

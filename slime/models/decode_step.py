@@ -7,7 +7,7 @@ for Llama, Qwen2 and Qwen3:
 
 - q, k and v are one matmul over their weights stacked, and gate and up another: the model's parameters are
   made views of the stacked tensors, so a weight push into the parameters lands in the stacked ones too;
-- RMSNorm is `F.rms_norm` (bitwise HF's formula in fp32), Qwen3's per-head q and k norms one call over both;
+- RMSNorm is `F.rms_norm` times the weight (bitwise HF's formula, in fp32 and bf16), Qwen3's per-head q and k norms one call over both;
 - rope is q * cos + roll(q) * sin', with sin' = sin with its first half negated: roll(q, D/2) is rotate_half(q)
   without the sign, so the product is rotate_half(q) * sin exactly;
 - attention is the engine's decode attention (slime/models/attention.py) on the engine's in-place KV cache.
@@ -44,6 +44,12 @@ def _stack_as_views(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch
             start += p.shape[0]
         stacked.append(whole)
     return stacked[0], stacked[1]
+
+
+def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """HF's RMSNorm layer `norm` applied to x: normalised in fp32, rounded to x's dtype, then times the weight (F.rms_norm
+    with the weight would round once, not twice: an ulp off HF's in bf16)."""
+    return F.rms_norm(x, norm.weight.shape, None, norm.variance_epsilon) * norm.weight
 
 
 class DecodeStep:
@@ -115,8 +121,7 @@ class DecodeStep:
         for layer, (w_qkv, b_qkv, w_gu, b_gu, n_q, n_kv, qk_norm), cache_layer in zip(inner.layers, self._layers,
                                                                                        cache.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            ln = layer.input_layernorm
-            h = F.rms_norm(x, ln.weight.shape, ln.weight, ln.variance_epsilon)
+            h = rms_norm(x, layer.input_layernorm)
             qkv = linear(h, w_qkv, b_qkv).view(b, n_q + 2 * n_kv, attn.head_dim)
             qk, v = qkv[:, :n_q + n_kv], qkv[:, n_q + n_kv:]
             if qk_norm:
@@ -126,10 +131,8 @@ class DecodeStep:
             keys, values = cache_layer.update(qk[:, n_q:, None], v[:, :, None])
             o = _decode_attention(qk[:, :n_q, None], keys, values, mask, attn.scaling)  # (B, 1, H, D)
             x = x + linear(o.reshape(b, -1), attn.o_proj.weight, attn.o_proj.bias)
-            ln = layer.post_attention_layernorm
-            h = F.rms_norm(x, ln.weight.shape, ln.weight, ln.variance_epsilon)
+            h = rms_norm(x, layer.post_attention_layernorm)
             gate, up = linear(h, w_gu, b_gu).chunk(2, -1)
             x = x + linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
-        norm = inner.norm
-        x = F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+        x = rms_norm(x, inner.norm)
         return linear(x, self.model.lm_head.weight, self.model.lm_head.bias)
