@@ -116,6 +116,32 @@ def test_rows_that_stop_leave_the_batch_and_the_others_continue_on_their_own_con
                                        rtol=1e-4, atol=1e-4)
 
 
+def test_an_abort_cuts_the_calls_running_and_not_the_next(engine, monkeypatch):
+    """abort() (from the thread that stops a one-step-off batch) ends the generate() calls in flight, as SGLang's
+    does: the rows decoding stop after their current step and the chunks not started return empty, all with
+    finish_reason "abort"; a call that starts afterwards runs in full (an earlier abort left a flag that the next
+    call cleared, and chunks after an abort still ran their prefill and a step)."""
+    params = SamplingParams(max_new_tokens=6, n=2, ignore_eos=True)
+    monkeypatch.setattr(engine, "batch_size", 2)  # one prompt (2 rows) per chunk: 3 chunks
+    step, steps = engine._step, []
+
+    def step_then_abort(*args):  # the second decode step of the first chunk is where another thread aborts
+        steps.append(1)
+        if len(steps) == 2:
+            engine.abort()
+        return step(*args)
+
+    step_then_abort.check = step.check
+    monkeypatch.setattr(engine, "_step", step_then_abort)
+    gens = engine.generate(PROMPTS[:3], params)
+    assert [[len(g.response_ids) for g in row] for row in gens] == [[3, 3], [0, 0], [0, 0]]
+    assert {g.finish_reason for row in gens for g in row} == {"abort"}
+    assert len(steps) == 2  # nothing ran after the abort
+    monkeypatch.setattr(engine, "_step", step)
+    gens = engine.generate(PROMPTS[:3], params)
+    assert all(len(g.response_ids) == 6 and g.finish_reason == "length" for row in gens for g in row)
+
+
 def test_engine_attention_keeps_grouped_kv_heads_and_equals_hf_sdpa(engine, monkeypatch):
     """The engine's attention (gqa_sdpa) gives HF sdpa's logits on a left-padded batch, without repeating the
     KV heads (HF's sdpa copies them whenever there is a mask: the whole cache, every layer, every step)."""

@@ -15,8 +15,10 @@ inputs.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import threading
 import types
 from typing import Iterable
 
@@ -37,6 +39,11 @@ NO_TOKEN = 2**40  # a stop id no token has (ignore_eos): generate fills a None f
 
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch._C._nn.linear(x, self.weight, self.bias)
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    aborted: bool = False
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -161,7 +168,8 @@ class HFEngine:
         self._params = dict(self.model.named_parameters())
         self._load_plan = self.adapter.load_plan(self.model)  # checkpoint name -> where it goes in memory
         self._version = 0
-        self._aborting = False
+        self._calls: set[_Call] = set()  # the generate() calls running (one-step-off rollout: in another thread)
+        self._calls_lock = threading.Lock()
 
     @property
     def weight_version(self) -> int:
@@ -170,20 +178,30 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams,
                  mm: list[MultimodalInputs | None] | None = None) -> list[list[Generation]]:
-        self._aborting = False
         out: list[list[Generation]] = []
         per_call = max(1, self.batch_size // params.n)
         mm = mm or [None] * len(prompts)
         check_contexts(prompts, mm)
-        for i in range(0, len(prompts), per_call):
-            out.extend(self._generate_batch(prompts[i:i + per_call], params, mm[i:i + per_call]))
+        call = _Call()  # abort() cuts the calls running when it is called, as SGLang's does; not a later one
+        with self._calls_lock:
+            self._calls.add(call)
+        try:
+            for i in range(0, len(prompts), per_call):
+                if call.aborted:  # the chunks not started return empty, as SGLang's unsent requests do
+                    out.extend([Generation([], [], "abort") for _ in range(params.n)]
+                               for _ in prompts[i:i + per_call])
+                else:
+                    out.extend(self._generate_batch(prompts[i:i + per_call], params, mm[i:i + per_call], call))
+        finally:
+            with self._calls_lock:
+                self._calls.discard(call)
         return out
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams,
-                        mm: list[MultimodalInputs | None]) -> list[list[Generation]]:
+                        mm: list[MultimodalInputs | None], call: "_Call") -> list[list[Generation]]:
         if all(m is None for m in mm):
             try:
-                gens = self._decode([p for p in prompts for _ in range(params.n)], params)
+                gens = self._decode([p for p in prompts for _ in range(params.n)], params, call)
             except RuntimeError as e:
                 if "probability tensor contains" not in str(e):
                     raise
@@ -252,7 +270,7 @@ class HFEngine:
                             f"weights of version {self._version}: training has blown the weights up (a learning "
                             "rate far too high?), or a checkpoint holds such weights")
 
-    def _decode(self, rows: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def _decode(self, rows: list[list[int]], params: SamplingParams, call: "_Call") -> list[Generation]:
         """One response per row: left-padded prefill (once per distinct prompt), then one token per step for the
         rows still going.
 
@@ -297,7 +315,7 @@ class HFEngine:
             going = ~torch.isin(tok, stop_ids)
             for r in live[~going].tolist():
                 finished[r] = True
-            if step + 1 == params.max_new_tokens or not going.any() or self._aborting:
+            if step + 1 == params.max_new_tokens or not going.any() or call.aborted:
                 break
             if not going.all():  # stopped rows leave the batch, their cache rows with them
                 keep = going.nonzero().squeeze(1)
@@ -310,7 +328,8 @@ class HFEngine:
                 logits = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
                                     past_key_values=cache, use_cache=True).logits[:, -1]
             next_pos = next_pos + 1
-        return [Generation(t, lp, "stop" if done else "length") for t, lp, done in zip(tokens, logps, finished)]
+        cut = "abort" if call.aborted else "length"
+        return [Generation(t, lp, "stop" if done else cut) for t, lp, done in zip(tokens, logps, finished)]
 
     def update_weights(self, buckets: Iterable[NamedTensors], version: int) -> None:
         """Load checkpoint-named tensors (as SGLang would) into the in-memory parameters."""
@@ -343,9 +362,11 @@ class HFEngine:
         self.abort()
 
     def abort(self) -> None:
-        """End a generation in flight (in another thread) after its current decode step; what it returns is
-        cut short and is to be discarded."""
-        self._aborting = True
+        """End the generate() calls in flight (in another thread) after their current decode step; the rows cut
+        and the chunks not started return with finish_reason "abort", to be discarded."""
+        with self._calls_lock:
+            for call in self._calls:
+                call.aborted = True
 
     def metrics(self) -> dict:
         return {}
