@@ -142,6 +142,23 @@ def test_an_abort_cuts_the_calls_running_and_not_the_next(engine, monkeypatch):
     assert all(len(g.response_ids) == 6 and g.finish_reason == "length" for row in gens for g in row)
 
 
+@pytest.mark.parametrize("prompts, params, words", [
+    ([[5, 6], []], dict(), ["prompt 1", "empty"]),
+    ([[5, 10**6]], dict(), ["prompt 0", "outside the model's vocabulary", "[1000000]", "tokenizer"]),
+    ([[5]], dict(n=0), ["n=0", ">= 1"]),
+    ([[5]], dict(max_new_tokens=0), ["max_new_tokens=0", ">= 1"]),
+    ([[5]], dict(temperature=-1.0), ["temperature=-1.0", ">= 0"]),
+    ([[5]], dict(top_p=0.0), ["top_p=0.0", "(0, 1]"]),
+])
+def test_bad_generate_inputs_are_named(engine, prompts, params, words):
+    """Custom generate functions build their own calls: an empty context decoded silently from padding, a negative
+    temperature sampled the inverted distribution, n=0 divided by zero."""
+    with pytest.raises(ValueError) as e:
+        engine.generate(prompts, SamplingParams(**{"max_new_tokens": 2, **params}))
+    for word in words:
+        assert word in str(e.value)
+
+
 def test_engine_attention_keeps_grouped_kv_heads_and_equals_hf_sdpa(engine, monkeypatch):
     """The engine's attention (gqa_sdpa) gives HF sdpa's logits on a left-padded batch, without repeating the
     KV heads (HF's sdpa copies them whenever there is a mask: the whole cache, every layer, every step)."""

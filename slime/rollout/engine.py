@@ -23,6 +23,14 @@ class SamplingParams:
     seed: int | None = None  # hf engine: sample from a generator of this seed instead of torch's global one
     # (made at a call with a new seed, then drawn on by the calls that follow with the same seed)
 
+    def __post_init__(self):  # custom generate functions build these directly, past the config's checks
+        if self.max_new_tokens < 1 or self.n < 1:
+            raise ValueError(f"SamplingParams: max_new_tokens={self.max_new_tokens} and n={self.n} must be >= 1")
+        if not self.temperature >= 0 or self.temperature == float("inf"):
+            raise ValueError(f"SamplingParams: temperature={self.temperature} must be >= 0 and finite (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams: top_p={self.top_p} must be in (0, 1]")
+
 
 @dataclasses.dataclass
 class Generation:

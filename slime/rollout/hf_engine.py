@@ -182,6 +182,7 @@ class HFEngine:
         per_call = max(1, self.batch_size // params.n)
         mm = mm or [None] * len(prompts)
         check_contexts(prompts, mm)
+        self._check_ids(prompts)
         call = _Call()  # abort() cuts the calls running when it is called, as SGLang's does; not a later one
         with self._calls_lock:
             self._calls.add(call)
@@ -196,6 +197,18 @@ class HFEngine:
             with self._calls_lock:
                 self._calls.discard(call)
         return out
+
+    def _check_ids(self, prompts: list[list[int]]) -> None:
+        """An empty context would decode from padding alone, an id past the embedding fail deep in the model."""
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for i, ids in enumerate(prompts):
+            if not len(ids):
+                raise ValueError(f"prompt {i} of this generate call is empty: a context needs at least one token "
+                                 "(a prompt that tokenises to nothing, or a chat template that gave none)")
+            if min(ids) < 0 or max(ids) >= vocab:
+                bad = [t for t in ids if not 0 <= t < vocab]
+                raise ValueError(f"prompt {i} of this generate call has token ids outside the model's vocabulary "
+                                 f"[0, {vocab}): {bad[:5]}; the tokenizer does not match model.path")
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams,
                         mm: list[MultimodalInputs | None], call: "_Call") -> list[list[Generation]]:
