@@ -357,6 +357,28 @@ def test_only_a_collective_timeout_is_reported_as_a_rank_that_stopped_answering(
     assert (e.value is error) is not collective
 
 
+def test_the_loops_own_stop_exits_and_user_codes_sys_exit_is_an_error():
+    from slime.trainer.loop import Phase, Stopped
+
+    phase = Phase()
+    phase.now = "rollout"
+    with pytest.raises(Stopped):
+        with phase.guard(step=2, minutes=10):
+            raise Stopped(143)
+    with pytest.raises(RuntimeError, match=r"step 2, rollout: user code called sys.exit\(0\)"):
+        with phase.guard(step=2, minutes=10):
+            raise SystemExit(0)
+
+
+def test_a_reward_function_that_calls_sys_exit_0_fails_the_run(model, task_dir, tmp_path):
+    """sys.exit(0) in a reward's thread reached the main thread as SystemExit(0): the run ended after one step with
+    exit code 0 and no checkpoint, a success to any scheduler."""
+    proc = launch(model, task_dir, tmp_path / "run", "rollout.reward.fn=e2e_rewards:exits", "train.num_steps=2",
+                  nproc=1, check=False)
+    assert proc.returncode != 0
+    assert "step 1, rollout: user code called sys.exit(0)" in proc.stdout + proc.stderr
+
+
 # -- data --------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

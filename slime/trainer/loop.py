@@ -214,7 +214,9 @@ def run(cfg: Config) -> dict:
 
     phase = Phase()
     try:
-        maybe_eval(start_step)
+        with phase.guard(start_step, cfg.train.dist_timeout_minutes):
+            phase.now = "evaluation"
+            maybe_eval(start_step)
         metrics: dict = {}
         for step in range(start_step, cfg.train.num_steps):
             with phase.guard(step + 1, cfg.train.dist_timeout_minutes):
@@ -301,7 +303,7 @@ def run(cfg: Config) -> dict:
                         ahead.close()
                     if engine is not None:
                         engine.shutdown()
-                    raise SystemExit(stop.exit_code)
+                    raise Stopped(stop.exit_code)
         if ahead is not None:
             ahead.close()
     except BaseException:
@@ -337,8 +339,12 @@ def is_collective_timeout(e: BaseException) -> bool:
     return isinstance(e, torch.distributed.DistError) or bool(_GLOO_TIMEOUT.search(str(e)))
 
 
+class Stopped(SystemExit):
+    """The loop's own exit after a stop signal (with the signal's exit code), once the checkpoint is saved."""
+
+
 class Phase:
-    """Where the loop is, for the message of a collective that timed out."""
+    """Where the loop is, for the message of a collective that timed out or of user code that exited."""
 
     def __init__(self) -> None:
         self.now = "start"
@@ -347,6 +353,12 @@ class Phase:
     def guard(self, step: int, minutes: float):
         try:
             yield
+        except Stopped:
+            raise
+        except SystemExit as e:  # from user code (a reward, a generate_fn): exit code 0 would pass for success
+            raise RuntimeError(f"step {step}, {self.now}: user code called sys.exit({e.code!r}) (a reward function, "
+                               "rollout.generate_fn, ...); a run cannot end from there: raise an exception instead") \
+                from e
         except RuntimeError as e:
             if not is_collective_timeout(e):
                 raise
