@@ -197,7 +197,8 @@ def run(cfg: Config) -> dict:
 
     def maybe_eval(done: int) -> None:
         last = done == cfg.train.num_steps
-        if evalset is not None and (done == start_step or last or done % cfg.eval.interval == 0):
+        # A resumed run evaluates its first step only where the run it continues did (its record was cut back).
+        if evalset is not None and (done == 0 or last or done % cfg.eval.interval == 0):
             run_eval(done)
 
     # One-step-off rollout: the batch of step k+1 is generated while step k trains. Weights are pushed (and

@@ -29,7 +29,7 @@ class MetricsLogger:
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
-        self._truncate(resume_step)
+        kept = self._truncate(resume_step)
         self._file = self.path.open("a")
         (run_dir / "config.json").write_text(json.dumps(run_config, indent=2))
         if cfg.wandb:
@@ -41,15 +41,21 @@ class MetricsLogger:
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            # A resumed run drops the events after its checkpoint, as metrics.jsonl is cut back (no step twice).
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+            # A resumed run drops the events from its checkpoint's step on, as metrics.jsonl is cut back (no step
+            # twice: that step's evaluation is logged again), and writes back the training record kept of that step.
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step or None)
+            if kept is not None:
+                for key, value in kept.items():
+                    if key != "step":
+                        self._tb.add_scalar(key, value, resume_step)
 
-    def _truncate(self, resume_step: int | None) -> None:
+    def _truncate(self, resume_step: int | None) -> dict | None:
         """Keep only what the resumed run will not log again: every record of an earlier step, and the training
-        record of `resume_step` itself (its evaluation, if any, is logged again), so no step appears twice.
-        A fresh start (no `resume_step`) moves an earlier history aside instead of overwriting it."""
+        record of `resume_step` itself (its evaluation, if any, is logged again), so no step appears twice; returns
+        that training record. A fresh start (no `resume_step`) moves an earlier history aside instead of
+        overwriting it."""
         if not self.path.is_file():
-            return
+            return None
         if not resume_step:
             if self.path.stat().st_size:
                 n = 1
@@ -63,8 +69,8 @@ class MetricsLogger:
                 logger.warning("%s holds metrics of an earlier run but no checkpoint was resumed: moved it to %s "
                                "(and its config.json and tensorboard/ beside it), this run starts a new one", self.path,
                                backup)
-            return
-        kept, last_step = [], None
+            return None
+        kept, last_step, resumed = [], None, None
         for lineno, line in enumerate(self.path.read_bytes().split(b"\n"), 1):
             if not line.strip():
                 continue
@@ -85,9 +91,12 @@ class MetricsLogger:
             last_step = step
             if step < resume_step or (step == resume_step and not is_eval):
                 kept.append(line)
+                if step == resume_step:
+                    resumed = record
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_bytes(b"".join(line + b"\n" for line in kept))
         os.replace(tmp, self.path)
+        return resumed
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
