@@ -166,7 +166,8 @@ class RolloutConfig:
     sync_bucket_mb: float = field(64.0, "Size of the parameter buckets gathered and pushed to the engine.")
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)
-    dynamic_sampling: bool = field(False, "DAPO: drop groups whose rewards are all equal and sample more prompts.")
+    dynamic_sampling: bool = field(False, "DAPO: drop groups whose rewards (before any overlong penalty) are all "
+                                            "equal and sample more prompts.")
     max_sampling_attempts: int = field(4, "Dynamic sampling: rollouts per step at most before training on what is kept.")
     over_sample_factor: float = field(1.0, "Draw this many times the prompts still needed per sampling attempt.")
     overlong_penalty: OverlongPenaltyConfig = dataclasses.field(default_factory=OverlongPenaltyConfig)

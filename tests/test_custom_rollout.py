@@ -153,7 +153,7 @@ def test_dynamic_sampling_filters_on_the_task_reward_not_the_overlong_penalty():
     samples = all_wrong + mixed + all_right_long
     shape_overlong(samples, OverlongPenaltyConfig(max_len=10, buffer_len=4, factor=1.0))
     assert [s.reward for s in all_wrong] == [0.0, 0.0, 0.0, -0.75]
-    assert [s.metadata["task_reward"] for s in mixed] == [0.0, 1.0, 0.0, 1.0]
+    assert [s.task_reward for s in mixed] == [0.0, 1.0, 0.0, 1.0]
     assert groups_with_signal(samples) == [mixed]
 
 

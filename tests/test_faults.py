@@ -339,7 +339,12 @@ def test_a_rank_that_stops_answering_is_named_with_step_and_phase(model, task_di
     (RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 6000ms for recv operation to "
                   "complete"), True),
     (RuntimeError("Application timeout caused pair closure"), True),
-    (torch.distributed.DistBackendError("NCCL watchdog"), True),
+    (torch.distributed.DistBackendError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7, "
+                                        "OpType=ALLREDUCE) ran for 600000 milliseconds before timing out."), True),
+    (torch.distributed.DistStoreError("wait timeout after 600000ms, keys: /default_pg/0//cuda//0"), True),
+    # an NCCL error of this rank's own (its CUDA ran out of memory) is not another rank's silence
+    (torch.distributed.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled cuda error, NCCL "
+                                        "version 2.21.5, Last error: Cuda failure 'out of memory'"), False),
     # this rank's own failures that mention a timeout keep their message
     (RuntimeError("reward server http://h/score failed for sample index=0 after 1 attempts: HTTP 500: 'boom'. "
                   "Check the server, or raise rollout.reward.timeout / max_retries"), False),
@@ -377,6 +382,22 @@ def test_a_reward_function_that_calls_sys_exit_0_fails_the_run(model, task_dir, 
                   nproc=1, check=False)
     assert proc.returncode != 0
     assert "step 1, rollout: user code called sys.exit(0)" in proc.stdout + proc.stderr
+
+
+def test_a_resume_keeps_the_evaluation_of_its_step_and_evaluates_where_due(model, task_dir, tmp_path):
+    """The first run evaluated its last step (2); resumed with more steps, that record stays, once, and the step is
+    not evaluated again (the evaluation was cut from the history and made only where due: raising num_steps lost
+    it); the new last step is evaluated."""
+    run_dir = tmp_path / "run"
+    common = (f"eval.path={task_dir / 'eval.jsonl'}", "eval.max_prompts=4", "eval.interval=3",
+              "checkpoint.interval=0", "checkpoint.export_hf=false")
+    for steps in (2, 3):
+        proc = launch(model, task_dir, run_dir, *common, f"train.num_steps={steps}", nproc=1)
+    log = proc.stdout + proc.stderr
+    assert "eval after step 2/3" not in log and "eval after step 3/3" in log  # the resumed run's evaluations
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kinds = [(r["step"], "train" if any(k.startswith("train/") for k in r) else "eval") for r in records]
+    assert kinds == [(0, "eval"), (1, "train"), (2, "train"), (2, "eval"), (3, "train"), (3, "eval")]
 
 
 # -- data --------------------------------------------------------------------------------------------------------

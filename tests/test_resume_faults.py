@@ -230,9 +230,10 @@ def test_a_resume_drops_the_tensorboard_events_after_its_checkpoint(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
 
 
-def test_a_resume_logs_the_evaluation_of_its_step_once(tmp_path):
-    """The resumed run evaluates its checkpoint's step again (that record was cut from metrics.jsonl): TensorBoard
-    must not keep the first run's point beside it, nor lose the step's training record."""
+def test_a_resume_keeps_the_evaluation_of_its_step_once(tmp_path):
+    """The first run evaluated the checkpoint's step: the resumed run keeps that record (and does not evaluate the
+    step again: the loop asks `evaluated_at_resume`), and TensorBoard shows each point once, the step's training
+    record included."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -241,6 +242,7 @@ def test_a_resume_logs_the_evaluation_of_its_step_once(tmp_path):
                              total_steps=4, resume_step=resume_step)
 
     log = logger(0)  # evaluation every 2 steps, a checkpoint at 2, killed after 3
+    assert not log.evaluated_at_resume
     log.log(0, {"eval/accuracy": 0.5})
     for step in (1, 2, 3):
         log.log(step, {"train/loss": float(step)})
@@ -248,16 +250,17 @@ def test_a_resume_logs_the_evaluation_of_its_step_once(tmp_path):
             log.log(2, {"eval/accuracy": 0.25})
     log.close()
     log = logger(2)
-    log.log(2, {"eval/accuracy": 0.75})
+    assert log.evaluated_at_resume
     for step in (3, 4):
         log.log(step, {"train/loss": 10.0 + step})
     log.close()
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("eval/accuracy")] == [(0, 0.5), (2, 0.75)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/accuracy")] == [(0, 0.5), (2, 0.25)]
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r.get("eval/accuracy")) for r in records if "eval/accuracy" in r] == [(0, 0.5), (2, 0.75)]
+    assert [(r["step"], r.get("eval/accuracy")) for r in records if "eval/accuracy" in r] == [(0, 0.5), (2, 0.25)]
+    assert not logger(3).evaluated_at_resume  # step 3 was not evaluated: a resume there evaluates where it is due
 
 
 def test_a_save_puts_every_file_and_folder_on_disk_before_the_renames_publish_them(tmp_path, monkeypatch):

@@ -34,6 +34,9 @@ class Sample:
     """Ground truth for rule-based rewards (answer string, list of answers, ...)."""
     metadata: dict = dataclasses.field(default_factory=dict)
     reward: float = 0.0
+    task_reward: float | None = None
+    """The reward before DAPO's overlong penalty (rollout.overlong_penalty), where one is added; dynamic sampling
+    filters on it."""
     advantages: torch.Tensor | None = None
     """Per-response-token advantages (sequence-level estimators repeat one value)."""
     old_logprobs: torch.Tensor | None = None

@@ -92,9 +92,9 @@ def overlong_penalty(length: int, *, max_len: int, buffer_len: int, factor: floa
 
 def shape_overlong(samples: list[Sample], op) -> None:
     """Add DAPO's overlong penalty (rollout.overlong_penalty) to each sample's reward; the reward before it stays
-    in metadata["task_reward"], which dynamic sampling filters on."""
+    in `task_reward`, which dynamic sampling filters on."""
     for s in samples:
-        s.metadata["task_reward"] = s.reward
+        s.task_reward = s.reward
         s.reward += overlong_penalty(len(s.response_ids), max_len=op.max_len, buffer_len=op.buffer_len,
                                      factor=op.factor)
 
@@ -108,7 +108,7 @@ def groups_with_signal(samples: list[Sample]) -> list[list[Sample]]:
         groups.setdefault(s.group_id, []).append(s)
 
     def task(s: Sample) -> float:
-        return s.metadata.get("task_reward", s.reward)
+        return s.reward if s.task_reward is None else s.task_reward
 
     return [g for g in groups.values() if max(map(task, g)) > min(map(task, g))]
 
@@ -142,8 +142,8 @@ def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfi
         if n_kept_groups == 0:
             raise RuntimeError(
                 f"dynamic sampling kept no group in {attempts} attempts (rollout.max_sampling_attempts): in every "
-                "group all samples got the same reward (all solved or all failed), so none has an advantage to train "
-                "on. Check the reward function and the prompts' difficulty, raise rollout.max_sampling_attempts or "
+                "group all samples got the same reward before any overlong penalty (all solved or all failed), so "
+                "none has a task signal to train on. Check the reward function and the prompts' difficulty, raise rollout.max_sampling_attempts or "
                 "rollout.over_sample_factor, or set rollout.dynamic_sampling=false")
         if n_kept_groups < cfg.batch_size:
             logger.warning("dynamic sampling kept %d of %d groups after %d attempts (rollout.max_sampling_attempts)",

@@ -197,7 +197,6 @@ def run(cfg: Config) -> dict:
 
     def maybe_eval(done: int) -> None:
         last = done == cfg.train.num_steps
-        # A resumed run evaluates its first step only where the run it continues did (its record was cut back).
         if evalset is not None and (done == 0 or last or done % cfg.eval.interval == 0):
             run_eval(done)
 
@@ -215,9 +214,13 @@ def run(cfg: Config) -> dict:
 
     phase = Phase()
     try:
+        # A resumed step keeps the evaluation the run it continues logged of it (rank 0 read that history); one
+        # it has not (a one-step-off run stopped before its pending evaluation) is made now, where it is due.
+        evaluated = dims.all_reduce_sum([float(log.evaluated_at_resume)], group=dims.world_group)[0] > 0
         with phase.guard(start_step, cfg.train.dist_timeout_minutes):
             phase.now = "evaluation"
-            maybe_eval(start_step)
+            if not evaluated:
+                maybe_eval(start_step)
         metrics: dict = {}
         for step in range(start_step, cfg.train.num_steps):
             with phase.guard(step + 1, cfg.train.dist_timeout_minutes):
@@ -329,15 +332,22 @@ def run(cfg: Config) -> dict:
     return metrics
 
 
-# What torch's backends raise when a peer does not answer within the process group's timeout: NCCL a DistError,
-# gloo a plain RuntimeError with one of these texts. Other errors that mention a timeout (a reward server's, an
-# SGLang server's) are this rank's own and keep their message.
+# What torch's backends raise when a peer does not answer within the process group's timeout: the store's and the
+# network's errors (a peer gone), NCCL's backend error with a timeout in its text, gloo a plain RuntimeError with
+# one of these texts. Other errors are this rank's own (a reward server's that mentions its timeout, an NCCL
+# error from this rank's CUDA) and keep their message.
 _GLOO_TIMEOUT = re.compile(r"timed out waiting \d+ ?ms for (recv|send)|application timeout caused pair closure",
                            re.IGNORECASE)
+_NCCL_TIMEOUT = re.compile(r"timed? ?out", re.IGNORECASE)
 
 
 def is_collective_timeout(e: BaseException) -> bool:
-    return isinstance(e, torch.distributed.DistError) or bool(_GLOO_TIMEOUT.search(str(e)))
+    dist = torch.distributed
+    if isinstance(e, (dist.DistNetworkError, dist.DistStoreError)):
+        return True
+    if isinstance(e, dist.DistBackendError):
+        return bool(_NCCL_TIMEOUT.search(str(e)))
+    return bool(_GLOO_TIMEOUT.search(str(e)))
 
 
 class Stopped(SystemExit):

@@ -22,6 +22,7 @@ class MetricsLogger:
     def __init__(self, cfg: LogConfig, *, run_config: dict, enabled: bool, total_steps: int, resume_step: int = 0):
         self.enabled, self.total_steps = enabled, total_steps
         self.start, self.steps_done, self.first_step = time.time(), 0, None
+        self.evaluated_at_resume = False  # the history holds an evaluation of the resumed step (rank 0 knows)
         self._wandb = self._tb = None
         self._file = None
         if not enabled:
@@ -30,6 +31,7 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         kept = self._truncate(resume_step)
+        self.evaluated_at_resume = any(not _is_train(r) for r in kept)
         self._file = self.path.open("a")
         (run_dir / "config.json").write_text(json.dumps(run_config, indent=2))
         if cfg.wandb:
@@ -42,20 +44,20 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             # A resumed run drops the events from its checkpoint's step on, as metrics.jsonl is cut back (no step
-            # twice: that step's evaluation is logged again), and writes back the training record kept of that step.
+            # twice), and writes back the records kept of that step.
             self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step or None)
-            if kept is not None:
-                for key, value in kept.items():
+            for record in kept:
+                for key, value in record.items():
                     if key != "step":
                         self._tb.add_scalar(key, value, resume_step)
 
-    def _truncate(self, resume_step: int | None) -> dict | None:
-        """Keep only what the resumed run will not log again: every record of an earlier step, and the training
-        record of `resume_step` itself (its evaluation, if any, is logged again), so no step appears twice; returns
-        that training record. A fresh start (no `resume_step`) moves an earlier history aside instead of
+    def _truncate(self, resume_step: int | None) -> list[dict]:
+        """Keep only what the resumed run will not log again: the records up to `resume_step`, its evaluation
+        included (the loop does not evaluate that step again where it was), so no step appears twice; returns the
+        records kept of `resume_step`. A fresh start (no `resume_step`) moves an earlier history aside instead of
         overwriting it."""
         if not self.path.is_file():
-            return None
+            return []
         if not resume_step:
             if self.path.stat().st_size:
                 n = 1
@@ -69,14 +71,14 @@ class MetricsLogger:
                 logger.warning("%s holds metrics of an earlier run but no checkpoint was resumed: moved it to %s "
                                "(and its config.json and tensorboard/ beside it), this run starts a new one", self.path,
                                backup)
-            return None
-        kept, last_step, resumed = [], None, None
+            return []
+        kept, last_step, resumed = [], None, []
         for lineno, line in enumerate(self.path.read_bytes().split(b"\n"), 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-                step, is_eval = record["step"], not any(k.startswith("train/") for k in record)
+                step = record["step"]
                 if not isinstance(step, (int, float)):
                     raise TypeError(f"step is {step!r}")
             except (ValueError, KeyError, TypeError) as e:  # a torn line (a kill or full disk mid-write), a bad byte
@@ -89,10 +91,10 @@ class MetricsLogger:
                                  f"resumed step {resume_step}, whose history must be kept; repair or delete that "
                                  "line and run again") from None
             last_step = step
-            if step < resume_step or (step == resume_step and not is_eval):
+            if step <= resume_step:
                 kept.append(line)
                 if step == resume_step:
-                    resumed = record
+                    resumed.append(record)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_bytes(b"".join(line + b"\n" for line in kept))
         os.replace(tmp, self.path)
@@ -110,7 +112,7 @@ class MetricsLogger:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)
         shown = " ".join(f"{short}={metrics[key]:.4g}" for key, short in CONSOLE_KEYS if key in metrics)
-        if not any(k.startswith("train/") for k in metrics):  # an evaluation record
+        if not _is_train(metrics):  # an evaluation record
             logger.info("eval after step %d/%d: %s", step, self.total_steps, shown)
             return
         self.steps_done += 1
@@ -127,6 +129,10 @@ class MetricsLogger:
             self._wandb.finish()
         if self._tb is not None:
             self._tb.close()
+
+
+def _is_train(record: dict) -> bool:
+    return any(k.startswith("train/") for k in record)
 
 
 def _fmt_time(seconds: float) -> str:
