@@ -375,13 +375,15 @@ def test_the_loops_own_stop_exits_and_user_codes_sys_exit_is_an_error():
             raise SystemExit(0)
 
 
-def test_a_reward_function_that_calls_sys_exit_0_fails_the_run(model, task_dir, tmp_path):
+@pytest.mark.parametrize("fn, where", [("e2e_rewards:exits", "step 1, rollout"),
+                                       ("exits_on_import:reward", "step 0, loading the reward function")])
+def test_a_reward_function_that_calls_sys_exit_0_fails_the_run(model, task_dir, tmp_path, fn, where):
     """sys.exit(0) in a reward's thread reached the main thread as SystemExit(0): the run ended after one step with
-    exit code 0 and no checkpoint, a success to any scheduler."""
-    proc = launch(model, task_dir, tmp_path / "run", "rollout.reward.fn=e2e_rewards:exits", "train.num_steps=2",
+    exit code 0 and no checkpoint, a success to any scheduler. Also at the reward module's import."""
+    proc = launch(model, task_dir, tmp_path / "run", f"rollout.reward.fn={fn}", "train.num_steps=2",
                   nproc=1, check=False)
     assert proc.returncode != 0
-    assert "step 1, rollout: user code called sys.exit(0)" in proc.stdout + proc.stderr
+    assert f"{where}: user code called sys.exit(0)" in proc.stdout + proc.stderr
 
 
 def test_a_resume_keeps_the_evaluation_of_its_step_and_evaluates_where_due(model, task_dir, tmp_path):

@@ -163,7 +163,10 @@ def run(cfg: Config) -> dict:
     ref = PolicyEngine.reference(cfg, dims) if cfg.algo.needs_reference and not sft else None
     critic = PolicyEngine.critic(cfg, dims) if cfg.algo.advantage_estimator == "gae" and not sft else None
     trained = {"actor": actor, **({"critic": critic} if critic is not None else {})}
-    reward_fn = reward_fn_from_config(cfg.rollout.reward)
+    phase = Phase()
+    with phase.guard(0, cfg.train.dist_timeout_minutes):  # imports the user's reward module
+        phase.now = "loading the reward function"
+        reward_fn = reward_fn_from_config(cfg.rollout.reward)
 
     identity, start_step = checkpoint_identity(cfg), 0
     if cfg.checkpoint.resume:
@@ -212,7 +215,6 @@ def run(cfg: Config) -> dict:
         return save_checkpoint(trained, ckpt_dir, step=done, loop_state={"data": data_state}, dims=dims,
                                identity=identity, keep=cfg.checkpoint.keep)
 
-    phase = Phase()
     try:
         # A resumed step keeps the evaluation the run it continues logged of it (rank 0 read that history); one
         # it has not (a one-step-off run stopped before its pending evaluation) is made now, where it is due.
