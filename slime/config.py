@@ -231,10 +231,12 @@ class AlgoConfig:
     kl_estimator: Literal["k1", "k2", "k3"] = field("k3", "KL estimator (k3: low-variance, clamped).")
     router_aux_loss_coef: float = field(0.0, "Mixture of experts: weight of the router's load-balancing loss "
                                              "(0 = only logged; RL runs usually keep the router as it is).")
-    old_logprobs: Literal["auto", "recompute", "train_forward"] = field(
+    old_logprobs: Literal["auto", "recompute", "train_forward", "rollout"] = field(
         "auto", "pi_old: 'recompute' = a forward pass over the batch before the update; 'train_forward' = the "
         "update's own forward, detached (on-policy with train.num_mini_batches=1, where the two are the same "
-        "weights: saves one forward pass; not with kl_in_reward, whose advantages need pi_old first); 'auto' = "
+        "weights: saves one forward pass; not with kl_in_reward, whose advantages need pi_old first); 'rollout' = "
+        "the engine's logprobs of the sampled tokens (no scoring pass, any mini-batches; the ratio is then to the "
+        "policy that sampled, engine/trainer mismatch included, so algo.tis has nothing to correct); 'auto' = "
         "train_forward where it is the same, else recompute.")
     gamma: float = field(1.0, "Discount for token-level estimators (REINFORCE++, GAE).")
     lam: float = field(0.95, "GAE lambda.")
@@ -278,6 +280,10 @@ class AlgoConfig:
             raise ValueError("algo.dual_clip must be > 1 and needs algo.policy_loss=ppo")
         if self.tis.level != "off" and not 0 <= self.tis.low < self.tis.high:
             raise ValueError("algo.tis needs 0 <= low < high")
+        if self.tis.level != "off" and self.old_logprobs == "rollout":
+            raise ValueError("algo.tis corrects pi_old for the engine's logprobs, which algo.old_logprobs=rollout takes "
+                             "as pi_old (every weight would be 1): set algo.tis.level=off, or algo.old_logprobs=recompute "
+                             "to keep the correction")
 
     @property
     def needs_reference(self) -> bool:

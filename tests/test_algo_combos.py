@@ -27,6 +27,10 @@ JOBS.update({
     "tis_token": ["algo.tis.level=token", "algo.tis.mode=truncate"],
     "tis_seq_mask": ["algo.tis.level=sequence", "algo.tis.mode=mask", "algo.tis.low=0.5", "algo.tis.high=2.0"],
     "tis_geo": ["algo.tis.level=geometric"],
+    # pi_old from the engine: no scoring pass, also with a KL penalty whose advantages need pi_old first (where
+    # train_forward cannot serve)
+    "old_logprobs_rollout": ["algo.old_logprobs=rollout", "algo.advantage_estimator=reinforce_pp",
+                             "algo.kl_in_reward=true", "algo.kl_coef=0.05"],
     "dapo": ["rollout.dynamic_sampling=true", "rollout.over_sample_factor=1.5", "rollout.max_sampling_attempts=3",
              "algo.clip_high=0.28", "rollout.overlong_penalty.max_len=6", "rollout.overlong_penalty.buffer_len=2"],
     # sequence parallel (dp=1 x sp=2): the critic and the reference take the same sharded path
@@ -56,7 +60,10 @@ def test_two_steps_run_and_update(results, name):
     trained = [r for r in rows if "train/loss" in r]
     assert trained and all(r["train/grad_norm"] > 0 for r in trained)
     first = rows[0]
-    if "train/ppo_kl" in first and "critic/value_loss" not in first:
+    if name == "old_logprobs_rollout":  # pi_old is the engine's: the ratio starts at the engine/trainer mismatch
+        assert abs(first["train/ppo_kl"]) < 1e-4 and first["train/pg_clipfrac"] == 0.0
+        assert first["train/train_rollout_logprob_abs_diff"] == 0.0
+    elif "train/ppo_kl" in first and "critic/value_loss" not in first:
         # Before any update the trainer's logprobs are pi_old exactly: no ratio, no clipping.
         assert first["train/ppo_kl"] == 0.0 and first["train/pg_clipfrac"] == 0.0
     assert "train/train_rollout_logprob_abs_diff" in first or "critic/value_loss" in first

@@ -67,6 +67,7 @@ def test_bad_config_names_key(override, words):
     (["algo.loss_agg_constant=0"], ["algo.loss_agg_constant=0", "> 0"]),
     (["algo.policy_loss=sft", "algo.entropy_coef=0.01"], ["algo.policy_loss=sft", "algo.entropy_coef"]),
     (["algo.policy_loss=sft", "algo.use_kl_loss=true", "algo.kl_coef=0.1"], ["algo.policy_loss=sft", "algo.kl_coef"]),
+    (["algo.old_logprobs=rollout", "algo.tis.level=token"], ["algo.tis", "algo.old_logprobs=rollout", "algo.tis.level=off"]),
     # a group baseline of one sample: every advantage 0
     (["algo.advantage_estimator=reinforce_pp_baseline", "rollout.n_samples_per_prompt=1"],
      ["reinforce_pp_baseline", "n_samples_per_prompt >= 2"]),

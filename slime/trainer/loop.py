@@ -73,7 +73,11 @@ def logprob_metrics(samples, dims: ParallelDims) -> dict:
 def score_batch(batch: RankBatch, cfg: Config, actor: PolicyEngine, ref: PolicyEngine | None,
                 critic: PolicyEngine | None, dims: ParallelDims) -> dict:
     """Everything the loss needs before the update: pi_old and reference logprobs, values, advantages.
-    With algo.old_logprobs=train_forward pi_old comes from the update's own forward instead."""
+    With algo.old_logprobs=train_forward pi_old comes from the update's own forward instead, with rollout from the
+    engine's logprobs."""
+    if cfg.algo.old_logprobs == "rollout":  # the sampling policy's own logprobs, as the engine reported them
+        for s in batch.samples:
+            s.old_logprobs = s.rollout_logprobs
     if cfg.algo.old_logprobs == "recompute":
         for s, lp in zip(batch.samples, actor.score(batch)):
             s.old_logprobs = lp
