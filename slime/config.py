@@ -281,9 +281,9 @@ class AlgoConfig:
         if self.tis.level != "off" and not 0 <= self.tis.low < self.tis.high:
             raise ValueError("algo.tis needs 0 <= low < high")
         if self.tis.level != "off" and self.old_logprobs == "rollout":
-            raise ValueError("algo.tis corrects pi_old for the engine's logprobs, which algo.old_logprobs=rollout takes "
-                             "as pi_old (every weight would be 1): set algo.tis.level=off, or algo.old_logprobs=recompute "
-                             "to keep the correction")
+            raise ValueError("algo.tis corrects pi_old for the engine's logprobs, which algo.old_logprobs=rollout "
+                             "takes as pi_old (every weight would be 1): set algo.tis.level=off, or "
+                             "algo.old_logprobs=recompute to keep the correction")
 
     @property
     def needs_reference(self) -> bool:

@@ -67,7 +67,8 @@ def test_bad_config_names_key(override, words):
     (["algo.loss_agg_constant=0"], ["algo.loss_agg_constant=0", "> 0"]),
     (["algo.policy_loss=sft", "algo.entropy_coef=0.01"], ["algo.policy_loss=sft", "algo.entropy_coef"]),
     (["algo.policy_loss=sft", "algo.use_kl_loss=true", "algo.kl_coef=0.1"], ["algo.policy_loss=sft", "algo.kl_coef"]),
-    (["algo.old_logprobs=rollout", "algo.tis.level=token"], ["algo.tis", "algo.old_logprobs=rollout", "algo.tis.level=off"]),
+    (["algo.old_logprobs=rollout", "algo.tis.level=token"],
+     ["algo.tis", "algo.old_logprobs=rollout", "algo.tis.level=off"]),
     # a group baseline of one sample: every advantage 0
     (["algo.advantage_estimator=reinforce_pp_baseline", "rollout.n_samples_per_prompt=1"],
      ["reinforce_pp_baseline", "n_samples_per_prompt >= 2"]),
@@ -158,13 +159,14 @@ def test_ds_config_auto_fields_filled(tmp_path):
 
 
 def test_old_logprobs_from_the_update_need_one_mini_batch_and_no_kl_in_reward():
-    for bad in (["train.num_mini_batches=2"], ["algo.kl_in_reward=true", "algo.kl_coef=0.1", "algo.normalize_std=false"]):
+    kl_in_reward = ["algo.kl_in_reward=true", "algo.kl_coef=0.1", "algo.normalize_std=false"]
+    for bad in (["train.num_mini_batches=2"], kl_in_reward):
         with pytest.raises(ValueError, match="algo.old_logprobs=train_forward .* train.num_mini_batches=1"):
             load_config(None, BASE + ["algo.old_logprobs=train_forward", *bad])
     assert load_config(None, BASE + ["algo.old_logprobs=train_forward"]).algo.old_logprobs == "train_forward"
     # auto (the default): the scoring pass only where the update's forward is not pi_old
     assert load_config(None, BASE).algo.old_logprobs == "train_forward"
-    for recompute in (["train.num_mini_batches=2"], ["algo.kl_in_reward=true", "algo.kl_coef=0.1", "algo.normalize_std=false"]):
+    for recompute in (["train.num_mini_batches=2"], kl_in_reward):
         assert load_config(None, BASE + recompute).algo.old_logprobs == "recompute"
 
 

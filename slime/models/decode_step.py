@@ -7,7 +7,8 @@ for Llama, Qwen2 and Qwen3:
 
 - q, k and v are one matmul over their weights stacked, and gate and up another: the model's parameters are
   made views of the stacked tensors, so a weight push into the parameters lands in the stacked ones too;
-- RMSNorm is `F.rms_norm` times the weight (bitwise HF's formula, in fp32 and bf16), Qwen3's per-head q and k norms one call over both;
+- RMSNorm is `F.rms_norm` times the weight (bitwise HF's formula, in fp32 and bf16), Qwen3's per-head q and k
+  norms one call over both;
 - rope is q * cos + roll(q) * sin', with sin' = sin with its first half negated: roll(q, D/2) is rotate_half(q)
   without the sign, so the product is rotate_half(q) * sin exactly;
 - attention is the engine's decode attention (slime/models/attention.py) on the engine's in-place KV cache.
@@ -47,8 +48,8 @@ def _stack_as_views(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch
 
 
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
-    """HF's RMSNorm layer `norm` applied to x: normalised in fp32, rounded to x's dtype, then times the weight (F.rms_norm
-    with the weight would round once, not twice: an ulp off HF's in bf16)."""
+    """HF's RMSNorm layer `norm` applied to x: normalised in fp32, rounded to x's dtype, then times the weight
+    (F.rms_norm with the weight would round once, not twice: an ulp off HF's in bf16)."""
     return F.rms_norm(x, norm.weight.shape, None, norm.variance_epsilon) * norm.weight
 
 

@@ -100,9 +100,9 @@ def shape_overlong(samples: list[Sample], op) -> None:
 
 
 def groups_with_signal(samples: list[Sample]) -> list[list[Sample]]:
-    """Groups (in order) whose task rewards are not all equal. As in DAPO, which drops the prompts of accuracy 0
-    or 1, the overlong penalty does not count: a group of wrong answers, one of them long, has nothing to learn
-    about the task, and its penalised samples would take the place of a group that has."""
+    """Groups (in order) whose rewards before the overlong penalty are not all equal. As in DAPO, which drops the
+    prompts of accuracy 0 or 1, the penalty does not count: a group of wrong answers, one of them long, has nothing
+    to learn about the task, and its penalised samples would take the place of a group that has."""
     groups: dict[int, list[Sample]] = {}
     for s in samples:
         groups.setdefault(s.group_id, []).append(s)
@@ -143,8 +143,8 @@ def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfi
             raise RuntimeError(
                 f"dynamic sampling kept no group in {attempts} attempts (rollout.max_sampling_attempts): in every "
                 "group all samples got the same reward before any overlong penalty (all solved or all failed), so "
-                "none has a task signal to train on. Check the reward function and the prompts' difficulty, raise rollout.max_sampling_attempts or "
-                "rollout.over_sample_factor, or set rollout.dynamic_sampling=false")
+                "none has a task signal to train on. Check the reward function and the prompts' difficulty, raise "
+                "rollout.max_sampling_attempts or rollout.over_sample_factor, or set rollout.dynamic_sampling=false")
         if n_kept_groups < cfg.batch_size:
             logger.warning("dynamic sampling kept %d of %d groups after %d attempts (rollout.max_sampling_attempts)",
                            n_kept_groups, cfg.batch_size, attempts)

@@ -109,7 +109,7 @@ def compute_advantages(samples: list[Sample], cfg: AlgoConfig, dims: ParallelDim
         seq["kl_reward_penalty"] = (cfg.kl_coef * kl).sum()
     seq = dims.all_reduce_tensors(seq)
     n = seq.pop("n")
-    for key, value in seq.items():  # the task reward's mean, also where the estimator saw penalised scores
+    for key, value in seq.items():  # the reward's mean before the KL penalty the estimator saw
         if key == "reward_mean" or key not in metrics:
             metrics[key] = value / n
     return {f"adv/{k}": float(v) for k, v in metrics.items()}
