@@ -187,6 +187,45 @@ def test_too_few_samples_says_what_to_change(kw):
         plan_micro_batches(**kw)
 
 
+@pytest.mark.parametrize("seed", range(300))
+def test_allow_empty_pads_short_ranks_with_empty_micro_batches_at_the_end(seed):
+    """Small counts, most not divisible by dp, budgets that fit one or two samples (the regime where non-empty
+    plans fail): every sample once, equal micro-batch counts, empty ones only after a rank's real ones, none
+    at all where a plan without them exists (then the same plan)."""
+    rng = random.Random(seed)
+    dp, max_tokens = rng.choice([2, 3, 4]), 100
+    lengths = [rng.choice([rng.randint(1, 100), 100, rng.randint(40, 60)]) for _ in range(rng.randint(1, 12))]
+    owners = [rng.randrange(dp) for _ in lengths] if rng.random() < 0.5 else None
+    kw = dict(max_tokens=max_tokens, dp_size=dp, owners=owners, min_micro_batches=rng.choice([1, 1, 2]))
+    plan = plan_micro_batches(lengths, allow_empty=True, **kw)
+    assert sorted(flatten_plan(plan)) == list(range(len(lengths)))
+    assert len({len(rank) for rank in plan}) == 1 and len(plan[0]) >= kw["min_micro_batches"]
+    for rank in plan:
+        real = [mb for mb in rank if mb]
+        assert rank[:len(real)] == real, "an empty micro-batch before a real one"
+        assert all(sum(lengths[i] for i in mb) <= max_tokens for mb in real)
+    try:
+        strict = plan_micro_batches(lengths, **kw)
+    except ValueError:
+        assert any(not mb for rank in plan for mb in rank)
+    else:
+        assert plan == strict
+
+
+def test_allow_empty_plans_what_too_few_samples_cannot():
+    assert plan_micro_batches([60, 60, 60], max_tokens=100, dp_size=2, allow_empty=True) == [[[0], [2]], [[1], []]]
+    assert plan_micro_batches([5], max_tokens=100, dp_size=2, allow_empty=True) == [[[0]], [[]]]
+    with pytest.raises(ValueError, match="allow_empty"):
+        plan_micro_batches([5, 5], max_tokens=100, dp_size=2, groups=[0, 1], allow_empty=True)
+    # the padded layout: contiguous shares rounded down, the shorter rank's micro-batches end with a dummy
+    assert padded_fixed_batches([3, 4, 5], micro_batch_size=1, dp_size=2, allow_empty=True) == [[[0], []],
+                                                                                                [[1], [2]]]
+    lengths = [3, 4, 5]
+    stats = packing_stats(lengths, padded_fixed_batches(lengths, micro_batch_size=1, dp_size=2, allow_empty=True),
+                          padded=True, cost_fn=float)
+    assert stats["real_token_fraction"] == 1.0 and stats["lockstep_imbalance"] == pytest.approx((4 + 5) / 6)  # ranks cost 3 and 9
+
+
 @pytest.mark.parametrize("lengths, dp, min_mb", [
     ([26, 24, 34, 100, 100], 3, 1),
     ([100, 52, 98, 100, 100, 4, 35, 100], 3, 2),

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import REPO, run_ranks
+from conftest import REPO, assert_params_close, run_ranks, stable_adam_ds_config
 from dist.actor_checks import fixed_batch
 
 
@@ -108,3 +108,29 @@ def test_reference_never_changes(checks):
     _, result = checks
     assert result["actor_moved"]  # two optimizer steps moved the actor ...
     assert result["ref_logprobs_unchanged"] and result["ref_equals_initial"]  # ... and not the reference
+
+
+def run_minibatch_checks(model, out, nproc, *overrides) -> dict:
+    out.mkdir(parents=True)
+    run_ranks([str(REPO / "tests/dist/minibatch_checks.py"), str(model), str(out), "train.num_mini_batches=2",
+               f"train.ds_config={stable_adam_ds_config(out)}", *overrides], nproc=nproc)
+    return torch.load(out / "result.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def one_rank_minibatches(tiny_model, tmp_path_factory):
+    return run_minibatch_checks(tiny_model, tmp_path_factory.mktemp("minibatch") / "1rank", 1)
+
+
+@pytest.mark.parametrize("layout", [[], ["train.packing=false", "train.micro_batch_size=1"]], ids=["packed", "padded"])
+def test_mini_batches_of_a_count_dp_does_not_divide_match_one_rank(tiny_model, tmp_path, one_rank_minibatches, layout):
+    """7 samples in 2 mini-batches over 2 ranks: the second mini-batch's 3 long samples (one per micro-batch)
+    cannot give both ranks the same number of samples; the rank short of them runs a dummy micro-batch (ZeRO-3
+    lockstep) instead of the step failing, and the two optimizer steps equal one rank's."""
+    ref, got = one_rank_minibatches, run_minibatch_checks(tiny_model, tmp_path / "2ranks", 2, *layout)
+    assert ref["minis"] == got["minis"] == [[0, 1, 2, 3], [4, 5, 6]]  # dp does not change what a step sees
+    assert ref["dummies"] == 0 and got["dummies"] >= 1
+    for key in ("train/loss", "train/grad_norm", "train/ppo_kl"):
+        assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-7), key
+    assert ref["metrics"]["train/ppo_kl"] != 0  # the second mini-batch ran on weights the first step changed
+    assert_params_close(got["state"], ref["state"])

@@ -6,7 +6,8 @@ tokens are concatenated without padding (position ids reset per sample).
 
 Invariants of a plan returned by `plan_micro_batches` (asserted by tests/test_packing.py):
 1. Every index in `range(len(lengths))` appears exactly once across all ranks and micro-batches.
-2. Every micro-batch is non-empty and its summed length is <= `max_tokens`.
+2. Every micro-batch is non-empty and its summed length is <= `max_tokens` (with `allow_empty`, a
+   rank short of samples gets EMPTY micro-batches at the end, which the caller runs as dummy calls).
 3. Every rank has the same number of micro-batches, and at least `min_micro_batches`:
    ZeRO-3 gathers parameters inside forward/backward, so a rank that ran one micro-batch fewer
    would leave the others waiting in a collective forever.
@@ -51,6 +52,7 @@ def plan_micro_batches(
     cost_fn: Callable[[int], float] = default_cost,
     owners: Sequence[int] | None = None,
     extra_cost: Sequence[float] | None = None,
+    allow_empty: bool = False,
 ) -> Plan:
     """Assign samples to `dp_size` ranks (balanced compute) and pack each rank's share into
     the same number of non-empty micro-batches of at most `max_tokens` tokens.
@@ -74,9 +76,16 @@ def plan_micro_batches(
     the global packing is); with groups we retry balancing sample counts instead of cost.
     When every rank gets the same number of samples (no groups and len(lengths) divisible by
     dp_size, or equal-size groups in a count divisible by dp_size) a plan always exists.
+
+    `allow_empty` (no groups): where no plan gives every rank the same number of non-empty micro-batches
+    (a count not divisible by dp_size, or fewer samples than ranks), ranks short of samples get empty
+    micro-batches at the end instead of an error. The trainer runs them as dummy calls, which ZeRO-3's
+    lockstep needs; a plan that needs none is always preferred.
     """
+    if allow_empty and groups is not None:
+        raise ValueError("allow_empty is for plans without groups")
     _check_inputs(lengths, max_tokens=max_tokens, dp_size=dp_size, groups=groups,
-                  min_micro_batches=min_micro_batches)
+                  min_micro_batches=min_micro_batches, allow_empty=allow_empty)
     if owners is not None and (groups is not None or len(owners) != len(lengths)
                                or any(not 0 <= r < dp_size for r in owners)):
         raise ValueError("owners needs one rank in [0, dp_size) per sample and no groups")
@@ -89,7 +98,8 @@ def plan_micro_batches(
     if groups is None:
         singles = [[i] for i in range(len(lengths))]
         plan = ((owners is not None and _pack_per_rank(singles, sample_cost, *args, start=owners))
-                or _pack_per_rank(singles, sample_cost, *args) or _pack_globally(*args))
+                or _pack_per_rank(singles, sample_cost, *args) or _pack_globally(*args)
+                or (allow_empty and _pack_globally(*args, allow_empty=True)) or None)
     else:
         by_group: dict[Hashable, list[int]] = {}
         for i, g in enumerate(groups):
@@ -115,7 +125,7 @@ def plan_micro_batches(
         # Costliest first, so micro-batch j is of similar size on every rank (they run in
         # lockstep under ZeRO-3) and the memory peak shows up on the first step.
         bins = [sorted(b) for b in bins]
-        bins.sort(key=lambda b: (-sum(sample_cost[i] for i in b), b[0]))
+        bins.sort(key=lambda b: (-sum(sample_cost[i] for i in b), b[0] if b else len(lengths)))
         out.append(bins)
     return out
 
@@ -145,12 +155,15 @@ def _pack_per_rank(units: list[list[int]], weights: Sequence[float], lengths: Se
 
 
 def _pack_globally(lengths: Sequence[int], sample_cost: Sequence[float], max_tokens: int,
-                   dp_size: int, min_mb: int) -> Plan | None:
-    """Pack all samples, split up to dp_size * num_mb micro-batches, deal them out by cost."""
+                   dp_size: int, min_mb: int, *, allow_empty: bool = False) -> Plan | None:
+    """Pack all samples, split up to dp_size * num_mb micro-batches, deal them out by cost.
+    Short of samples for that: None, or (`allow_empty`) one sample per micro-batch and empty ones."""
     bins = _first_fit_decreasing(range(len(lengths)), lengths, max_tokens)
     num_mb = max(min_mb, -(-len(bins) // dp_size))
     if len(lengths) < dp_size * num_mb:
-        return None
+        if not allow_empty:
+            return None
+        bins = [[i] for i in range(len(lengths))] + [[] for _ in range(dp_size * num_mb - len(lengths))]
     while len(bins) < dp_size * num_mb:
         _split_costliest(bins, sample_cost)
     # Exactly num_mb bins per part: the count is divisible, so no fillers are added.
@@ -161,7 +174,7 @@ def _pack_globally(lengths: Sequence[int], sample_cost: Sequence[float], max_tok
 
 
 def _check_inputs(lengths: Sequence[int], *, max_tokens: int, dp_size: int,
-                  groups: Sequence[Hashable] | None, min_micro_batches: int) -> None:
+                  groups: Sequence[Hashable] | None, min_micro_batches: int, allow_empty: bool = False) -> None:
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}; "
                          f"set train.max_tokens_per_gpu.")
@@ -181,7 +194,7 @@ def _check_inputs(lengths: Sequence[int], *, max_tokens: int, dp_size: int,
                 f"{max_tokens}. Raise train.max_tokens_per_gpu to at least {length} or lower "
                 f"rollout.max_response_len so prompt + response fits.")
     needed = dp_size * min_micro_batches
-    if len(lengths) < needed:
+    if not lengths or (len(lengths) < needed and not allow_empty):
         raise ValueError(
             f"{len(lengths)} samples cannot fill {dp_size} ranks x {min_micro_batches} non-empty "
             f"micro-batches (needs >= {needed}). Use fewer data-parallel ranks, raise the rollout "
@@ -310,24 +323,31 @@ def restore_order(plan: Plan, values: Sequence[T]) -> list[T]:
     return out
 
 
-def padded_fixed_batches(lengths: Sequence[int], *, micro_batch_size: int, dp_size: int) -> Plan:
+def padded_fixed_batches(lengths: Sequence[int], *, micro_batch_size: int, dp_size: int,
+                         allow_empty: bool = False) -> Plan:
     """Baseline layout: contiguous equal chunks per rank, `micro_batch_size` samples per
-    micro-batch in original order, each sample padded to the longest in its micro-batch."""
+    micro-batch in original order, each sample padded to the longest in its micro-batch.
+
+    `allow_empty`: a count not divisible by dp_size gives rank r the contiguous share
+    [r n / dp, (r + 1) n / dp) (rounded down), and ranks with fewer micro-batches get empty ones
+    at the end (dummy calls); without it such a count is an error."""
     n = len(lengths)
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
     if dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}.")
-    if n % dp_size or n == 0:
+    if n == 0 or (n % dp_size and not allow_empty):
         raise ValueError(
             f"{n} samples do not split evenly over {dp_size} data-parallel ranks; make the "
             f"rollout batch size a multiple of the data-parallel size.")
-    per_rank = n // dp_size
     plan = []
-    for first in range(0, n, per_rank):
-        last = first + per_rank
+    for r in range(dp_size):
+        first, last = r * n // dp_size, (r + 1) * n // dp_size
         plan.append([list(range(s, min(s + micro_batch_size, last)))
                      for s in range(first, last, micro_batch_size)])
+    num_mb = max(1, max(len(rank) for rank in plan))
+    for rank in plan:
+        rank.extend([] for _ in range(num_mb - len(rank)))
     return plan
 
 
@@ -378,12 +398,12 @@ def packing_stats(lengths: Sequence[int], plan: Plan, *, max_tokens: int | None 
     - max_micro_batch_tokens: processed tokens of the largest micro-batch (activation peak).
     - total_cost: summed cost over all ranks, padding included.
     """
-    def mb_tokens(mb: list[int]) -> int:
-        return len(mb) * max(lengths[i] for i in mb) if padded else sum(lengths[i] for i in mb)
+    def mb_tokens(mb: list[int]) -> int:  # an empty (dummy) micro-batch: 0
+        return len(mb) * max((lengths[i] for i in mb), default=0) if padded else sum(lengths[i] for i in mb)
 
     def mb_cost(mb: list[int]) -> float:
         if padded:
-            return len(mb) * cost_fn(max(lengths[i] for i in mb))
+            return len(mb) * cost_fn(max(lengths[i] for i in mb)) if mb else 0.0
         return sum(cost_fn(lengths[i]) for i in mb)
 
     costs = [[mb_cost(mb) for mb in rank] for rank in plan]

@@ -67,13 +67,15 @@ class Layout:
 
     def plan(self, lengths: Sequence[int], dp: int, owners: Sequence[int] | None = None,
              patches: Sequence[int] | None = None) -> Plan:
-        """Balanced over dp ranks; samples may change rank (as few as balance allows, given `owners`)."""
+        """Balanced over dp ranks; samples may change rank (as few as balance allows, given `owners`). A count
+        that cannot give every rank the same number of non-empty micro-batches (not divisible by dp, as after
+        dynamic sampling or a mini-batch split) gives the ranks short of samples dummy micro-batches."""
         self.check_lengths(lengths)
         if self.packing:
             extra = [self.patch_cost * n for n in patches] if patches is not None and self.patch_cost else None
             return plan_micro_batches(lengths, max_tokens=self.max_tokens, dp_size=dp, owners=owners,
-                                      cost_fn=self.cost_fn, extra_cost=extra)
-        return padded_fixed_batches(lengths, micro_batch_size=self.micro_batch_size, dp_size=dp)
+                                      cost_fn=self.cost_fn, extra_cost=extra, allow_empty=True)
+        return padded_fixed_batches(lengths, micro_batch_size=self.micro_batch_size, dp_size=dp, allow_empty=True)
 
     def pack_in_place(self, lengths_by_rank: Sequence[Sequence[int]]) -> Plan:
         """Every rank's samples stay where they are; equal micro-batch counts (empty ones are dummies)."""
@@ -129,7 +131,9 @@ def distribute(local: list[Sample], dims: ParallelDims, layout: Layout, *, num_m
     change rank, and return this rank's share with its micro-batch plan per mini-batch.
 
     The global batch is every rank's `local` list, rank after rank; `Sample.index` is set to the
-    position in it. Mini-batch m is the contiguous index range [round(m N / n), round((m+1) N / n)).
+    position in it. Mini-batch m is the contiguous index range [round(m N / M), round((m+1) N / M)) of the
+    N samples and M mini-batches, whatever dp is (so dp does not change what an optimizer step sees); a rank
+    short of samples in a mini-batch runs dummy micro-batches.
     """
     meta = dims.all_gather_objects([(s.total_len, s.num_loss_tokens, s.num_patches) for s in local])
     offset = sum(len(m) for m in meta[:dims.dp_rank])
@@ -140,8 +144,9 @@ def distribute(local: list[Sample], dims: ParallelDims, layout: Layout, *, num_m
     patches = [n for part in meta for _, _, n in part]
     source = [r for r, part in enumerate(meta) for _ in part]
     n = len(lengths)
-    if n < num_mini_batches * dims.dp:
-        raise ValueError(f"{n} samples cannot fill train.num_mini_batches={num_mini_batches} x dp={dims.dp}")
+    if n < num_mini_batches:
+        raise ValueError(f"the step's batch has {n} samples, fewer than train.num_mini_batches={num_mini_batches}: "
+                         "lower train.num_mini_batches or raise rollout.batch_size")
     bounds = [round(m * n / num_mini_batches) for m in range(num_mini_batches + 1)]
     dest = [0] * n
     plans = []
