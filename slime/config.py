@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+logger = logging.getLogger(__name__)
 
 
 def field(default: Any, help: str) -> Any:
@@ -276,6 +279,16 @@ class AlgoConfig:
         if self.clip_low is None and self.policy_loss != "cispo":
             raise ValueError(f"algo.clip_low=null (no lower bound) is only meaningful for policy_loss=cispo, "
                              f"not {self.policy_loss}; give a number")
+        if self.policy_loss == "gspo" and max(self.clip_low or 0.0, self.clip_high) >= 0.01:
+            # GSPO's ratio is a geometric mean over the sequence's tokens: their deviations average out, so it stays
+            # far closer to 1 than PPO's per-token ratios, and PPO's 0.2 almost never clips it.
+            logger.warning("algo.policy_loss=gspo with algo.clip_low=%s, algo.clip_high=%s: GSPO's sequence ratio "
+                           "(a geometric mean over the response's tokens) stays far closer to 1 than PPO's per-token "
+                           "ratios, so a range this wide seldom clips; the GSPO paper uses clip_low=3e-4, "
+                           "clip_high=4e-4", self.clip_low, self.clip_high)
+        if self.policy_loss == "gspo" and self.loss_agg == "token_mean":
+            logger.warning("algo.policy_loss=gspo with algo.loss_agg=token_mean weighs each sequence's loss by its "
+                           "length; GSPO's objective averages over sequences: algo.loss_agg=seq_mean_token_mean")
         if self.dual_clip is not None and (self.dual_clip <= 1 or self.policy_loss != "ppo"):
             raise ValueError("algo.dual_clip must be > 1 and needs algo.policy_loss=ppo")
         if self.tis.level != "off" and not 0 <= self.tis.low < self.tis.high:

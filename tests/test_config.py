@@ -243,3 +243,15 @@ def test_an_unwritable_run_dir_or_a_missing_logger_is_said_before_anything_loads
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(ValueError, match="log.tensorboard=true but tensorboard is not installed"):
         check_run_dir(load_config(None, BASE + ["log.tensorboard=true"]), tmp_path / "run")
+
+
+def test_gspo_with_ppo_sized_clips_is_warned_about(caplog):
+    with caplog.at_level("WARNING", logger="slime.config"):
+        load_config(None, ["model.path=m", "data.path=d.jsonl", "algo.policy_loss=gspo"])
+    assert "the GSPO paper uses clip_low=3e-4" in caplog.text and "averages over sequences" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="slime.config"):
+        load_config(None, ["model.path=m", "data.path=d.jsonl", "algo.policy_loss=gspo", "algo.clip_low=3e-4",
+                           "algo.clip_high=4e-4", "algo.loss_agg=seq_mean_token_mean"])
+        load_config(None, ["model.path=m", "data.path=d.jsonl"])  # PPO's 0.2 is PPO's
+    assert "GSPO" not in caplog.text
