@@ -331,3 +331,18 @@ def test_every_eos_of_the_generation_config_ends_a_response(tmp_path):
     assert stopped.response_ids == free[:end] and stopped.finish_reason == "stop"
     assert engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=8, temperature=0, n=1, ignore_eos=True)
                            )[0][0].response_ids == free
+
+
+def test_prompts_past_the_context_length_are_warned_about_at_start(tiny_model, caplog):
+    import logging
+
+    from slime.models.loading import context_length, warn_past_context
+
+    cfg = ModelConfig(path=str(tiny_model))
+    limit = context_length(cfg)
+    assert limit == 512  # make_tiny_model's max_pos
+    log = logging.getLogger("test.context")
+    with caplog.at_level("WARNING", logger="test.context"):
+        assert not warn_past_context(cfg, limit - 64, 64, log)
+        assert warn_past_context(cfg, limit - 64, 65, log)
+    assert "max_position_embeddings=512" in caplog.text and "rollout.max_response_len" in caplog.text

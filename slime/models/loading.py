@@ -1,6 +1,7 @@
 """Load HF models (through their family's adapter) and tokenizers from a local directory."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -24,6 +25,29 @@ def check_model_path(cfg: ModelConfig) -> None:
     if cfg.gguf_file is None and not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.path={cfg.path} has no config.json; an HF model directory holds config.json, "
                                 "the weights and the tokenizer (or set model.gguf_file for a GGUF model)")
+
+
+def context_length(cfg: ModelConfig) -> int | None:
+    """The model's `max_position_embeddings` (of its text model, for an image-text one); None if not stated."""
+    path = Path(cfg.path) / "config.json"
+    if cfg.gguf_file is not None or not path.is_file():
+        return None
+    conf = json.loads(path.read_text())
+    value = conf.get("max_position_embeddings") or (conf.get("text_config") or {}).get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def warn_past_context(cfg: ModelConfig, longest_prompt: int, max_new_tokens: int, logger) -> bool:
+    """Warn (True) when the longest prompt plus the response budget passes the model's context length: rope
+    models still run there, untrained, on the hf engine, and an SGLang server refuses or cuts such requests."""
+    limit = context_length(cfg)
+    if limit is None or longest_prompt + max_new_tokens <= limit:
+        return False
+    logger.warning("the longest prompt (%d tokens) plus up to %d new tokens passes the model's context length "
+                   "(max_position_embeddings=%d in %s/config.json): positions past it are untrained, and an SGLang "
+                   "engine refuses or cuts such requests. Lower data.max_prompt_len or rollout.max_response_len",
+                   longest_prompt, max_new_tokens, limit, cfg.path)
+    return True
 
 
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerBase:

@@ -24,7 +24,7 @@ from slime.data.prompts import PromptSource, rows_on_every_rank, sft_samples
 from slime.distributed.ds_config import build_ds_config, zero_stage
 from slime.distributed.parallel_dims import ParallelDims
 from slime.models.export import exported_step
-from slime.models.loading import load_processor, load_tokenizer
+from slime.models.loading import load_processor, load_tokenizer, warn_past_context
 from slime.rollout.engine import make_engine
 from slime.rollout.rewards import needs_label, reward_fn_from_config
 from slime.rollout.rollout import RolloutAhead, collect_rollout
@@ -156,6 +156,9 @@ def run(cfg: Config) -> dict:
                            "left out on this rank too, so that every rank draws from the same list", cfg.data.path,
                            dropped)
     evalset = load_eval_prompts(cfg, tokenizer, dims, processor) if cfg.eval.path else None
+    if dims.is_main:
+        warn_past_context(cfg.model, max((len(p.prompt_ids) for p in data.prompts), default=0),
+                          cfg.rollout.max_response_len, logger)
     # A colocated engine starts before the trainer and releases its memory at once, so the trainer's
     # states and the engine's cache are never on the GPU together (the trainer offloads around rollout).
     engine = make_engine(cfg.rollout, cfg.model, tokenizer, dims, run_dir=str(run_dir)) \
