@@ -346,3 +346,25 @@ def test_prompts_past_the_context_length_are_warned_about_at_start(tiny_model, c
         assert not warn_past_context(cfg, limit - 64, 64, log)
         assert warn_past_context(cfg, limit - 64, 65, log)
     assert "max_position_embeddings=512" in caplog.text and "rollout.max_response_len" in caplog.text
+
+
+def test_more_samples_per_prompt_than_batch_rows_run_in_chunks_of_the_batch(engine, monkeypatch):
+    """n=10 with batch_size=4: the engine never decodes more than 4 rows at once, and gives the 10 samples of
+    each prompt in order: greedy ones equal those of one batch, seeded ones differ between chunks (the chunks
+    draw on one generator) and repeat with the seed."""
+    rows = []
+    decode = engine._decode
+    monkeypatch.setattr(engine, "_decode", lambda r, *a: rows.append(len(r)) or decode(r, *a))
+    greedy = SamplingParams(n=10, max_new_tokens=5, temperature=0.0, ignore_eos=True)
+    whole = engine.generate(PROMPTS[:2], greedy)
+    assert rows == [20]  # both prompts in one batch of 64 rows
+    rows.clear()
+    monkeypatch.setattr(engine, "batch_size", 4)
+    chunked = engine.generate(PROMPTS[:2], greedy)
+    assert rows == [4, 4, 2, 4, 4, 2]
+    assert [[g.response_ids for g in p] for p in chunked] == [[g.response_ids for g in p] for p in whole]
+    sampled = SamplingParams(n=10, max_new_tokens=5, temperature=1.0, ignore_eos=True, seed=3)
+    first = [[g.response_ids for g in p] for p in engine.generate(PROMPTS[:1], sampled)]
+    engine._seeded = None
+    assert [[g.response_ids for g in p] for p in engine.generate(PROMPTS[:1], sampled)] == first
+    assert len(first[0]) == 10 and len({tuple(t) for t in first[0]}) > 4  # later chunks did not repeat the first

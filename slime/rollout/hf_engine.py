@@ -191,8 +191,15 @@ class HFEngine:
                 if call.aborted:  # the chunks not started return empty, as SGLang's unsent requests do
                     out.extend([Generation([], [], "abort") for _ in range(params.n)]
                                for _ in prompts[i:i + per_call])
-                else:
+                elif params.n <= self.batch_size:
                     out.extend(self._generate_batch(prompts[i:i + per_call], params, mm[i:i + per_call], call))
+                else:  # one prompt's n samples in chunks of batch_size rows (each chunk prefills the prompt again)
+                    gens: list[Generation] = []
+                    for start in range(0, params.n, self.batch_size):
+                        chunk = dataclasses.replace(params, n=min(self.batch_size, params.n - start))
+                        gens += ([Generation([], [], "abort")] * chunk.n if call.aborted else
+                                 self._generate_batch(prompts[i:i + 1], chunk, mm[i:i + 1], call)[0])
+                    out.append(gens)
         finally:
             with self._calls_lock:
                 self._calls.discard(call)
