@@ -243,6 +243,8 @@ class AlgoConfig:
         "train_forward where it is the same, else recompute.")
     gamma: float = field(1.0, "Discount for token-level estimators (REINFORCE++, GAE).")
     lam: float = field(0.95, "GAE lambda.")
+    gae_whiten: bool = field(True, "GAE: whiten the advantages over the batch's response tokens (zero mean, unit "
+                                   "variance, over every rank), as verl and OpenRLHF do; false keeps GAE's scale.")
     tis: TISConfig = dataclasses.field(default_factory=TISConfig)
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
 

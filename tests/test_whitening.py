@@ -148,3 +148,28 @@ def test_reward_mean_is_the_task_rewards_with_kl_in_the_reward(estimator):
                                                    kl_estimator="k1", normalize_std=False), OneRank())
     assert metrics["adv/reward_mean"] == 0.5
     assert metrics["adv/kl_reward_penalty"] == pytest.approx(0.1 * 0.5 * 3)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_gae_advantages_are_whitened_over_every_rank(world):
+    """verl's and OpenRLHF's GAE: advantages whitened over the batch's response tokens (the mean and variance of
+    every rank's), the critic's returns not; algo.gae_whiten=false keeps the raw GAE."""
+    def batch():
+        out = samples([1.0, 0.0, 0.5, 2.0], LENGTHS)
+        for i, s in enumerate(out):
+            s.values = torch.linspace(0.1 * i, 0.3, len(s.response_ids))
+        return out
+
+    raw = batch()
+    compute_advantages(raw, AlgoConfig(advantage_estimator="gae", gae_whiten=False, gamma=0.9, lam=0.8), OneRank())
+    whitened = batch()
+    cfg = AlgoConfig(advantage_estimator="gae", gamma=0.9, lam=0.8)
+    if world == 1:
+        compute_advantages(whitened, cfg, OneRank())
+    else:
+        run_ranks([whitened[:1], whitened[1:]], cfg)
+    torch.testing.assert_close(torch.tensor(token_advantages(whitened), dtype=torch.float64),
+                               torch.tensor(whiten64(token_advantages(raw)), dtype=torch.float64), atol=1e-6, rtol=0)
+    for a, b in zip(raw, whitened):
+        assert torch.equal(a.returns, b.returns)
+    assert abs(math.fsum(token_advantages(raw))) > 1  # whitening changed something

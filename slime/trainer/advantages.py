@@ -4,7 +4,7 @@ Glue between `Sample`s and the pure tensor functions in slime/algorithms. Each r
 own samples, and a group may be split over ranks, so:
 - sequence-level estimators (GRPO, Dr.GRPO, RLOO, and REINFORCE++-baseline's group baseline) run on
   the gathered vector of per-sample scalars (reward, group, KL sum): a few numbers per sample;
-- token-level work (returns, GAE) runs locally; REINFORCE++'s whitening uses the batch's mean and
+- token-level work (returns, GAE) runs locally; REINFORCE++'s and GAE's whitening use the batch's mean and
   variance reduced over ranks;
 - metrics are reduced over ranks, so every rank logs the global figure.
 """
@@ -44,6 +44,18 @@ def _token_means(sums: dict[str, torch.Tensor], count: torch.Tensor, dims: Paral
     return {k: v / n for k, v in g.items()}
 
 
+def _whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """masked_whiten with the mean and variance of the masked entries over every rank (a collective). Two passes in
+    float64 (mean, then centred squares): E[x^2] - mean^2 cancels when the spread is small."""
+    keep = mask > 0
+    values = x[keep].double()
+    stats = dims.all_reduce_tensors({"sum": values.sum(), "n": keep.sum()})
+    n = max(stats["n"], 1.0)
+    mean = stats["sum"] / n
+    var = dims.all_reduce_tensors({"sq": (values - mean).square().sum()})["sq"] / n
+    return masked_whiten(x, mask, mean=mean, var=var)
+
+
 def compute_advantages(samples: list[Sample], cfg: AlgoConfig, dims: ParallelDims) -> dict:
     """Set per-token `advantages` on this rank's samples (and `returns` for GAE); global metrics."""
     width = max(len(s.response_ids) for s in samples)
@@ -77,13 +89,7 @@ def compute_advantages(samples: list[Sample], cfg: AlgoConfig, dims: ParallelDim
             scores = (rewards.double() - group_mean[inv[mine]]).float()
         returns = reinforce_pp_returns(scores, mask, kl=kl, kl_coef=cfg.kl_coef if kl is not None else 0.0,
                                        gamma=cfg.gamma)
-        # Two passes in float64 (mean, then centred squares): E[x^2] - mean^2 cancels when the spread is small.
-        ret = returns[keep].double()
-        stats = dims.all_reduce_tensors({"sum": ret.sum(), "n": keep.sum()})
-        n = max(stats["n"], 1.0)
-        mean = stats["sum"] / n
-        var = dims.all_reduce_tensors({"sq": (ret - mean).square().sum()})["sq"] / n
-        token_adv = masked_whiten(returns, mask, mean=mean, var=var)
+        token_adv = _whiten_over_ranks(returns, mask, dims)
         token_sums.update(return_mean=returns[keep].sum(), adv_abs_mean=token_adv[keep].abs().sum())
     elif est == "gae":
         last = (mask * torch.arange(width)).argmax(-1)  # (n,) position of each row's last loss token
@@ -93,6 +99,8 @@ def compute_advantages(samples: list[Sample], cfg: AlgoConfig, dims: ParallelDim
             token_rewards = token_rewards - cfg.kl_coef * kl
         (token_adv, returns), _ = gae_advantages(token_rewards, pad([s.values for s in samples], width), mask,
                                                  gamma=cfg.gamma, lam=cfg.lam)
+        if cfg.gae_whiten:  # as verl and OpenRLHF: zero mean, unit variance over the batch's response tokens
+            token_adv = _whiten_over_ranks(token_adv, mask, dims)
         for s, row in zip(samples, returns):
             s.returns = row[:len(s.response_ids)].clone()
         token_sums.update(adv_abs_mean=token_adv[keep].abs().sum(), return_mean=returns[keep].sum(),
