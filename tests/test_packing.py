@@ -215,6 +215,10 @@ def test_allow_empty_pads_short_ranks_with_empty_micro_batches_at_the_end(seed):
 def test_allow_empty_plans_what_too_few_samples_cannot():
     assert plan_micro_batches([60, 60, 60], max_tokens=100, dp_size=2, allow_empty=True) == [[[0], [2]], [[1], []]]
     assert plan_micro_batches([5], max_tokens=100, dp_size=2, allow_empty=True) == [[[0]], [[]]]
+    # a lone sample stays on the rank that generated it: one-sample mini-batches stay spread over the ranks
+    assert plan_micro_batches([5], max_tokens=100, dp_size=2, allow_empty=True, owners=[1]) == [[[]], [[0]]]
+    assert plan_micro_batches([60, 60, 60], max_tokens=100, dp_size=2, allow_empty=True,
+                              owners=[1, 1, 0]) == [[[2], []], [[0], [1]]]
     with pytest.raises(ValueError, match="allow_empty"):
         plan_micro_batches([5, 5], max_tokens=100, dp_size=2, groups=[0, 1], allow_empty=True)
     # the padded layout: contiguous shares rounded down, the shorter rank's micro-batches end with a dummy

@@ -38,7 +38,8 @@ class Ranks:
     """`world` threads that meet in each collective: every rank gets the sums / the gathered list."""
 
     def __init__(self, world: int):
-        self.world, self.barrier, self.slots = world, threading.Barrier(world), [None] * world
+        # A rank that fails breaks the barrier (after 120 s) instead of leaving the others waiting forever.
+        self.world, self.barrier, self.slots = world, threading.Barrier(world, timeout=120), [None] * world
 
     def _exchange(self, rank: int, value):
         self.slots[rank] = value
@@ -173,3 +174,20 @@ def test_gae_advantages_are_whitened_over_every_rank(world):
     for a, b in zip(raw, whitened):
         assert torch.equal(a.returns, b.returns)
     assert abs(math.fsum(token_advantages(raw))) > 1  # whitening changed something
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"])
+def test_a_rank_without_samples_takes_part_and_changes_nothing(estimator):
+    """A step's batch can hold fewer samples than ranks (dynamic sampling kept one group): a rank with none runs
+    the collectives with the others, and the advantages are those of one rank holding the whole batch."""
+    def batch():
+        out = samples([1.0, 0.0, 0.5, 2.0], LENGTHS, groups=[0, 0, 1, 1])
+        for i, s in enumerate(out):
+            s.values = torch.linspace(0.1 * i, 0.3, len(s.response_ids))
+        return out
+
+    cfg = AlgoConfig(advantage_estimator=estimator)
+    whole, split = batch(), batch()
+    compute_advantages(whole, cfg, OneRank())
+    run_ranks([split, []], cfg)
+    assert token_advantages(split) == pytest.approx(token_advantages(whole), abs=1e-6)

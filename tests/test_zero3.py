@@ -110,10 +110,10 @@ def test_reference_never_changes(checks):
     assert result["ref_logprobs_unchanged"] and result["ref_equals_initial"]  # ... and not the reference
 
 
-def run_minibatch_checks(model, out, nproc, *overrides) -> dict:
+def run_minibatch_checks(model, out, nproc, *overrides, env=None) -> dict:
     out.mkdir(parents=True)
     run_ranks([str(REPO / "tests/dist/minibatch_checks.py"), str(model), str(out), "train.num_mini_batches=2",
-               f"train.ds_config={stable_adam_ds_config(out)}", *overrides], nproc=nproc)
+               f"train.ds_config={stable_adam_ds_config(out)}", *overrides], nproc=nproc, env=env)
     return torch.load(out / "result.pt", weights_only=False)
 
 
@@ -133,4 +133,15 @@ def test_mini_batches_of_a_count_dp_does_not_divide_match_one_rank(tiny_model, t
     for key in ("train/loss", "train/grad_norm", "train/ppo_kl"):
         assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-7), key
     assert ref["metrics"]["train/ppo_kl"] != 0  # the second mini-batch ran on weights the first step changed
+    assert_params_close(got["state"], ref["state"])
+
+
+def test_a_rank_with_no_sample_runs_dummies_and_the_step_equals_one_rank(tiny_model, tmp_path):
+    """One sample on 2 ranks (dynamic sampling can keep that few): the rank without any runs dummy micro-batches
+    that carry the fields the other's samples do (advantages, pi_old), and the step is the one-rank step."""
+    one = {"MINIBATCH_N": "1"}
+    ref = run_minibatch_checks(tiny_model, tmp_path / "1rank", 1, "train.num_mini_batches=1", env=one)
+    got = run_minibatch_checks(tiny_model, tmp_path / "2ranks", 2, "train.num_mini_batches=1", env=one)
+    assert ref["minis"] == got["minis"] == [[0]] and got["dummies"] == 1
+    assert got["metrics"]["train/loss"] == pytest.approx(ref["metrics"]["train/loss"], rel=1e-5, abs=1e-7)
     assert_params_close(got["state"], ref["state"])

@@ -91,10 +91,12 @@ Positions = Callable[[Sample], torch.Tensor]
 
 
 def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positions: Positions | None = None,
-                      pad_to: int = 1, share_prompts: bool = False) -> MicroBatch:
+                      pad_to: int = 1, share_prompts: bool = False, dummy_fields: Sequence[str] = ()) -> MicroBatch:
     """`pad_to` (sequence parallel: sp): the row is padded to a multiple of it by a pad segment that is its
     own document (own cu_seqlens entry, positions from 0, nothing scored), so it can be cut into equal shards.
-    `share_prompts`: samples with the same (text-only) prompt carry it once (the module docstring)."""
+    `share_prompts`: samples with the same (text-only) prompt carry it once (the module docstring).
+    `dummy_fields`: the fields a dummy carries when `samples` is empty (a rank with no sample this step), as the
+    other ranks' samples do."""
     rows = [samples[i] for i in indices] or [_DUMMY]
     input_ids, position_ids, cu, pred, seq, resp_lens, prefixes = [], [], [0], [], [], [], []
     first: dict[tuple[int, ...], int] = {}  # prompt -> where its one copy starts in the row
@@ -127,7 +129,7 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positio
     fields = {}
     for name in TOKEN_FIELDS:
         if not indices:  # a dummy carries zeros for the fields its batch's samples carry, so losses match
-            if samples and getattr(samples[0], name) is not None:
+            if (getattr(samples[0], name) is not None) if samples else name in dummy_fields:
                 fields[name] = torch.zeros(1)
             continue
         values = [getattr(s, name) for s in rows]
@@ -171,8 +173,8 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positio
 
 
 def build_padded_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positions: Positions | None = None,
-                             pad_id: int = 0) -> MicroBatch:
-    packed = build_micro_batch(samples, indices, positions)
+                             pad_id: int = 0, dummy_fields: Sequence[str] = ()) -> MicroBatch:
+    packed = build_micro_batch(samples, indices, positions, dummy_fields=dummy_fields)
     rows = [samples[i] for i in indices] or [_DUMMY]
     width = packed.max_len
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)

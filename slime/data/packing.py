@@ -99,7 +99,8 @@ def plan_micro_batches(
         singles = [[i] for i in range(len(lengths))]
         plan = ((owners is not None and _pack_per_rank(singles, sample_cost, *args, start=owners))
                 or _pack_per_rank(singles, sample_cost, *args) or _pack_globally(*args)
-                or (allow_empty and _pack_globally(*args, allow_empty=True)) or None)
+                or (allow_empty and _pack_per_rank(singles, sample_cost, *args, start=owners, allow_empty=True))
+                or None)
     else:
         by_group: dict[Hashable, list[int]] = {}
         for i, g in enumerate(groups):
@@ -132,9 +133,12 @@ def plan_micro_batches(
 
 def _pack_per_rank(units: list[list[int]], weights: Sequence[float], lengths: Sequence[int],
                    sample_cost: Sequence[float], max_tokens: int, dp_size: int, min_mb: int, *,
-                   equal_count: bool = True, start: Sequence[int] | None = None) -> Plan | None:
+                   equal_count: bool = True, start: Sequence[int] | None = None,
+                   allow_empty: bool = False) -> Plan | None:
     """Balance unit weights over ranks (from scratch, or from the assignment `start`), then pack
-    each rank; None if a rank is short of samples."""
+    each rank; a rank short of samples: None, or (`allow_empty`) its micro-batches split as far as
+    they go and empty ones after them. From `start`, a lone sample stays where it is (moving it would
+    not narrow the gap), so a batch of one-sample mini-batches stays spread as it was generated."""
     if start is None:
         parts = _karmarkar_karp(weights, dp_size, equal_count=equal_count)
     else:
@@ -146,24 +150,22 @@ def _pack_per_rank(units: list[list[int]], weights: Sequence[float], lengths: Se
     ranks = [[i for u in part for i in units[u]] for part in parts]
     packed = [_first_fit_decreasing(idx, lengths, max_tokens) for idx in ranks]
     num_mb = max(min_mb, max(len(bins) for bins in packed))
-    if any(len(idx) < num_mb for idx in ranks):
+    if any(len(idx) < num_mb for idx in ranks) and not allow_empty:
         return None
-    for bins in packed:
-        while len(bins) < num_mb:
+    for bins, idx in zip(packed, ranks):
+        while len(bins) < min(num_mb, len(idx)):
             _split_costliest(bins, sample_cost)
+        bins.extend([] for _ in range(num_mb - len(bins)))
     return packed
 
 
 def _pack_globally(lengths: Sequence[int], sample_cost: Sequence[float], max_tokens: int,
-                   dp_size: int, min_mb: int, *, allow_empty: bool = False) -> Plan | None:
-    """Pack all samples, split up to dp_size * num_mb micro-batches, deal them out by cost.
-    Short of samples for that: None, or (`allow_empty`) one sample per micro-batch and empty ones."""
+                   dp_size: int, min_mb: int) -> Plan | None:
+    """Pack all samples, split up to dp_size * num_mb micro-batches, deal them out by cost."""
     bins = _first_fit_decreasing(range(len(lengths)), lengths, max_tokens)
     num_mb = max(min_mb, -(-len(bins) // dp_size))
     if len(lengths) < dp_size * num_mb:
-        if not allow_empty:
-            return None
-        bins = [[i] for i in range(len(lengths))] + [[] for _ in range(dp_size * num_mb - len(lengths))]
+        return None
     while len(bins) < dp_size * num_mb:
         _split_costliest(bins, sample_cost)
     # Exactly num_mb bins per part: the count is divisible, so no fillers are added.

@@ -84,10 +84,11 @@ class Layout:
             return pack_each_rank(lengths_by_rank, max_tokens=self.max_tokens)
         return pack_each_rank(lengths_by_rank, micro_batch_size=self.micro_batch_size)
 
-    def build(self, samples: Sequence[Sample], idx: list[int]) -> MicroBatch:
+    def build(self, samples: Sequence[Sample], idx: list[int], dummy_fields: Sequence[str] = ()) -> MicroBatch:
         if self.packing:
-            return build_micro_batch(samples, idx, self.positions, pad_to=self.sp, share_prompts=self.share_prompts)
-        return build_padded_micro_batch(samples, idx, self.positions)
+            return build_micro_batch(samples, idx, self.positions, pad_to=self.sp, share_prompts=self.share_prompts,
+                                     dummy_fields=dummy_fields)
+        return build_padded_micro_batch(samples, idx, self.positions, dummy_fields=dummy_fields)
 
     def stats(self, lengths: Sequence[int], plan: Plan) -> dict:
         st = packing_stats(lengths, plan, max_tokens=self.max_tokens if self.packing else None,

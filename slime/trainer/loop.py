@@ -54,13 +54,13 @@ def sync_weights(actor: PolicyEngine, engine, version: int, bucket_mb: float) ->
     return {"time/sync": time.time() - start}
 
 
-def logprob_metrics(samples, dims: ParallelDims) -> dict:
+def logprob_metrics(samples, dims: ParallelDims, *, ref_on: bool) -> dict:
     """How far the trainer's logprobs are from the engine's (rollout/training mismatch), and KL to the
     reference: token means over every rank."""
     # Over the tokens the policy generated (mask 1): observations carry rollout logprob 0 by convention.
     sums = {"diff": sum(float(((s.old_logprobs - s.rollout_logprobs).abs() * s.loss_mask).sum()) for s in samples),
             "n": sum(s.num_loss_tokens for s in samples)}
-    if samples[0].ref_logprobs is not None:
+    if ref_on:
         sums["kl"] = sum(float(((s.old_logprobs - s.ref_logprobs) * s.loss_mask).sum()) for s in samples)
     g = dict(zip(sums, dims.all_reduce_sum(list(sums.values()))))
     n = max(g["n"], 1.0)
@@ -93,7 +93,7 @@ def score_batch(batch: RankBatch, cfg: Config, actor: PolicyEngine, ref: PolicyE
             s.values = v
     metrics = compute_advantages(batch.samples, cfg.algo, dims)
     if cfg.algo.old_logprobs == "recompute":  # else the update reports train/train_rollout_logprob_abs_diff
-        metrics.update(logprob_metrics(batch.samples, dims))
+        metrics.update(logprob_metrics(batch.samples, dims, ref_on=ref is not None))
     return metrics
 
 

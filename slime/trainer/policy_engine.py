@@ -25,7 +25,7 @@ from transformers import AutoConfig
 
 from slime.config import Config, ModelConfig, TrainConfig
 from slime.data.batch import MicroBatch
-from slime.data.sample import Sample
+from slime.data.sample import TOKEN_FIELDS, Sample
 from slime.distributed.parallel_dims import ParallelDims
 from slime.distributed.expert_parallel import ExpertGather, expert_units
 from slime.distributed.parallelize import parallelize
@@ -175,8 +175,13 @@ class PolicyEngine:
         loss (global normalisers) and metric sums. The last backward is the accumulation boundary.
         """
         sums: dict[str, torch.Tensor] = {}
+        dummy_fields: list[str] = []
+        if not all(batch.lengths_by_rank):  # a rank without samples: its dummies carry the fields the others' do
+            carried = self.dims.all_gather_objects([name for name in TOKEN_FIELDS if batch.samples and
+                                                    getattr(batch.samples[0], name) is not None])
+            dummy_fields = max(carried, key=len)
         for k, idx in enumerate(mini.micro):
-            mb = self.train_layout.build(batch.samples, idx).to(self.dims.device)
+            mb = self.train_layout.build(batch.samples, idx, dummy_fields).to(self.dims.device)
             self.engine.set_gradient_accumulation_boundary(k == len(mini.micro) - 1)
             outputs = self.forward(mb)
             loss, metrics = loss_fn(mb, *(outputs if isinstance(outputs, tuple) else (outputs,)),
@@ -185,7 +190,8 @@ class PolicyEngine:
             # DeepSpeed averages gradients over every rank; each sp peer back-propagates only through its own
             # shard of the (identical) micro-batch loss, so the shares add up over sp and average over dp.
             self.engine.backward(loss * self.dims.dp * self.dims.sp)
-            metrics["train_tokens"] = torch.tensor(float(mb.num_tokens), device=loss.device)
+            # a dummy's token pair is not counted, as in the plan's real_token_fraction
+            metrics["train_tokens"] = torch.tensor(0.0 if mb.is_dummy else float(mb.num_tokens), device=loss.device)
             metrics["real_tokens"] = torch.tensor(float(sum(batch.samples[i].total_len for i in idx)), device=loss.device)
             for key, value in metrics.items():  # on the device: no host sync per micro-batch
                 value = value.detach().float()

@@ -8,6 +8,7 @@ Rank 0 writes OUT_DIR/result.pt: the full parameters after the batch, the step's
 sample indices and the number of dummy micro-batches run (over every rank).
 """
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from slime.trainer.layout import distribute
 from slime.trainer.losses import actor_loss
 from slime.trainer.policy_engine import PolicyEngine
 
-N = 7
+N = int(os.environ.get("MINIBATCH_N", "7"))  # 1: rank 0 holds no sample at all (rank 1 generated the one there is)
 
 
 def main() -> None:
