@@ -260,6 +260,9 @@ class AlgoConfig:
             raise ValueError(f"algo.router_aux_loss_coef={self.router_aux_loss_coef} must be >= 0")
         if self.use_kl_loss and self.kl_in_reward:
             raise ValueError("algo.use_kl_loss and algo.kl_in_reward are exclusive; pick where the KL goes")
+        if self.kl_coef < 0:
+            raise ValueError(f"algo.kl_coef={self.kl_coef} must be >= 0 (a negative coefficient would reward moving "
+                             "away from the reference)")
         if (self.use_kl_loss or self.kl_in_reward) and self.kl_coef <= 0:
             raise ValueError("algo.use_kl_loss / algo.kl_in_reward need algo.kl_coef > 0")
         if self.kl_coef > 0 and not (self.use_kl_loss or self.kl_in_reward) and self.policy_loss != "sft":
@@ -371,6 +374,13 @@ class TrainConfig:
                 or self.warmup_steps < 0:
             raise ValueError(f"train.lr={self.lr}, train.min_lr={self.min_lr}, train.weight_decay={self.weight_decay}, "
                              f"train.grad_clip={self.grad_clip} and train.warmup_steps={self.warmup_steps} must be >= 0")
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}: the schedule would climb to it "
+                             "instead of decaying; min_lr is the floor the cosine decays to (<= train.lr)")
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1
+                                           for b in self.betas):
+            raise ValueError(f"train.betas={self.betas} must be two numbers in [0, 1) (AdamW's beta1, beta2), "
+                             "e.g. [0.9, 0.999]")
 
 
 @dataclasses.dataclass
@@ -498,6 +508,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{key}={value!r} must be a number (float)")
+        if value != value:  # NaN passes every range check (each comparison is false) and reaches the run
+            raise ValueError(f"{key}={value!r} is not a number; give a finite value")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):

@@ -49,6 +49,13 @@ def test_int_is_accepted_for_float():
     ("data.max_prompt_len=0", ["data.max_prompt_len=0"]),
     ("train.logits_chunk_size=0", ["train.logits_chunk_size=0"]),
     ("train.lr=-0.001", ["train.lr=-0.001"]),
+    ("rollout.temperature=.nan", ["rollout.temperature=nan", "not a number"]),
+    ("algo.entropy_coef=.nan", ["algo.entropy_coef=nan", "not a number"]),
+    ("eval.accuracy_threshold=.nan", ["eval.accuracy_threshold=nan"]),
+    ("train.min_lr=0.01", ["train.min_lr=0.01 is above train.lr"]),
+    ("train.betas=[0.9]", ["train.betas=[0.9]", "two numbers in [0, 1)"]),
+    ("train.betas=[1.5,0.999]", ["train.betas=[1.5, 0.999]"]),
+    ("algo.kl_coef=-1", ["algo.kl_coef=-1.0 must be >= 0"]),
 ])
 def test_bad_config_names_key(override, words):
     with pytest.raises((ValueError, TypeError)) as err:
