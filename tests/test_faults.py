@@ -362,6 +362,24 @@ def test_only_a_collective_timeout_is_reported_as_a_rank_that_stopped_answering(
     assert (e.value is error) is not collective
 
 
+@pytest.mark.parametrize("text", [
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+    "[127.0.0.1]:5524",
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:61002: Connection reset by peer",
+])
+def test_a_rank_killed_mid_collective_is_named_with_step_and_phase(text):
+    from slime.trainer.loop import Phase
+
+    phase = Phase()
+    phase.now = "training"
+    with pytest.raises(RuntimeError, match="step 2, training: another rank's connection closed"):
+        with phase.guard(step=2, minutes=10):
+            raise RuntimeError(text)
+    with pytest.raises(RuntimeError, match="^HTTP: Connection reset by peer$"):  # not gloo's: this rank's own
+        with phase.guard(step=2, minutes=10):
+            raise RuntimeError("HTTP: Connection reset by peer")
+
+
 def test_the_loops_own_stop_exits_and_user_codes_sys_exit_is_an_error():
     from slime.trainer.loop import Phase, Stopped
 

@@ -348,6 +348,9 @@ def run(cfg: Config) -> dict:
 _GLOO_TIMEOUT = re.compile(r"timed out waiting \d+ ?ms for (recv|send)|application timeout caused pair closure",
                            re.IGNORECASE)
 _NCCL_TIMEOUT = re.compile(r"timed? ?out", re.IGNORECASE)
+# gloo's own words when the other end of a collective's connection is gone (a rank killed, or crashed mid-call)
+_GLOO_PEER_GONE = re.compile(r"gloo/transport/tcp/pair\.cc:\d+\].*(connection (reset|closed) by peer|read error)",
+                             re.IGNORECASE)
 
 
 def is_collective_timeout(e: BaseException) -> bool:
@@ -380,6 +383,10 @@ class Phase:
                                "rollout.generate_fn, ...); a run cannot end from there: raise an exception instead") \
                 from e
         except RuntimeError as e:
+            if _GLOO_PEER_GONE.search(str(e)):
+                raise RuntimeError(f"step {step}, {self.now}: another rank's connection closed in the middle of a "
+                                   "collective: that rank crashed or was killed (out of memory? a signal?); its log, or "
+                                   "the launcher's, has the cause") from e
             if not is_collective_timeout(e):
                 raise
             raise RuntimeError(f"step {step}, {self.now}: a collective waited more than train.dist_timeout_minutes="
