@@ -65,3 +65,15 @@ def mask_of_fives(ctx: RolloutContext):
 
 def text_reward(ctx: RolloutContext):
     return _two_token_samples(ctx, lambda s: s.metadata.update(given_reward="n/a"))
+
+
+def float_ids(ctx: RolloutContext):
+    return _two_token_samples(ctx, lambda s: setattr(s, "response_ids", [float(t) + 0.5 for t in s.response_ids]))
+
+
+def nan_logprobs(ctx: RolloutContext):
+    return _two_token_samples(ctx, lambda s: setattr(s, "rollout_logprobs", s.rollout_logprobs * float("nan")))
+
+
+def positive_logprobs(ctx: RolloutContext):
+    return _two_token_samples(ctx, lambda s: setattr(s, "rollout_logprobs", s.rollout_logprobs.abs() + 5))

@@ -115,6 +115,9 @@ def test_a_given_reward_must_be_finite(hf_engine, tokenizer):
     ("one_sample_repeated", ValueError, "returned one Sample object twice (prompt row 0)"),
     ("mask_of_fives", ValueError, "has response mask values [5]"),
     ("text_reward", TypeError, "set metadata given_reward='n/a' for sample index=0"),
+    ("float_ids", ValueError, "has token ids that are not non-negative integers"),
+    ("nan_logprobs", ValueError, "has rollout logprobs [nan, nan]"),
+    ("positive_logprobs", ValueError, "is finite and <= 0"),
 ])
 def test_malformed_samples_of_a_generate_function_name_it(hf_engine, tokenizer, fn, error, words):
     with pytest.raises(error) as e:
@@ -506,3 +509,17 @@ def test_tool_example_runs(tmp_path):
     rows = launch(REPO / "assets/tiny-arith", REPO / "assets/tiny-arith-data", tmp_path / "run", "train.num_steps=1",
                   config="examples/cpu_tiny_tool_grpo.yaml")
     assert rows[0]["rollout/turns"] >= 1.0 and math.isfinite(rows[0]["train/grad_norm"])
+
+
+def test_token_ids_past_the_models_vocabulary_are_named_before_the_embedding():
+    """ids of another tokenizer (from a generate function, say) would fail as an IndexError deep in torch."""
+    from slime.data.batch import build_micro_batch
+    from slime.data.sample import Sample
+    from slime.trainer.policy_engine import PolicyEngine
+
+    actor = object.__new__(PolicyEngine)
+    actor.vocab_size = 100
+    samples = [Sample(prompt_ids=[1, 2], response_ids=[3, 4]), Sample(prompt_ids=[5], response_ids=[100, 7])]
+    with pytest.raises(ValueError, match=r"token id 100 of the samples at positions \[0, 1\] on this rank is outside "
+                                         r"the model's vocabulary \[0, 100\)"):
+        actor.forward(build_micro_batch(samples, [0, 1]))

@@ -28,6 +28,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+import torch
+
 from slime.data.prompts import Prompt
 from slime.data.sample import Sample, as_token_tensor
 from slime.rollout.engine import Generation, RolloutEngine, SamplingParams
@@ -171,6 +173,16 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
                 raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has "
                                  f"{r} response tokens but {len(s.loss_mask)} mask entries and "
                                  f"{None if s.rollout_logprobs is None else len(s.rollout_logprobs)} logprobs")
+            bad = [t for t in (*s.prompt_ids, *s.response_ids) if isinstance(t, bool) or not isinstance(t, int) or t < 0]
+            if bad:
+                raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has token ids "
+                                 f"that are not non-negative integers: {bad[:5]}")
+            logps = torch.as_tensor(s.rollout_logprobs, dtype=torch.float32)
+            if not bool(torch.isfinite(logps).all()) or bool((logps > 1e-4).any()):
+                wrong = logps[~torch.isfinite(logps) | (logps > 1e-4)].tolist()
+                raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has rollout "
+                                 f"logprobs {wrong[:5]}: a token's log-probability is finite and <= 0 (observation "
+                                 "tokens carry 0)")
             if s.response_mask is not None and any(m not in (0, 1) for m in s.response_mask):
                 raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has response "
                                  f"mask values {sorted(set(s.response_mask) - {0, 1})[:5]}; the mask is 1 for tokens "

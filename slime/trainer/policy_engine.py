@@ -127,6 +127,7 @@ class PolicyEngine:
             terms["positions"] = functools.partial(sample_positions, self.adapter, hf)
         self.train_layout, self.nograd_layout = Layout.for_training(train, **terms), Layout.for_nograd(train, **terms)
         self.skipped_steps = self.consecutive_skips = 0
+        self.vocab_size = hf.get_input_embeddings().num_embeddings  # an attribute: ZeRO-3 partitions only the weight
 
     # Builders from the run config: which sub-configs each role reads.
     @classmethod
@@ -148,6 +149,10 @@ class PolicyEngine:
 
     def forward(self, mb: MicroBatch):
         """(logprobs (N,), entropies (N,)) for the policy roles, values (N,) for the critic."""
+        if mb.input_ids.numel() and int(mb.input_ids.max()) >= self.vocab_size:  # else an IndexError deep in torch
+            raise ValueError(f"token id {int(mb.input_ids.max())} of the samples at positions {mb.indices} on this "
+                             f"rank is outside the model's vocabulary [0, {self.vocab_size}): ids from another "
+                             "tokenizer (a rollout.generate_fn, a custom reward's rewrite, data of another model?)")
         mb = mb.to(self.dims.device)
         return self.engine(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len,
                            temperature=self.temperature, chunk_size=self.train_cfg.logits_chunk_size,
