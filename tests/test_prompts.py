@@ -42,6 +42,16 @@ def test_no_template_and_parquet(tmp_path, tok):
     assert tok.decode(prompts[0].prompt_ids) == "7*6=" and prompts[0].label == "42"
 
 
+def test_what_would_be_silently_dropped_is_refused(tmp_path, tok):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+2=", "label": "3"}])
+    with pytest.raises(ValueError, match="data.system_prompt is set, but data.apply_chat_template=false"):
+        load_prompts(DataConfig(path=str(path), system_prompt="be brief", apply_chat_template=False), tok)
+    both = write_jsonl(tmp_path / "both.jsonl", [{"prompt": "1+2=", "label": "3"},
+                                                 {"prompt": "2+2=", "messages": [{"role": "user", "content": "x"}]}])
+    with pytest.raises(ValueError, match="both.jsonl:2: the row has both 'prompt' and 'messages'; keep one"):
+        load_prompts(DataConfig(path=str(both)), tok)
+
+
 def test_overlong_prompts_are_dropped_and_counted(tmp_path, tok):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1" * n, "label": "x"} for n in (3, 30, 5, 40)])
     prompts, report = load_prompts(DataConfig(path=str(path), max_prompt_len=20), tok)
@@ -116,6 +126,17 @@ def test_empty_labels_are_missing_labels(tmp_path, tok):
     assert [p.label for p in prompts] == [0, ["8"]] and dict(report.skipped) == {"missing_label": 2}
     prompts, report = load_prompts(DataConfig(path=str(path)), tok)  # no reward needs them: kept as given
     assert len(prompts) == 4 and not report.skipped
+
+
+def test_sft_labels_are_text(tmp_path, tok):
+    ok = write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": 4}])
+    prompts, _ = load_prompts(DataConfig(path=str(ok)), tok, label_required=True, label_is_text=True)
+    assert [p.label for p in prompts] == ["2", 4]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": ["4", "4.0"]}])
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: SFT learns the label's text as the response, but 'label' is a "
+                                         r"list \(\['4', '4.0'\]\); give one string"):
+        load_prompts(DataConfig(path=str(bad)), tok, label_required=True, label_is_text=True)
+    assert len(load_prompts(DataConfig(path=str(bad)), tok, label_required=True)[0]) == 2  # a reward takes lists
 
 
 @pytest.mark.parametrize("row, message", [

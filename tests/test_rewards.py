@@ -107,6 +107,13 @@ def test_missing_label_is_an_error():
         exact_match_reward(S("1", []))
 
 
+@pytest.mark.parametrize("label", [{"answer": "1"}, [["1"]], True])
+def test_a_label_the_builtin_rewards_cannot_compare_is_an_error_not_its_repr(label):
+    for reward in (math_reward, exact_match_reward):
+        with pytest.raises(TypeError, match="compares the answer with a string or a number, or a list of them"):
+            reward(S("1", label))
+
+
 # ----------------------------------------------------------------------------- exact_match
 
 @pytest.mark.parametrize("response,label,expected", [

@@ -196,7 +196,7 @@ SKIP_REASONS = REASONS + ("missing_label", "empty_prompt", "not_on_every_rank") 
 
 
 def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor: VLProcessor | None = None,
-                 *, label_required: bool = False) -> tuple[list[Prompt], LoadReport]:
+                 *, label_required: bool = False, label_is_text: bool = False) -> tuple[list[Prompt], LoadReport]:
     """All usable prompts of the file. Over-long prompts are dropped and counted; rows with an empty prompt,
     without the label a reward needs (`label_required`), or image-text rows with a bad image (or placeholders
     that do not match the images) are skipped, logged with file:line and counted by reason, and more than
@@ -204,10 +204,18 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
     path = path or cfg.path
     base_dir = Path(path).resolve().parent
     prompts, report, logged = [], LoadReport(), 0
+    if cfg.system_prompt and not (cfg.apply_chat_template and tokenizer.chat_template is not None):
+        why = "the tokenizer has no chat template" if cfg.apply_chat_template else "data.apply_chat_template=false"
+        raise ValueError(f"data.system_prompt is set, but {why}: a system message goes only through the chat "
+                         "template, so it would be dropped. Put it in the prompts, or use a model whose tokenizer has "
+                         "a chat template")
     rows = load_rows(path)
     if not rows:
         raise ValueError(f"{path} holds no rows")
     for line, row in rows:
+        if row.get(cfg.prompt_key) is not None and row.get(cfg.messages_key) is not None:
+            raise ValueError(f"{path}:{line}: the row has both '{cfg.prompt_key}' and '{cfg.messages_key}'; keep one "
+                             "(a prompt is one user message; messages is the whole chat)")
         try:
             try:
                 # A text-only model reads "<image>" in a prompt without images as text.
@@ -234,6 +242,10 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
                                                   "against it; data.label_key names the field)")
             if not ids:
                 raise SkippedRow("empty_prompt", "the prompt is empty")
+            label = row.get(cfg.label_key)
+            if label_is_text and label is not None and (isinstance(label, bool) or not isinstance(label, (str, int, float))):
+                raise ValueError(f"{path}:{line}: SFT learns the label's text as the response, but '{cfg.label_key}' is "
+                                 f"a {type(label).__name__} ({str(label)[:60]}); give one string")
         except (ImageError, SkippedRow) as e:
             report.skipped[e.reason] += 1
             if logged < 20:
@@ -307,12 +319,13 @@ class PromptSource:
     """Global batches of prompts in a seeded order; each dp rank gets its slice."""
 
     def __init__(self, cfg: DataConfig, tokenizer, *, batch_size: int, dp_rank: int, dp_size: int, seed: int,
-                 processor: VLProcessor | None = None, label_required: bool = False):
+                 processor: VLProcessor | None = None, label_required: bool = False, label_is_text: bool = False):
         if batch_size % dp_size:
             raise ValueError(f"rollout.batch_size={batch_size} must be divisible by the data-parallel size {dp_size}")
         self.cfg, self.batch_size, self.dp_rank, self.dp_size, self.seed = cfg, batch_size, dp_rank, dp_size, seed
         self.processor = processor
-        self.prompts, self.report = load_prompts(cfg, tokenizer, processor=processor, label_required=label_required)
+        self.prompts, self.report = load_prompts(cfg, tokenizer, processor=processor, label_required=label_required,
+                                                 label_is_text=label_is_text)
         self.num_too_long = self.report.too_long
         self.skipped_when_drawn: collections.Counter = collections.Counter()
         if len(self.prompts) < batch_size:

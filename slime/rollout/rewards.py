@@ -80,7 +80,14 @@ def _labels(sample: Sample, reward: str) -> list[str]:
             f"sample index={sample.index} has no label; the {reward!r} reward compares against "
             "ground truth, so put the answer in the prompt file's 'label' field"
         )
-    return [str(x) for x in (label if isinstance(label, (list, tuple)) else [label])]
+    answers = list(label) if isinstance(label, (list, tuple)) else [label]
+    bad = [x for x in answers if isinstance(x, bool) or not isinstance(x, (str, int, float))]
+    if bad:  # str() of a dict or a nested list would compare against its Python repr, and never match
+        raise TypeError(f"sample index={sample.index} has the label {label!r}: the {reward!r} reward compares the "
+                        f"answer with a string or a number, or a list of them, not a {type(bad[0]).__name__}; fix "
+                        "the prompt file's 'label' field (data.label_key), or score it with a reward function of "
+                        "your own")
+    return [str(x) for x in answers]
 
 
 # ----------------------------------------------------------------------------- built-ins
