@@ -162,6 +162,9 @@ class RolloutConfig:
     gen_batch_size: int = field(64, "hf engine: sequences generated per forward batch.")
     generate_fn: str | None = field(None, "'package.module:function' building each prompt's samples (multi-turn, "
                                           "tools; see docs/custom_rollouts.md); None = one completion per sample.")
+    generate_fn_timeout: float = field(3600.0, "Seconds rollout.generate_fn may take for one prompt's samples (a tool "
+                                               "that never answers ends the run naming the function and the prompt "
+                                               "row, not a hang); 0 = no limit.")
     one_step_off: bool = field(False, "Asynchronous rollout: generate step k+1's batch while training on step k's "
                                       "(one-step-off-policy, as slime's train_async); the engine must not share the "
                                       "trainer's GPUs (hf engine, or SGLang disaggregated). Use algo.tis to correct "
@@ -184,6 +187,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         if self.temperature <= 0:
             raise ValueError(f"rollout.temperature={self.temperature} must be > 0 (use a small value for near-greedy)")
+        if self.generate_fn_timeout < 0:
+            raise ValueError(f"rollout.generate_fn_timeout={self.generate_fn_timeout} must be >= 0 (0 = no limit)")
         if self.max_response_len < 1 or self.gen_batch_size < 1 or self.max_sampling_attempts < 1:
             raise ValueError(f"rollout.max_response_len={self.max_response_len}, rollout.gen_batch_size="
                              f"{self.gen_batch_size} and rollout.max_sampling_attempts={self.max_sampling_attempts} "

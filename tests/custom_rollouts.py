@@ -77,3 +77,15 @@ def nan_logprobs(ctx: RolloutContext):
 
 def positive_logprobs(ctx: RolloutContext):
     return _two_token_samples(ctx, lambda s: setattr(s, "rollout_logprobs", s.rollout_logprobs.abs() + 5))
+
+
+def hangs(ctx: RolloutContext):
+    import threading
+
+    threading.Event().wait()  # a tool that never answers
+
+
+async def hangs_async(ctx: RolloutContext):
+    import asyncio
+
+    await asyncio.Event().wait()

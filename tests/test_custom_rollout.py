@@ -126,6 +126,15 @@ def test_malformed_samples_of_a_generate_function_name_it(hf_engine, tokenizer, 
     assert f"custom_rollouts:{fn}" in str(e.value) and words in str(e.value)
 
 
+@pytest.mark.parametrize("fn", ["hangs", "hangs_async"])
+def test_a_generate_function_that_hangs_ends_with_its_name_and_prompt_row(hf_engine, tokenizer, fn):
+    with pytest.raises(TimeoutError, match=rf"rollout.generate_fn custom_rollouts:{fn} did not return within "
+                                           r"rollout.generate_fn_timeout=0.5s for prompt row 0"):
+        generate_rollout(hf_engine, prompts_of(tokenizer, ["1+1="]), SamplingParams(max_new_tokens=4, n=2), tokenizer,
+                         make_reward_fn("exact_match"), first_group_id=0, generate_fn=f"custom_rollouts:{fn}",
+                         generate_fn_timeout=0.5)
+
+
 def test_dynamic_sampling_that_keeps_no_group_says_why(hf_engine, tokenizer):
     """Every group all wrong (a label no response matches): nothing to train on, said with the keys to change."""
     from slime.config import RolloutConfig

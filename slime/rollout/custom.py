@@ -25,7 +25,6 @@ import asyncio
 import dataclasses
 import inspect
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
@@ -33,6 +32,7 @@ import torch
 from slime.data.prompts import Prompt
 from slime.data.sample import Sample, as_token_tensor
 from slime.rollout.engine import Generation, RolloutEngine, SamplingParams
+from slime.rollout.rewards import in_daemon_thread
 
 
 class Trajectory:
@@ -140,19 +140,33 @@ def load_generate_fn(spec: str) -> Callable:
 
 
 def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: list[Prompt], params: SamplingParams,
-                    tokenizer) -> list[list[Sample]]:
-    """The user's samples per prompt, checked: every group has n samples whose token fields line up."""
+                    tokenizer, *, timeout: float = 0.0) -> list[list[Sample]]:
+    """The user's samples per prompt, checked: every group has n samples whose token fields line up.
+
+    Each prompt's call gets `timeout` seconds (0: no limit): an async function is cancelled, a sync one runs in a
+    daemon thread that is abandoned (Python cannot stop a thread), so a tool that never answers ends the run
+    with the function and the prompt row named instead of hanging it. Sync functions run one group at a time,
+    or up to 64 at once on an engine that serves concurrent requests."""
     lock = None if getattr(engine, "thread_safe", False) else threading.Lock()
     contexts = [RolloutContext(p, params, tokenizer, engine, lock) for p in prompts]
-    if inspect.iscoroutinefunction(fn):
-        async def all_groups():
-            return await asyncio.gather(*(fn(ctx) for ctx in contexts))
-        groups = asyncio.run(all_groups())
-    elif lock is None and len(contexts) > 1:  # an engine that serves concurrent requests: one thread per group
-        with ThreadPoolExecutor(max_workers=min(len(contexts), 64), thread_name_prefix="generate_fn") as pool:
-            groups = list(pool.map(fn, contexts))
-    else:
-        groups = [fn(ctx) for ctx in contexts]
+    is_async = inspect.iscoroutinefunction(fn)
+
+    async def all_groups():
+        at_once = asyncio.Semaphore(len(contexts) if is_async else 64 if lock is None else 1)
+
+        async def one(ctx):
+            async with at_once:
+                call = fn(ctx) if is_async else in_daemon_thread(fn, ctx, name="generate_fn")
+                try:
+                    return await asyncio.wait_for(call, timeout=timeout or None)
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"rollout.generate_fn {spec} did not return within rollout.generate_fn_timeout="
+                                       f"{timeout:g}s for prompt row {ctx.prompt.index} "
+                                       f"({ctx.prompt.prompt_text[-80:]!r}); fix the function (a tool that never "
+                                       "answers?) or raise the timeout") from None
+        return await asyncio.gather(*(one(ctx) for ctx in contexts))
+
+    groups = asyncio.run(all_groups())
     seen: set[int] = set()
     for ctx, group in zip(contexts, groups):
         if not isinstance(group, (list, tuple)) or len(group) != params.n or \

@@ -417,7 +417,7 @@ class RewardFn:
         """Run a user function with the per-call timeout: an async one is cancelled; a sync one runs in a
         daemon thread that is abandoned (Python cannot stop a thread), so a hang cannot hold the job."""
         async with sem:
-            call = fn(arg) if _is_async(fn) else _in_daemon_thread(fn, arg)
+            call = fn(arg) if _is_async(fn) else in_daemon_thread(fn, arg)
             try:
                 return await asyncio.wait_for(call, timeout=self.timeout)
             except asyncio.TimeoutError:
@@ -426,7 +426,9 @@ class RewardFn:
                                    f"{sample.prompt_text[-80:]!r}); fix the function or raise the timeout") from None
 
 
-def _in_daemon_thread(fn: Callable, arg: Any) -> asyncio.Future:
+def in_daemon_thread(fn: Callable, arg: Any, name: str = "reward") -> asyncio.Future:
+    """`fn(arg)` in a daemon thread, as a future of the running loop: awaited with a timeout, a call that never
+    returns is abandoned instead of holding the process at exit."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
@@ -444,7 +446,7 @@ def _in_daemon_thread(fn: Callable, arg: Any) -> asyncio.Future:
         else:
             settle(future.set_result, result)
 
-    threading.Thread(target=work, name="reward", daemon=True).start()
+    threading.Thread(target=work, name=name, daemon=True).start()
     return future
 
 

@@ -32,11 +32,13 @@ def sampling_params(cfg: RolloutConfig) -> SamplingParams:
 
 
 def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: SamplingParams, tokenizer, reward_fn,
-                     *, first_group_id: int, first_index: int = 0, generate_fn: str | None = None) -> list[Sample]:
+                     *, first_group_id: int, first_index: int = 0, generate_fn: str | None = None,
+                     generate_fn_timeout: float = 0.0) -> list[Sample]:
     """`params.n` responses per prompt (one completion each, or what `generate_fn` builds), scored. Group
     ids start at first_group_id, sample indices (positions in the global batch, named in logs) at first_index."""
     if generate_fn:
-        groups = run_generate_fn(load_generate_fn(generate_fn), generate_fn, engine, prompts, params, tokenizer)
+        groups = run_generate_fn(load_generate_fn(generate_fn), generate_fn, engine, prompts, params, tokenizer,
+                                 timeout=generate_fn_timeout)
     else:
         mm = [p.mm for p in prompts] if any(p.mm is not None for p in prompts) else None
         outputs = engine.generate([p.prompt_ids for p in prompts], params, mm=mm)
@@ -68,16 +70,18 @@ def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: Sampl
 
 def _generate_shared(engine, prompts: list[Prompt], params: SamplingParams, tokenizer, reward_fn,
                      dims: ParallelDims, *, first_group_id: int, first_index: int,
-                     generate_fn: str | None = None) -> list[Sample]:
+                     generate_fn: str | None = None, generate_fn_timeout: float = 0.0) -> list[Sample]:
     """The dp rank's prompts, generated once: with sequence parallelism its sp peers (which train on the same
     samples) each generate a contiguous part and all-gather the rest, so they all hold the same batch."""
     if dims.sp == 1:
         return generate_rollout(engine, prompts, params, tokenizer, reward_fn, first_group_id=first_group_id,
-                                first_index=first_index, generate_fn=generate_fn)
+                                first_index=first_index, generate_fn=generate_fn,
+                                generate_fn_timeout=generate_fn_timeout)
     bounds = [len(prompts) * r // dims.sp for r in range(dims.sp + 1)]
     a, b = bounds[dims.sp_rank], bounds[dims.sp_rank + 1]
     mine = generate_rollout(engine, prompts[a:b], params, tokenizer, reward_fn, first_group_id=first_group_id + a,
-                            first_index=first_index + a * params.n, generate_fn=generate_fn) if b > a else []
+                            first_index=first_index + a * params.n, generate_fn=generate_fn,
+                            generate_fn_timeout=generate_fn_timeout) if b > a else []
     return [s for part in dims.all_gather_objects(mine, group=dims.sp_group) for s in part]
 
 
@@ -168,7 +172,8 @@ def _draw_and_generate(engine, data: PromptSource, cfg: RolloutConfig, tokenizer
     share = (n_prompts or cfg.batch_size) // dims.dp
     first = (step * cfg.max_sampling_attempts + attempt) * 10**6 + dims.dp_rank * share
     samples = _generate_shared(engine, prompts, params, tokenizer, reward_fn, dims, first_group_id=first,
-                               first_index=dims.dp_rank * share * params.n, generate_fn=cfg.generate_fn)
+                               first_index=dims.dp_rank * share * params.n, generate_fn=cfg.generate_fn,
+                               generate_fn_timeout=cfg.generate_fn_timeout)
     if cfg.overlong_penalty.max_len:
         shape_overlong(samples, cfg.overlong_penalty)
     for s in samples:

@@ -59,7 +59,8 @@ def evaluate(engine, evalset: EvalSet, cfg: Config, tokenizer, reward_fn, dims: 
                             temperature=0.0, stop_token_ids=tuple(cfg.rollout.stop_token_ids), n=1)
     engine.wake()  # a colocated engine may still hold its KV cache released after the weight push
     samples = generate_rollout(engine, prompts, params, tokenizer, reward_fn, first_group_id=0,
-                               generate_fn=cfg.rollout.generate_fn) if prompts else []
+                               generate_fn=cfg.rollout.generate_fn,
+                               generate_fn_timeout=cfg.rollout.generate_fn_timeout) if prompts else []
     n, correct, reward, length = dims.all_reduce_sum([
         len(samples), sum(s.reward >= cfg.eval.accuracy_threshold for s in samples),
         sum(s.reward for s in samples), sum(len(s.response_ids) for s in samples)], group=dims.world_group)
