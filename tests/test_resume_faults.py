@@ -299,3 +299,22 @@ def test_a_save_on_ranks_that_see_different_folders_stops_on_every_rank(tiny_mod
         assert result["error"] and "must be on a file system every rank sees" in result["error"]
         assert "rank 1 sees other files there than rank 0" in result["error"]
         assert not result["published"]
+
+
+def test_a_save_that_fails_to_write_names_the_checkpoint_the_free_space_and_what_is_kept(tmp_path):
+    """torch's zip writer on a full disk says only 'unexpected pos N vs M'."""
+    import types
+
+    from one_rank import OneRank
+    from slime.trainer.checkpoint import save_checkpoint
+
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 433536 vs 433424")
+
+    actor = types.SimpleNamespace(parameters_finite=lambda: True,
+                                  engine=types.SimpleNamespace(save_checkpoint=full_disk))
+    (tmp_path / "latest").write_text("step_3")
+    with pytest.raises(RuntimeError, match=r"saving checkpoint step_4 into .*step_4 failed on rank 0: .*unexpected "
+                                           r"pos .* GiB free on that file system \(a full disk, a quota\?\); the last "
+                                           r"complete one \(step_3\) is untouched"):
+        save_checkpoint({"actor": actor}, tmp_path, step=4, loop_state={}, dims=OneRank(), identity={})

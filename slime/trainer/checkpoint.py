@@ -95,10 +95,20 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
         shutil.rmtree(ckpt_dir / PARTIAL, ignore_errors=True)
         staging.mkdir(parents=True)
     dims.barrier()
-    for role, engine in engines.items():
-        engine.engine.save_checkpoint(str(staging), tag=role, client_state={"step": step, **loop_state},
-                                      save_latest=False)
-    torch.save(_rng_state(), staging / f"rng_rank{dims.rank}.pt")
+    try:
+        for role, engine in engines.items():
+            engine.engine.save_checkpoint(str(staging), tag=role, client_state={"step": step, **loop_state},
+                                          save_latest=False)
+        torch.save(_rng_state(), staging / f"rng_rank{dims.rank}.pt")
+    except (OSError, RuntimeError) as e:  # a full disk reads "unexpected pos N vs M" from torch's zip writer
+        free = shutil.disk_usage(staging).free if staging.exists() else None
+        latest = ckpt_dir / "latest"
+        kept = f"the last complete one ({latest.read_text().strip()}) is untouched" if latest.is_file() else \
+            "no earlier checkpoint exists"
+        raise RuntimeError(f"saving checkpoint {tag} into {staging} failed on rank {dims.rank}: {e}. "
+                           f"{'?' if free is None else f'{free / 2**30:.2f} GiB'} free on that file system (a full "
+                           f"disk, a quota?); {kept}. Free space under log.run_dir, or lower checkpoint.keep") \
+            from e
     dims.barrier()  # every rank's files are complete
     final = ckpt_dir / tag
     # Every rank hashes its share of the files (a large model's checkpoint, hashed by one rank, outlasts the
@@ -138,7 +148,7 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
 
 def _check_same_files(staging: Path, names: list[str], dims) -> None:
     """Collective: every rank must see the same files in the staging folder once all have written theirs. Ranks
-    on nodes whose `checkpoint.dir` is a disk of their own (not one file system) each see only their node's share;
+    on nodes whose `log.run_dir` is a disk of their own (not one file system) each see only their node's share;
     such a checkpoint could never be resumed, so the save stops here, on every rank alike, saying why."""
     if dims.world_size == 1:
         return
@@ -150,8 +160,8 @@ def _check_same_files(staging: Path, names: list[str], dims) -> None:
         raise RuntimeError(
             f"checkpoint {staging}: rank {r} sees other files there than rank 0 ({len(only_0)} only rank 0 sees, "
             f"e.g. {only_0[:2]}; {len(only_r)} only rank {r} sees, e.g. {only_r[:2]}; ranks that differ: {differ}). "
-            "checkpoint.dir must be on a file system every rank sees (on several nodes: a shared mount, not a "
-            "node-local disk), or each node would hold only its part of the checkpoint")
+            "log.run_dir (where checkpoints go) must be on a file system every rank sees (on several nodes: a shared "
+            "mount, not a node-local disk), or each node would hold only its part of the checkpoint")
 
 
 def verify(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
