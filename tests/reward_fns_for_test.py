@@ -79,3 +79,7 @@ def scaled_group(samples: list[Sample]) -> list[float]:
 
 def returns_huge_int(sample: Sample) -> int:
     return 10**400
+
+
+def raises_key_error(sample: Sample) -> float:
+    return {"right": 1.0}[sample.response_text]

@@ -284,6 +284,13 @@ def test_an_int_too_large_for_a_float_names_the_function():
         make_reward_fn("reward_fns_for_test:returns_huge_int").score([S("a")])
 
 
+def test_a_reward_function_that_raises_is_named_with_the_sample():
+    with pytest.raises(RuntimeError, match=r"reward function reward_fns_for_test:raises_key_error raised KeyError: "
+                                           r"'wrong' for sample index=") as e:
+        make_reward_fn("reward_fns_for_test:raises_key_error").score([S("wrong")])
+    assert isinstance(e.value.__cause__, KeyError)  # the user's traceback stays attached
+
+
 def test_reward_info_is_reported_as_means_over_the_samples_that_carry_it():
     from one_rank import OneRank
     from slime.rollout.rollout import reward_info_metrics

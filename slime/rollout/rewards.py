@@ -424,6 +424,9 @@ class RewardFn:
                 raise TimeoutError(f"reward function {name} did not return within rollout.reward.timeout="
                                    f"{self.timeout}s for sample index={sample.index} (prompt "
                                    f"{sample.prompt_text[-80:]!r}); fix the function or raise the timeout") from None
+            except Exception as e:  # the user's own error, with which function and which sample (its traceback below)
+                raise RuntimeError(f"reward function {name} raised {type(e).__name__}: {e} for sample "
+                                   f"index={sample.index} (prompt {sample.prompt_text[-80:]!r})") from e
 
 
 def in_daemon_thread(fn: Callable, arg: Any, name: str = "reward") -> asyncio.Future:
