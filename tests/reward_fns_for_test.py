@@ -83,3 +83,7 @@ def returns_huge_int(sample: Sample) -> int:
 
 def raises_key_error(sample: Sample) -> float:
     return {"right": 1.0}[sample.response_text]
+
+
+def nan_extra(sample: Sample) -> dict:
+    return {"reward": 1.0, "format": float("nan")}

@@ -284,6 +284,12 @@ def test_an_int_too_large_for_a_float_names_the_function():
         make_reward_fn("reward_fns_for_test:returns_huge_int").score([S("a")])
 
 
+def test_a_reward_extra_that_is_not_finite_is_named():
+    with pytest.raises(ValueError, match=r"reward function reward_fns_for_test:nan_extra \(extra key 'format'\) "
+                                         r"returned nan for sample index="):
+        make_reward_fn("reward_fns_for_test:nan_extra").score([S("a")])
+
+
 def test_a_reward_function_that_raises_is_named_with_the_sample():
     with pytest.raises(RuntimeError, match=r"reward function reward_fns_for_test:raises_key_error raised KeyError: "
                                            r"'wrong' for sample index=") as e:

@@ -284,6 +284,7 @@ def _as_reward(value: Any, fn_name: str, sample: Sample | None = None) -> tuple[
             if not isinstance(v, numbers.Real):
                 raise TypeError(f"reward function {fn_name} returned non-number {type(v).__name__}"
                                 f" for extra key {k!r}; extras must be numbers")
+            check_finite(v, f"{fn_name} (extra key {k!r})", sample)  # a metric: NaN would poison its mean
     if not isinstance(value, numbers.Real):
         raise TypeError(f"reward function {fn_name} returned {type(value).__name__} "
                         f"({value!r:.80}); return a float or a dict with a 'reward' key")
