@@ -42,6 +42,13 @@ def test_no_template_and_parquet(tmp_path, tok):
     assert tok.decode(prompts[0].prompt_ids) == "7*6=" and prompts[0].label == "42"
 
 
+def test_a_prompt_path_that_is_a_folder_or_missing_says_so(tmp_path, tok):
+    with pytest.raises(IsADirectoryError, match="is a directory; data.path .* name one prompt file"):
+        load_prompts(DataConfig(path=str(tmp_path)), tok)
+    with pytest.raises(FileNotFoundError, match="nope.jsonl does not exist"):
+        load_prompts(DataConfig(path=str(tmp_path / "nope.jsonl")), tok)
+
+
 def test_what_would_be_silently_dropped_is_refused(tmp_path, tok):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+2=", "label": "3"}])
     with pytest.raises(ValueError, match="data.system_prompt is set, but data.apply_chat_template=false"):

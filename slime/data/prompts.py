@@ -101,8 +101,11 @@ def load_rows(path: str) -> list[tuple[int, dict]]:
     import datasets
 
     p = Path(path)
+    if p.is_dir():
+        raise IsADirectoryError(f"{path} is a directory; data.path (and eval.path) name one prompt file: .jsonl, .json "
+                                "or .parquet")
     if not p.is_file():
-        raise FileNotFoundError(f"data.path={path} does not exist")
+        raise FileNotFoundError(f"{path} does not exist (data.path / eval.path name a prompt file)")
     if p.suffix == ".jsonl":
         return read_jsonl(p)
     if p.suffix == ".json":

@@ -243,7 +243,7 @@ def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> d
         if manifest.get(key) != identity.get(key):
             raise ValueError(f"{path} was written for {key}={manifest.get(key)!r} but this run has "
                              f"{identity.get(key)!r}: resuming would load another model's weights. Use a new "
-                             "log.run_dir (or set checkpoint.resume=false there)")
+                             "log.run_dir for this model (or move the old run's folder away)")
     saved_stage = manifest.get("zero_stage", 3)  # recorded since ZeRO-2 was offered; before, the configs were ZeRO-3
     if saved_stage != identity.get("zero_stage"):
         raise ValueError(f"{path} holds ZeRO-{saved_stage} states but train.ds_config sets ZeRO stage "
