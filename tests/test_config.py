@@ -246,6 +246,10 @@ def test_an_unwritable_run_dir_or_a_missing_logger_is_said_before_anything_loads
     cfg = load_config(None, BASE)
     with pytest.raises(ValueError, match=r"log.run_dir=.*afile cannot be written"):
         check_run_dir(cfg, tmp_path / "afile")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "checkpoints").write_text("")
+    with pytest.raises(ValueError, match=r"taken/checkpoints is a file, where this run keeps its checkpoints"):
+        check_run_dir(cfg, tmp_path / "taken")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(ValueError, match="log.tensorboard=true but tensorboard is not installed"):

@@ -122,6 +122,11 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
     except OSError as e:
         raise ValueError(f"log.run_dir={run_dir} cannot be written ({e.strerror}: {e.filename}); give a writable "
                          "directory") from None
+    for name in ("checkpoints", "hf"):  # where checkpoints and the HF export go: found at the first save otherwise
+        if (run_dir / name).exists() and not (run_dir / name).is_dir():
+            raise ValueError(f"{run_dir / name} is a file, where this run keeps its "
+                             f"{'checkpoints' if name == 'checkpoints' else 'HF export'}: move it away, or use another "
+                             "log.run_dir")
     for logger_name in ("wandb", "tensorboard"):  # the flag and the package share the name
         if getattr(cfg.log, logger_name) and importlib.util.find_spec(logger_name) is None:
             raise ValueError(f"log.{logger_name}=true but {logger_name} is not installed: pip install {logger_name}, "
