@@ -144,6 +144,10 @@ def test_sft_labels_are_text(tmp_path, tok):
                                          r"list \(\['4', '4.0'\]\); give one string"):
         load_prompts(DataConfig(path=str(bad)), tok, label_required=True, label_is_text=True)
     assert len(load_prompts(DataConfig(path=str(bad)), tok, label_required=True)[0]) == 2  # a reward takes lists
+    long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4" * 40}])
+    prompts, report = load_prompts(DataConfig(path=str(long), max_skipped_frac=0.5), tok, label_required=True,
+                                   label_is_text=True, max_sample_len=(20, "parallel.sp x train.max_tokens_per_gpu"))
+    assert [p.label for p in prompts] == ["2"] and dict(report.skipped) == {"label_too_long": 1}
 
 
 @pytest.mark.parametrize("row, message", [

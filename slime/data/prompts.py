@@ -195,15 +195,18 @@ class SkippedRow(ValueError):
         self.reason = reason
 
 
-SKIP_REASONS = REASONS + ("missing_label", "empty_prompt", "not_on_every_rank")  # the last: see keep_only
+SKIP_REASONS = REASONS + ("missing_label", "empty_prompt", "label_too_long",
+                          "not_on_every_rank")  # the last: see keep_only
 
 
 def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor: VLProcessor | None = None,
-                 *, label_required: bool = False, label_is_text: bool = False) -> tuple[list[Prompt], LoadReport]:
+                 *, label_required: bool = False, label_is_text: bool = False,
+                 max_sample_len: tuple[int, str] | None = None) -> tuple[list[Prompt], LoadReport]:
     """All usable prompts of the file. Over-long prompts are dropped and counted; rows with an empty prompt,
     without the label a reward needs (`label_required`), or image-text rows with a bad image (or placeholders
     that do not match the images) are skipped, logged with file:line and counted by reason, and more than
-    data.max_skipped_frac of them is an error."""
+    data.max_skipped_frac of them is an error. SFT (`label_is_text`): a label must be text, and a row whose
+    prompt + label + EOS passes `max_sample_len` = (tokens, the settings that make it) is skipped the same way."""
     path = path or cfg.path
     base_dir = Path(path).resolve().parent
     prompts, report, logged = [], LoadReport(), 0
@@ -249,6 +252,12 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
             if label_is_text and label is not None and (isinstance(label, bool) or not isinstance(label, (str, int, float))):
                 raise ValueError(f"{path}:{line}: SFT learns the label's text as the response, but '{cfg.label_key}' is "
                                  f"a {type(label).__name__} ({str(label)[:60]}); give one string")
+            if label_is_text and max_sample_len is not None and label is not None:
+                limit, key = max_sample_len
+                n = len(ids) + len(tokenizer(str(label), add_special_tokens=False).input_ids) + 1  # + EOS
+                if n > limit:
+                    raise SkippedRow("label_too_long", f"prompt + label + EOS is {n} tokens, more than a micro-batch "
+                                                       f"holds ({key} = {limit})")
         except (ImageError, SkippedRow) as e:
             report.skipped[e.reason] += 1
             if logged < 20:
@@ -322,13 +331,14 @@ class PromptSource:
     """Global batches of prompts in a seeded order; each dp rank gets its slice."""
 
     def __init__(self, cfg: DataConfig, tokenizer, *, batch_size: int, dp_rank: int, dp_size: int, seed: int,
-                 processor: VLProcessor | None = None, label_required: bool = False, label_is_text: bool = False):
+                 processor: VLProcessor | None = None, label_required: bool = False, label_is_text: bool = False,
+                 max_sample_len: tuple[int, str] | None = None):
         if batch_size % dp_size:
             raise ValueError(f"rollout.batch_size={batch_size} must be divisible by the data-parallel size {dp_size}")
         self.cfg, self.batch_size, self.dp_rank, self.dp_size, self.seed = cfg, batch_size, dp_rank, dp_size, seed
         self.processor = processor
         self.prompts, self.report = load_prompts(cfg, tokenizer, processor=processor, label_required=label_required,
-                                                 label_is_text=label_is_text)
+                                                 label_is_text=label_is_text, max_sample_len=max_sample_len)
         self.num_too_long = self.report.too_long
         self.skipped_when_drawn: collections.Counter = collections.Counter()
         if len(self.prompts) < batch_size:

@@ -153,7 +153,9 @@ def run(cfg: Config) -> dict:
     processor = load_processor(cfg.model, tokenizer)  # image-text models only
     data = PromptSource(cfg.data, tokenizer, batch_size=cfg.rollout.batch_size, dp_rank=dims.dp_rank,
                         dp_size=dims.dp, seed=cfg.train.seed, processor=processor,
-                        label_required=sft or needs_label(cfg.rollout.reward.fn), label_is_text=sft)
+                        label_required=sft or needs_label(cfg.rollout.reward.fn), label_is_text=sft,
+                        max_sample_len=(cfg.train.max_tokens_per_gpu * cfg.parallel.sp,
+                                        "parallel.sp x train.max_tokens_per_gpu") if sft else None)
     if dims.world_size > 1:  # every rank loaded the file on its own: the same list everywhere, or none draws right
         dropped = data.keep_only(rows_on_every_rank(data.prompts, dims))
         if dropped:
