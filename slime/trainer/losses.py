@@ -94,7 +94,16 @@ def _actor_loss(algo: AlgoConfig, mb: MicroBatch, logp: torch.Tensor, entropy: t
         if from_update:  # what the scoring pass would report as rollout/kl_ref_k1
             sums["old_kl_ref_k1"] = ((old - ref) * mask).sum()
     sums.update(loss=loss.detach(), pg_loss=pg_loss.detach())
-    return loss, sums
+    return _nan_reaches_gradient(loss, logp), sums
+
+
+def _nan_reaches_gradient(loss: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """`loss`, with its gradient NaN wherever the loss is not finite. Clipping passes no gradient through a NaN
+    (torch.maximum's backward gives 0), so NaN pi_old, advantages or values would make a NaN loss with zero
+    gradients, an update DeepSpeed applies; with a NaN gradient it skips the step, which is counted and, repeated,
+    stops the run (train.max_skipped_steps). For a finite loss the added term is exactly 0."""
+    finite = torch.where(torch.isfinite(output), output, torch.zeros_like(output))  # an -inf logprob: no NaN here
+    return loss + (loss.detach() - loss.detach()) * finite.sum()
 
 
 def critic_loss(critic: CriticConfig, mb: MicroBatch, values: torch.Tensor, *, num_tokens: int,
@@ -105,5 +114,6 @@ def critic_loss(critic: CriticConfig, mb: MicroBatch, values: torch.Tensor, *, n
     loss = critic.value_loss_coef * aggregate_loss(per_token, mask, mb.seq_ids, mode="token_mean",
                                                    num_tokens=max(num_tokens, 1), num_seqs=max(num_seqs, 1))
     n_local = mask.sum()
-    return loss, {"value_loss": loss.detach(), "value_clipfrac": m["value_clip_frac"] * n_local,
-                  "loss_tokens": n_local}
+    return _nan_reaches_gradient(loss, values), {"value_loss": loss.detach(),
+                                                 "value_clipfrac": m["value_clip_frac"] * n_local,
+                                                 "loss_tokens": n_local}

@@ -1,5 +1,6 @@
-"""Run on 2 ranks by tests/test_faults.py: a loss that turns NaN or inf skips the optimizer step on every
-rank together (weights unchanged, counted), and train.max_skipped_steps skips in a row stop the run.
+"""Run on 2 ranks by tests/test_faults.py: a loss that turns NaN or inf (or NaN pi_old in one sample) skips the
+optimizer step on every rank together (weights unchanged, counted), and train.max_skipped_steps skips in a row
+stop the run.
 
     torchrun --standalone --nproc_per_node 2 tests/dist/fault_checks.py MODEL_DIR OUT_DIR
 """
@@ -41,6 +42,15 @@ def main() -> None:
     unchanged = all(torch.equal(before[n], t) for n, t in state().items())
     good = actor.train_step(batch, functools.partial(actor_loss, cfg.algo))  # resets the run of skips
     moved = any(not torch.equal(before[n], t) for n, t in state().items())
+    # NaN pi_old in one sample of rank 1: clipping passes no gradient through a NaN, yet the step must be skipped
+    kept = batch.samples[0].old_logprobs
+    if dims.dp_rank == 1:
+        batch.samples[0].old_logprobs = kept * float("nan")
+    before_nan = state()
+    nan_input = actor.train_step(batch, functools.partial(actor_loss, cfg.algo))
+    nan_input_unchanged = all(torch.equal(before_nan[n], t) for n, t in state().items())
+    batch.samples[0].old_logprobs = kept
+    actor.train_step(batch, functools.partial(actor_loss, cfg.algo))
     actor.train_step(batch, functools.partial(poisoned, cfg.algo, 0))
     error = None
     try:
@@ -50,7 +60,8 @@ def main() -> None:
     if dims.is_main:
         (out / "result.json").write_text(json.dumps({
             "skipped": skipped["train/skipped_steps"], "grad_norm": skipped["train/grad_norm"],
-            "unchanged": unchanged, "good_skipped": good["train/skipped_steps"], "moved": moved, "error": error}))
+            "unchanged": unchanged, "good_skipped": good["train/skipped_steps"], "moved": moved, "error": error,
+            "nan_input_skipped": nan_input["train/skipped_steps"], "nan_input_unchanged": nan_input_unchanged}))
 
 
 if __name__ == "__main__":
