@@ -135,6 +135,17 @@ def test_a_model_directory_without_config_or_tokenizer_says_what_is_missing(tmp_
         load_tokenizer(ModelConfig(path=str(no_conf)))
 
 
+def test_a_weights_file_cut_short_is_named(tmp_path):
+    from slime.config import ModelConfig
+    from slime.models.loading import load_model
+
+    src = make_tiny_model(tmp_path / "m", arch="qwen3", seed=0)
+    weights = src / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"model.safetensors \(\d+ bytes\) cannot be read: .*cut short or corrupt"):
+        load_model(ModelConfig(path=str(src)), attn_implementation="sdpa")
+
+
 def test_an_export_replaces_an_earlier_one_with_other_shards(tmp_path):
     from slime.models.export import save_hf_dir
 

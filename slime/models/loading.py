@@ -27,6 +27,21 @@ def check_model_path(cfg: ModelConfig) -> None:
                                 "the weights and the tokenizer (or set model.gguf_file for a GGUF model)")
 
 
+def check_weight_files(cfg: ModelConfig) -> None:
+    """Each safetensors file's header against its size: a file cut short (a copy or a download that stopped)
+    fails here by name, not as safetensors' bare 'incomplete metadata' from inside from_pretrained."""
+    from safetensors import SafetensorError, safe_open
+
+    for f in sorted(Path(cfg.path).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except SafetensorError as e:
+            raise ValueError(f"model.path={cfg.path}: {f.name} ({f.stat().st_size} bytes) cannot be read: {e}. The file "
+                             "is cut short or corrupt (a copy or download that stopped?); copy or export it again") \
+                from None
+
+
 def context_length(cfg: ModelConfig) -> int | None:
     """The model's `max_position_embeddings` (of its text model, for an image-text one); None if not stated."""
     path = Path(cfg.path) / "config.json"
@@ -68,6 +83,7 @@ def load_model(cfg: ModelConfig, *, attn_implementation: str, dtype: torch.dtype
                backbone_only: bool = False) -> tuple[PreTrainedModel, ModelAdapter]:
     """The model and its family's adapter (which also checks the weight names against the checkpoint)."""
     check_model_path(cfg)
+    check_weight_files(cfg)
     adapter = adapter_for(cfg)
     model = adapter.load(cfg, attn_implementation=attn_implementation, dtype=dtype or resolve_dtype(cfg.dtype),
                          backbone_only=backbone_only)
