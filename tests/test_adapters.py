@@ -95,6 +95,19 @@ def test_identity_names_for_a_converted_family_fail_at_load_naming_the_key(model
     get_adapter("qwen3_moe").check_checkpoint(model, models["qwen3_moe"])  # the real adapter passes
 
 
+def test_a_checkpoint_without_its_output_layer_says_what_may_be_wrong(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = make_tiny_model(tmp_path / "m", arch="qwen3", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(src)
+    weights = load_file(src / "model.safetensors")
+    weights.pop("lm_head.weight")
+    save_file(weights, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'lm_head.weight' .* the checkpoint lacks it: an incomplete export or copy\? "
+                                         r"A model whose output layer .* tie_word_embeddings: true"):
+        get_adapter("qwen3").check_checkpoint(model, src)
+
+
 def test_unknown_family_gets_identity_names():
     adapter = get_adapter("some_new_arch")
     assert not adapter.convert and adapter.positions == "1d"

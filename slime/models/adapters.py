@@ -199,10 +199,14 @@ class ModelAdapter:
         for name, shape in sorted(ours.items()):
             if name not in on_disk:
                 close = [k for k in on_disk if k.split(".")[-2:] == name.split(".")[-2:]][:1]
+                fix = ("the names differ: add or fix the family's entry in slime/models/adapters.py" if close else
+                       "the checkpoint lacks it: an incomplete export or copy?" +
+                       (" A model whose output layer shares the embedding's weights says tie_word_embeddings: true "
+                        "in config.json" if "lm_head" in name else ""))
                 raise ValueError(
                     f"model.path={path}: weight '{name}' (as the {self.family!r} adapter names it) is not in the "
                     f"checkpoint{f'; the checkpoint has e.g. {close[0]!r}' if close else ''}. Engines would drop it "
-                    "silently. Add or fix the family's entry in slime/models/adapters.py")
+                    f"silently; {fix}")
             if tuple(on_disk[name]) != shape:
                 raise ValueError(f"model.path={path}: weight '{name}' has shape {list(shape)} in memory after "
                                  f"conversion but {list(on_disk[name])} in the checkpoint (slime/models/adapters.py)")
