@@ -22,3 +22,16 @@ def test_disabled_logger_writes_nothing(tmp_path):
     log.log(0, {"x": 1.0})
     log.close()
     assert not (tmp_path / "r").exists()
+
+
+def test_a_metric_that_is_not_finite_is_written_as_null_so_every_json_reader_takes_the_line(tmp_path):
+    log = MetricsLogger(LogConfig(run_dir=str(tmp_path / "run")), run_config={}, enabled=True, total_steps=1)
+    log.log(1, {"train/loss": float("nan"), "train/grad_norm": float("inf"), "rollout/reward_mean": 0.5})
+    log.close()
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    line = (tmp_path / "run/metrics.jsonl").read_text().splitlines()[0]
+    assert json.loads(line, parse_constant=refuse) == {"step": 1, "train/loss": None, "train/grad_norm": None,
+                                                       "rollout/reward_mean": 0.5}

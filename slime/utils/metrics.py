@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -49,7 +50,7 @@ class MetricsLogger:
             for record in kept:
                 for key, value in record.items():
                     if key != "step":
-                        self._tb.add_scalar(key, value, resume_step)
+                        self._tb.add_scalar(key, float("nan") if value is None else value, resume_step)
 
     def _truncate(self, resume_step: int | None) -> list[dict]:
         """Keep only what the resumed run will not log again: the records up to `resume_step`, its evaluation
@@ -104,7 +105,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
+        # NaN and inf are not JSON (Python writes them, jq and most readers refuse the line): null, as pandas writes
+        self._file.write(json.dumps({k: v if math.isfinite(v) else None for k, v in record.items()}) + "\n")
         self._file.flush()
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)

@@ -20,7 +20,7 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path, keys: list[str]
     import matplotlib.pyplot as plt
 
     rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
-    series = {k: [(r["step"], r[k]) for r in rows if k in r] for k in keys}
+    series = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in keys}  # null: not finite
     series = {k: v for k, v in series.items() if v}
     if not series:
         return None
