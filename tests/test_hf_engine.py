@@ -368,3 +368,14 @@ def test_more_samples_per_prompt_than_batch_rows_run_in_chunks_of_the_batch(engi
     engine._seeded = None
     assert [[g.response_ids for g in p] for p in engine.generate(PROMPTS[:1], sampled)] == first
     assert len(first[0]) == 10 and len({tuple(t) for t in first[0]}) > 4  # later chunks did not repeat the first
+
+
+def test_stop_ids_past_the_vocabulary_are_refused(tiny_model):
+    from slime.models.loading import check_stop_ids, text_config_value
+
+    cfg = ModelConfig(path=str(tiny_model))
+    vocab = text_config_value(cfg, "vocab_size")
+    check_stop_ids(cfg, [0, vocab - 1])
+    with pytest.raises(ValueError, match=rf"rollout.stop_token_ids=\[5, {vocab}\]: \[{vocab}\] are past the model's "
+                                         rf"vocabulary of {vocab} tokens"):
+        check_stop_ids(cfg, [5, vocab])

@@ -42,14 +42,29 @@ def check_weight_files(cfg: ModelConfig) -> None:
                 from None
 
 
-def context_length(cfg: ModelConfig) -> int | None:
-    """The model's `max_position_embeddings` (of its text model, for an image-text one); None if not stated."""
+def text_config_value(cfg: ModelConfig, key: str) -> int | None:
+    """An integer of the model's config.json (of its text model, for an image-text one); None if not stated."""
     path = Path(cfg.path) / "config.json"
     if cfg.gguf_file is not None or not path.is_file():
         return None
     conf = json.loads(path.read_text())
-    value = conf.get("max_position_embeddings") or (conf.get("text_config") or {}).get("max_position_embeddings")
+    value = conf.get(key) or (conf.get("text_config") or {}).get(key)
     return int(value) if value else None
+
+
+def context_length(cfg: ModelConfig) -> int | None:
+    """The model's `max_position_embeddings`; None if not stated."""
+    return text_config_value(cfg, "max_position_embeddings")
+
+
+def check_stop_ids(cfg: ModelConfig, stop_ids) -> None:
+    """rollout.stop_token_ids past the model's vocabulary could never be generated: a stop that never stops."""
+    vocab = text_config_value(cfg, "vocab_size")
+    bad = [t for t in stop_ids if vocab is not None and t >= vocab]
+    if bad:
+        raise ValueError(f"rollout.stop_token_ids={list(stop_ids)}: {bad} are past the model's vocabulary of {vocab} "
+                         f"tokens (vocab_size in {cfg.path}/config.json), so they never end a response; give ids of "
+                         "this model's tokenizer")
 
 
 def warn_past_context(cfg: ModelConfig, longest_prompt: int, max_new_tokens: int, logger) -> bool:
