@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from slime.config import describe, load_config
 
@@ -42,6 +44,9 @@ def main(argv: list[str] | None = None) -> None:
 
     setup_logging()
     run(cfg)
+    mark = os.environ.get("SLIME_DONE_FILE")  # run.sh's: exit code 0 without it is a process that ended early
+    if mark and os.environ.get("RANK", "0") == "0":
+        Path(mark).write_text("finished\n")
     leave()  # every rank finished: part from the others before the interpreter tears the groups down
 
 

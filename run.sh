@@ -62,6 +62,9 @@ echo "run.sh: $nproc rank(s) on $([[ $gpus -gt 0 ]] && echo GPU || echo CPU/gloo
 # hands it to every rank: each finishes its step, saves a checkpoint and exits non-zero. A second
 # signal is passed on too, and the ranks exit at once. (DeepSpeed's outer runner would die on the
 # signal without passing it on, leaving the ranks running.)
+# Rank 0 writes this file when the run has finished: every rank exiting 0 without it (os._exit(0) in a reward or
+# generate function ends a process before any handler runs) is a failure, not a success to the scheduler.
+export SLIME_DONE_FILE=$(mktemp -u "${TMPDIR:-/tmp}/slime-done.XXXXXX")
 set -m +e
 deepspeed --num_gpus "$nproc" --master_port "${MASTER_PORT:-29500}" run.py --config "$config" "$@" &
 launcher=$!
@@ -81,4 +84,10 @@ done
 wait "$launcher" 2>/dev/null
 last=$?
 [[ $last -ne 127 ]] && status=$last  # 127: already reaped above
+if [[ $status -eq 0 && ! -f $SLIME_DONE_FILE ]]; then
+  echo "run.sh: every rank exited with code 0, but the run did not finish (rank 0 never reached the end): a process" \
+    "ended early without an error, e.g. os._exit() in a reward or generate function; see the log above" >&2
+  status=1
+fi
+rm -f "$SLIME_DONE_FILE"
 exit "$status"

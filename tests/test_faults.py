@@ -405,6 +405,23 @@ def test_a_reward_function_that_calls_sys_exit_0_fails_the_run(model, task_dir, 
     assert f"{where}: user code called sys.exit(0)" in proc.stdout + proc.stderr
 
 
+def test_a_run_whose_processes_end_early_with_exit_code_0_fails_under_run_sh(model, task_dir, tmp_path):
+    """os._exit(0) in a reward function ends every rank with code 0 and no step: run.sh sees no completion mark."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "MASTER_PORT": str(29400 + os.getpid() % 500)}
+    common = [f"model.path={model}", f"data.path={task_dir / 'train.jsonl'}", "eval.path=null",
+              "rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=6",
+              "train.max_tokens_per_gpu=64", "train.num_steps=1", "checkpoint.export_hf=false"]
+    proc = subprocess.run(["bash", str(REPO / "run.sh"), str(REPO / "examples/cpu_tiny_grpo.yaml"), *common,
+                           f"log.run_dir={tmp_path / 'early'}", "rollout.reward.fn=e2e_rewards:os_exits"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "every rank exited with code 0, but the run did not finish" in proc.stderr
+    ok = subprocess.run(["bash", str(REPO / "run.sh"), str(REPO / "examples/cpu_tiny_grpo.yaml"), *common,
+                         f"log.run_dir={tmp_path / 'ok'}", "rollout.reward.fn=e2e_rewards:digit_fraction"],
+                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert ok.returncode == 0 and "did not finish" not in ok.stderr, ok.stderr[-3000:]
+
+
 def test_a_resume_keeps_the_evaluation_of_its_step_and_evaluates_where_due(model, task_dir, tmp_path):
     """The first run evaluated its last step (2); resumed with more steps, that record stays, once, and the step is
     not evaluated again (the evaluation was cut from the history and made only where due: raising num_steps lost
