@@ -11,6 +11,7 @@ One server is shared by the module (started once) and the GRPO run starts one mo
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import http.server
 import json
 import os
@@ -725,3 +726,7 @@ def test_abandon_drops_queued_requests_and_aborts_the_running_one():
     assert time.monotonic() - t < 10 and not caller.is_alive()
     assert [p for p, _ in posted] == ["/generate", "/abort_request"]  # the two queued requests never went out
     assert type(out["error"]).__name__ == "CancelledError"  # the call fails: its queued requests were dropped
+    # abandon() may land while generate() is still queuing (the first request can start before the last is
+    # queued): a call that queues on the abandoned engine fails the same way, not with the pool's RuntimeError.
+    with pytest.raises(concurrent.futures.CancelledError, match="abandoned"):
+        engine.generate([[4]], SamplingParams(2))

@@ -193,8 +193,9 @@ class SGLangEngine:
             self._calls.add(call)
         jobs = []
         try:
-            jobs = [self._pool.submit(self._generate_one, call, list(p), sampling, data)
-                    for p, data in zip(prompts, images) for _ in range(params.n)]
+            for p, data in zip(prompts, images):
+                for _ in range(params.n):
+                    jobs.append(self._submit(call, list(p), sampling, data))
             _wait_for_all_or_a_failure(jobs)  # a failure ends the call at once, not after the jobs before it
             for job in jobs:
                 if job.done() and (job.cancelled() or job.exception() is not None):
@@ -212,6 +213,14 @@ class SGLangEngine:
         self._stats["gen_s"] += time.monotonic() - start
         self.events.append(("generate", len(flat)))
         return [flat[i * params.n:(i + 1) * params.n] for i in range(len(prompts))]
+
+    def _submit(self, call: "_Call", prompt: list[int], sampling: dict,
+                image_data: list[str] | None) -> concurrent.futures.Future:
+        try:
+            return self._pool.submit(self._generate_one, call, prompt, sampling, image_data)
+        except RuntimeError:  # the pool was shut down under this call (abandon() from another thread)
+            raise concurrent.futures.CancelledError(
+                "this SGLang engine was abandoned (after an error) while generate() was queuing requests") from None
 
     def _new_rid(self, call: "_Call", old: str | None = None) -> str:
         rid = f"slime-r{self.dims.rank}-{next(self._rid)}"
