@@ -37,12 +37,13 @@ def task_dir(tmp_path_factory) -> Path:
 
 def run_ranks(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = REPO,
               env: dict | None = None) -> subprocess.CompletedProcess:
-    """Launch `args` (a script and its arguments) on `nproc` CPU ranks over gloo with torchrun; `env` adds
-    variables to this process's environment."""
+    """Launch `args` (a script and its arguments) on `nproc` CPU ranks over gloo (tests/spawn_ranks.py: the
+    launch DeepSpeed's launcher makes, without torchrun's start-up); `env` adds variables to this process's
+    environment."""
     env = dict(os.environ, **(env or {}))
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    cmd = [sys.executable, str(REPO / "tests/spawn_ranks.py"), str(nproc), *args]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")

@@ -75,8 +75,8 @@ def launch(model, task_dir, run_dir, *overrides, nproc=2, check=True, timeout=60
         return run_ranks(args, nproc=nproc, timeout=timeout)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1",
            **(env or {})}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, str(REPO / "tests/spawn_ranks.py"), str(nproc), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_a_run_whose_rewards_overflow_stops_with_the_message(model, task_dir, tmp_path):
