@@ -14,17 +14,17 @@ DEFAULT_KEYS = ["rollout/reward_mean", "eval/accuracy", "eval/reward_mean", "rol
 
 def plot_metrics(metrics_path: str | Path, out_path: str | Path, keys: list[str] = DEFAULT_KEYS) -> Path | None:
     """Write the PNG; panels only for keys that appear in the file. Returns the path (None if nothing to plot)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A Figure of its own, not pyplot: no global backend switch in the caller's process (a notebook keeps its
+    # own), no figure registry to close, and ~0.3 s less to import at the end of every run.
+    from matplotlib.figure import Figure
 
     rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
     series = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in keys}  # null: not finite
     series = {k: v for k, v in series.items() if v}
     if not series:
         return None
-    fig, axes = plt.subplots(len(series), 1, figsize=(7, 2.2 * len(series)), sharex=True, squeeze=False)
+    fig = Figure(figsize=(7, 2.2 * len(series)))
+    axes = fig.subplots(len(series), 1, sharex=True, squeeze=False)
     for ax, (key, points) in zip(axes[:, 0], series.items()):
         xs, ys = zip(*points)
         ax.plot(xs, ys, marker="o", markersize=3)
@@ -34,7 +34,6 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path, keys: list[str]
     axes[-1, 0].set_xlabel("training step")
     fig.tight_layout()
     fig.savefig(out_path, dpi=110)
-    plt.close(fig)
     return Path(out_path)
 
 
