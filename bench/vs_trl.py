@@ -125,17 +125,24 @@ def worker_trl(model: Path, data: Path, out: Path, steps: int, threads: int, com
     out.joinpath("trl.json").write_text(json.dumps({"times": times, "response_len": lengths}))
 
 
+OUR_CONFIG = REPO / "examples/cpu_tiny_grpo.yaml"
+
+
+def our_overrides(model: Path, data: Path, run_dir: Path, steps: int, extra: list[str]) -> list[str]:
+    """The bench's settings over OUR_CONFIG (tests/test_bench.py loads them: a config check must not break it)."""
+    return [f"model.path={model}", f"data.path={data}", f"log.run_dir={run_dir}", "data.apply_chat_template=false",
+            "data.shuffle=false", f"rollout.batch_size={PROMPTS}", f"rollout.n_samples_per_prompt={SAMPLES}",
+            f"rollout.max_response_len={NEW_TOKENS}", "rollout.ignore_eos=true", "rollout.temperature=1.0",
+            "rollout.reward.fn=bench.vs_trl:digit_reward", f"train.num_steps={steps}", f"train.lr={LR}",
+            "train.min_lr=0", "train.warmup_steps=0", "train.max_tokens_per_gpu=16384", "eval.path=null",
+            "checkpoint.export_hf=false", "checkpoint.save_final=false", "checkpoint.interval=0", *extra]
+
+
 def run_ours(model: Path, data: Path, out: Path, steps: int, extra: list[str], ranks: int = 1) -> dict:
     run_dir = out / f"ours{ranks}{''.join(Path(e.split('=')[-1]).stem for e in extra)}"
     launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={ranks}"]
-    cmd = [*launch, str(REPO / "run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"),
-           f"model.path={model}", f"data.path={data}", f"log.run_dir={run_dir}", "data.apply_chat_template=false",
-           "data.shuffle=false", f"rollout.batch_size={PROMPTS}", f"rollout.n_samples_per_prompt={SAMPLES}",
-           f"rollout.max_response_len={NEW_TOKENS}", "rollout.ignore_eos=true", "rollout.temperature=1.0", "rollout.reward.fn=bench.vs_trl:digit_reward",
-           f"train.num_steps={steps}", f"train.lr={LR}", "train.warmup_steps=0", "train.max_tokens_per_gpu=16384",
-           "eval.path=null", "checkpoint.export_hf=false", "checkpoint.save_final=false", "checkpoint.interval=0",
-           *extra]
+    cmd = [*launch, str(REPO / "run.py"), "--config", str(OUR_CONFIG), *our_overrides(model, data, run_dir, steps, extra)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     log = run_dir.with_suffix(".log")
     with open(log, "w") as f:

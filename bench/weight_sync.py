@@ -40,12 +40,20 @@ def memcpy_gb_per_s(nbytes: int, reps: int = 7) -> float:
     return nbytes / 2**30 / statistics.median(times)
 
 
+CONFIG = REPO / "examples/cpu_tiny_grpo.yaml"
+
+
+def overrides(model: Path, data: Path, run_dir: Path, steps: int, engine: list[str]) -> list[str]:
+    """The bench's settings over CONFIG (tests/test_bench.py loads them: a config check must not break it)."""
+    return [f"model.path={model}", f"data.path={data}", f"log.run_dir={run_dir}", "data.apply_chat_template=false",
+            "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_response_len=8",
+            "rollout.reward.fn=exact_match", f"train.num_steps={steps}", "train.lr=1e-5", "train.min_lr=0",
+            "eval.path=null", "checkpoint.export_hf=false", "checkpoint.save_final=false", "checkpoint.interval=0",
+            *engine]
+
+
 def run(model: Path, data: Path, run_dir: Path, steps: int, engine: list[str]) -> list[dict]:
-    cmd = [sys.executable, str(REPO / "run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"),
-           f"model.path={model}", f"data.path={data}", f"log.run_dir={run_dir}", "data.apply_chat_template=false",
-           "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_response_len=8",
-           "rollout.reward.fn=exact_match", f"train.num_steps={steps}", "train.lr=1e-5", "eval.path=null",
-           "checkpoint.export_hf=false", "checkpoint.save_final=false", "checkpoint.interval=0", *engine]
+    cmd = [sys.executable, str(REPO / "run.py"), "--config", str(CONFIG), *overrides(model, data, run_dir, steps, engine)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     log = run_dir.with_suffix(".log")
     with open(log, "w") as f:

@@ -379,7 +379,7 @@ class TrainConfig:
                 or self.warmup_steps < 0:
             raise ValueError(f"train.lr={self.lr}, train.min_lr={self.min_lr}, train.weight_decay={self.weight_decay}, "
                              f"train.grad_clip={self.grad_clip} and train.warmup_steps={self.warmup_steps} must be >= 0")
-        if self.min_lr > self.lr:
+        if self.lr_schedule == "cosine" and self.min_lr > self.lr:  # a constant schedule never reads min_lr
             raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}: the schedule would climb to it "
                              "instead of decaying; min_lr is the floor the cosine decays to (<= train.lr)")
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1

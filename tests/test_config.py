@@ -52,7 +52,6 @@ def test_int_is_accepted_for_float():
     ("rollout.temperature=.nan", ["rollout.temperature=nan", "not a number"]),
     ("algo.entropy_coef=.nan", ["algo.entropy_coef=nan", "not a number"]),
     ("eval.accuracy_threshold=.nan", ["eval.accuracy_threshold=nan"]),
-    ("train.min_lr=0.01", ["train.min_lr=0.01 is above train.lr"]),
     ("train.betas=[0.9]", ["train.betas=[0.9]", "two numbers in [0, 1)"]),
     ("train.betas=[1.5,0.999]", ["train.betas=[1.5, 0.999]"]),
     ("algo.kl_coef=-1", ["algo.kl_coef=-1.0 must be >= 0"]),
@@ -62,6 +61,13 @@ def test_bad_config_names_key(override, words):
         load_config(None, BASE + [override])
     for word in words:
         assert word in str(err.value)
+
+
+def test_min_lr_above_lr_is_refused_where_the_schedule_decays_to_it():
+    with pytest.raises(ValueError, match="train.min_lr=0.01 is above train.lr=0.001"):
+        load_config(None, BASE + ["train.lr=1e-3", "train.min_lr=0.01", "train.lr_schedule=cosine"])
+    # a constant schedule never reads min_lr: an example's min_lr does not refuse a lower train.lr there
+    assert load_config(None, BASE + ["train.lr=1e-3", "train.min_lr=0.01", "train.lr_schedule=constant"]).train.lr == 1e-3
 
 
 @pytest.mark.parametrize("overrides, words", [
