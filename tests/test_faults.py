@@ -65,18 +65,17 @@ def test_a_nan_loss_on_one_rank_skips_the_step_everywhere_and_repeated_skips_sto
     assert "2 consecutive optimizer steps of the actor had a non-finite loss or gradient" in r["error"]
 
 
-def launch(model, task_dir, run_dir, *overrides, nproc=2, check=True, timeout=600, env=None):
-    args = [str(REPO / "run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"), f"model.path={model}",
-            f"data.path={task_dir / 'train.jsonl'}", f"log.run_dir={run_dir}", "eval.path=null",
+def job_overrides(model, task_dir, run_dir) -> list[str]:
+    """The tiny GRPO job of these tests, over examples/cpu_tiny_grpo.yaml."""
+    return [f"model.path={model}", f"data.path={task_dir / 'train.jsonl'}", f"log.run_dir={run_dir}", "eval.path=null",
             "rollout.reward.fn=e2e_rewards:digit_fraction", "rollout.batch_size=4", "rollout.n_samples_per_prompt=4",
-            "rollout.max_response_len=6", "train.lr=5e-3", "train.max_tokens_per_gpu=64", *overrides]
-    if check:
-        assert env is None, "env: with check=False"
-        return run_ranks(args, nproc=nproc, timeout=timeout)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), "OMP_NUM_THREADS": "1",
-           **(env or {})}
-    return subprocess.run([sys.executable, str(REPO / "tests/spawn_ranks.py"), str(nproc), *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+            "rollout.max_response_len=6", "train.lr=5e-3", "train.max_tokens_per_gpu=64"]
+
+
+def launch(model, task_dir, run_dir, *overrides, nproc=2, check=True, timeout=600, env=None):
+    args = [str(REPO / "run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"),
+            *job_overrides(model, task_dir, run_dir), *overrides]
+    return run_ranks(args, nproc=nproc, timeout=timeout, env=env, check=check)
 
 
 def test_a_run_whose_rewards_overflow_stops_with_the_message(model, task_dir, tmp_path):
@@ -238,13 +237,15 @@ def test_the_logged_lr_is_the_one_used_and_a_longer_resumed_run_follows_its_own_
 
 # -- signals ----------------------------------------------------------------------------------------------------
 
-def start_run_sh(model, task_dir, run_dir):
+def run_sh(model, task_dir, run_dir, *overrides) -> tuple[list[str], dict]:
+    """The command and environment that run the tiny job through run.sh (DeepSpeed's launcher), as a user would."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "MASTER_PORT": str(29400 + os.getpid() % 500)}
-    cmd = ["bash", str(REPO / "run.sh"), str(REPO / "examples/cpu_tiny_grpo.yaml"), f"model.path={model}",
-           f"data.path={task_dir / 'train.jsonl'}", f"log.run_dir={run_dir}", "eval.path=null",
-           "rollout.reward.fn=e2e_rewards:digit_fraction", "rollout.batch_size=4", "rollout.n_samples_per_prompt=4",
-           "rollout.max_response_len=6", "train.lr=5e-3", "train.max_tokens_per_gpu=64", "train.num_steps=6",
-           "checkpoint.interval=1", "checkpoint.export_hf=true"]
+    return ["bash", str(REPO / "run.sh"), str(REPO / "examples/cpu_tiny_grpo.yaml"),
+            *job_overrides(model, task_dir, run_dir), *overrides], env
+
+
+def start_run_sh(model, task_dir, run_dir):
+    cmd, env = run_sh(model, task_dir, run_dir, "train.num_steps=6", "checkpoint.interval=1", "checkpoint.export_hf=true")
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -407,18 +408,13 @@ def test_a_reward_function_that_calls_sys_exit_0_fails_the_run(model, task_dir, 
 
 def test_a_run_whose_processes_end_early_with_exit_code_0_fails_under_run_sh(model, task_dir, tmp_path):
     """os._exit(0) in a reward function ends every rank with code 0 and no step: run.sh sees no completion mark."""
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "MASTER_PORT": str(29400 + os.getpid() % 500)}
-    common = [f"model.path={model}", f"data.path={task_dir / 'train.jsonl'}", "eval.path=null",
-              "rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=6",
-              "train.max_tokens_per_gpu=64", "train.num_steps=1", "checkpoint.export_hf=false"]
-    proc = subprocess.run(["bash", str(REPO / "run.sh"), str(REPO / "examples/cpu_tiny_grpo.yaml"), *common,
-                           f"log.run_dir={tmp_path / 'early'}", "rollout.reward.fn=e2e_rewards:os_exits"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    common = ("train.num_steps=1", "checkpoint.export_hf=false")
+    cmd, env = run_sh(model, task_dir, tmp_path / "early", *common, "rollout.reward.fn=e2e_rewards:os_exits")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "every rank exited with code 0, but the run did not finish" in proc.stderr
-    ok = subprocess.run(["bash", str(REPO / "run.sh"), str(REPO / "examples/cpu_tiny_grpo.yaml"), *common,
-                         f"log.run_dir={tmp_path / 'ok'}", "rollout.reward.fn=e2e_rewards:digit_fraction"],
-                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    cmd, env = run_sh(model, task_dir, tmp_path / "ok", *common)
+    ok = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert ok.returncode == 0 and "did not finish" not in ok.stderr, ok.stderr[-3000:]
 
 

@@ -193,7 +193,7 @@ class SGLangEngine:
             self._calls.add(call)
         jobs = []
         try:
-            for p, data in zip(prompts, images):
+            for p, data in zip(prompts, images):  # a loop, so a submit that fails leaves `jobs` to cancel
                 for _ in range(params.n):
                     jobs.append(self._submit(call, list(p), sampling, data))
             _wait_for_all_or_a_failure(jobs)  # a failure ends the call at once, not after the jobs before it

@@ -15,7 +15,7 @@ DEFAULT_KEYS = ["rollout/reward_mean", "eval/accuracy", "eval/reward_mean", "rol
 def plot_metrics(metrics_path: str | Path, out_path: str | Path, keys: list[str] = DEFAULT_KEYS) -> Path | None:
     """Write the PNG; panels only for keys that appear in the file. Returns the path (None if nothing to plot)."""
     # A Figure of its own, not pyplot: no global backend switch in the caller's process (a notebook keeps its
-    # own), no figure registry to close, and ~0.3 s less to import at the end of every run.
+    # own), no figure registry to close, a little less to import at the end of every run.
     from matplotlib.figure import Figure
 
     rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
