@@ -10,9 +10,9 @@ ignored on both sides: ours rollout.ignore_eos, TRL min_new_tokens), one optimiz
 which keeps the whole model on every rank, as TRL does); --recompute adds ours with the separate
 old-logprob forward (algo.old_logprobs=recompute); --compile adds both with torch.compile (ours
 train.compile=true on ZeRO-2, TRL torch_compile=True; each pays its compile in step 1, outside the median);
---kernels adds each side on the other's linear kernels (ours runs fp32 linears on oneDNN by default,
-model.cpu_linear; TRL on torch's F.linear, i.e. MKL), to show what the kernel gives and what the rest does;
-TRL on oneDNN also gets our malloc settings (train.cpu_malloc=retain), so that only the design differs.
+--kernels adds ours on the linear kernel that model.cpu_linear=auto does not pick (auto: oneDNN on AMD,
+torch's F.linear, i.e. MKL, elsewhere) and TRL with its linears on oneDNN and our malloc settings
+(train.cpu_malloc=retain), to show what the kernel gives and what the rest of the design does.
 Runs alternate (TRL, ours, ..., then again) so machine load hits all alike; each reports the median step time
 of steps 2..N. --whole-machine adds TRL with 2 threads against ours with 2 ranks. Printed: the step times,
 the ratio ours/TRL against the issue's target, our breakdown (rollout / scoring+update / sync), and the FLOP
@@ -183,9 +183,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true",
                     help="also both with torch.compile: ours with train.compile=true on ZeRO-2, TRL with torch_compile=True")
     ap.add_argument("--kernels", action="store_true",
-                    help="also each side on the other's linear kernels: ours with model.cpu_linear=torch (MKL) on "
-                         "ZeRO-2, TRL with its nn.Linear layers on oneDNN (slime.models.onednn) and our malloc "
-                         "settings (slime.utils.cpu_malloc)")
+                    help="also ours on ZeRO-2 with the fp32 linear kernel model.cpu_linear=auto does not pick here "
+                         "(oneDNN or torch's MKL), and TRL with its nn.Linear layers on oneDNN (slime.models.onednn) "
+                         "and our malloc settings (slime.utils.cpu_malloc)")
     ap.add_argument("--worker-trl", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_trl:
@@ -202,8 +202,13 @@ def main() -> None:
     # The floor comes from the faster kernel, each at the best of three: a floor from a peak measured low (or from
     # a kernel slower than the machine allows) would flatter every efficiency.
     peak = max(max(p) for p in peaks.values())
+    from slime.models.onednn import resolve_cpu_linear
+
+    auto = resolve_cpu_linear("auto")
+    other = "torch" if auto == "onednn" else "onednn"
     print(f"1-thread fp32 matmul peak: {peak:.0f} GFLOP/s; torch's F.linear (MKL) "
-          f"{', '.join(f'{p:.0f}' for p in peaks['torch'])}, oneDNN {', '.join(f'{p:.0f}' for p in peaks['onednn'])}")
+          f"{', '.join(f'{p:.0f}' for p in peaks['torch'])}, oneDNN {', '.join(f'{p:.0f}' for p in peaks['onednn'])}; "
+          f"ours on {auto} (model.cpu_linear=auto)")
     for size in args.sizes.split(","):
         model = make_tiny_model(work / size, arch="qwen3", seed=0, heads=4, kv_heads=2, **SIZES[size])
         n = non_embedding_params(model)
@@ -218,8 +223,8 @@ def main() -> None:
         compiled = [ZERO2, "train.compile=true"]
         if args.kernels:
             runs["trl_onednn"] = (lambda o: run_trl(model, data, o, args.steps, onednn=True), False)
-            runs["ours_zero2_torch_linear"] = (lambda o: run_ours(model, data, o, args.steps,
-                                                                   [ZERO2, "model.cpu_linear=torch"]), False)
+            runs[f"ours_zero2_{other}_linear"] = (lambda o: run_ours(model, data, o, args.steps,
+                                                                     [ZERO2, f"model.cpu_linear={other}"]), False)
         if args.compile:
             runs["trl_compile"] = (lambda o: run_trl(model, data, o, args.steps, compile_model=True), False)
             runs["ours_zero2_compile"] = (lambda o: run_ours(model, data, o, args.steps, compiled), False)
@@ -256,7 +261,7 @@ def main() -> None:
                   f"efficiency {floor / t:.2f}{extra}")
         for name, base in (("ours", "trl"), ("ours_zero2", "trl"), ("ours_recompute", "trl"),
                            ("ours_zero2_compile", "trl"), ("ours_zero2_compile", "trl_compile"),
-                           ("ours_zero2_torch_linear", "trl"), ("ours_zero2", "trl_onednn"),
+                           ("ours_zero2_torch_linear", "trl"), ("ours_zero2_onednn_linear", "trl"), ("ours_zero2", "trl_onednn"),
                            ("ours_zero2_compile", "trl_onednn"),
                            ("ours_2_ranks", "trl_2_threads"), ("ours_zero2_2_ranks", "trl_2_threads"),
                            ("ours_zero2_compile_2_ranks", "trl_2_threads")):

@@ -33,9 +33,10 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = field("auto", "Training dtype; auto = bf16 on GPU, fp32 on CPU.")
     attn_implementation: Literal["auto", "packed_sdpa", "flash_attention_2"] = field(
         "auto", "Attention kernel for packed micro-batches; auto = flash-attn varlen on GPU when installed, else packed sdpa.")
-    cpu_linear: Literal["onednn", "torch"] = field(
-        "onednn", "fp32 linear layers on CPU (trainer and hf engine): oneDNN's kernels (AVX-512 where the CPU has "
-                  "it; 2-2.4x torch's MKL path on AMD CPUs, see bench/cpu_matmul.py) or torch's own F.linear.")
+    cpu_linear: Literal["auto", "onednn", "torch"] = field(
+        "auto", "fp32 linear layers on CPU (trainer and hf engine): oneDNN's kernels or torch's own F.linear (MKL); "
+                "auto = oneDNN on AMD CPUs (where MKL takes its AVX2 path: oneDNN 2-2.4x faster there) and torch's "
+                "elsewhere (on Intel MKL is 5-20% faster). bench/cpu_matmul.py compares both on a machine.")
     gradient_checkpointing: bool = field(False, "Recompute activations in backward to save memory.")
     trust_remote_code: bool = field(False, "Allow model code from the model directory.")
     min_pixels: int | None = field(None, "Image-text models: images are resized to at least this many pixels "

@@ -29,7 +29,7 @@ from transformers.cache_utils import DynamicLayer
 from slime.models.attention import GQA_SDPA
 from slime.models.decode_step import DecodeStep
 from slime.models.loading import load_model, resolve_dtype
-from slime.models.onednn import linear as onednn_linear, use_onednn_linears
+from slime.models.onednn import linear as onednn_linear, resolve_cpu_linear, use_onednn_linears
 from slime.multimodal.processor import MultimodalInputs, check_contexts
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
 
@@ -143,7 +143,8 @@ class HFEngine:
                  decode_step: bool = True):
         self.model, self.adapter = load_model(model_cfg, attn_implementation=GQA_SDPA, dtype=resolve_dtype(model_cfg.dtype))
         self.model.to(device).eval()
-        onednn = model_cfg.cpu_linear == "onednn" and use_onednn_linears(self.model, fallback=torch._C._nn.linear)
+        onednn = device.type == "cpu" and resolve_cpu_linear(model_cfg.cpu_linear) == "onednn" and \
+            use_onednn_linears(self.model, fallback=torch._C._nn.linear)
         if not onednn:
             plain_linear(self.model)
         # Text decode steps of Llama-family models skip HF's forward (slime/models/decode_step.py).

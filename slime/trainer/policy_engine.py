@@ -33,7 +33,7 @@ from slime.distributed.ulysses import SequenceShard, check_heads, register_ulyss
 from slime.models.attention import PACKED_SDPA, resolve_attn_implementation
 from slime.models.export import save_hf_dir
 from slime.models.loading import load_model, resolve_dtype
-from slime.models.onednn import use_onednn_linears
+from slime.models.onednn import resolve_cpu_linear, use_onednn_linears
 from slime.models.policy import PolicyModel, compile_layers
 from slime.rollout.weight_sync import iter_gathered_buckets
 from slime.trainer.layout import Layout, MiniBatch, RankBatch
@@ -94,10 +94,12 @@ class PolicyEngine:
             attention = register_ulysses_attention(attention, shard)
         hf, self.adapter = load_model(model, attn_implementation=attention, dtype=dtype, backbone_only=role == "critic")
         hf.config.use_cache = False
-        if model.cpu_linear == "onednn":
-            onednn = use_onednn_linears(hf)
-            if role == "actor" and dims.is_main and onednn and dims.device.type == "cpu":
-                logger.info("model.cpu_linear=onednn: %d linear layers run oneDNN's fp32 kernels on CPU", onednn)
+        if dims.device.type == "cpu":
+            kernel = resolve_cpu_linear(model.cpu_linear)
+            onednn = kernel == "onednn" and use_onednn_linears(hf)
+            if role == "actor" and dims.is_main:
+                logger.info("model.cpu_linear=%s: fp32 linear layers on CPU run %s", model.cpu_linear,
+                            f"oneDNN's kernels ({onednn} layers)" if onednn else "torch's F.linear (MKL)")
         if role != "reference" and model.gradient_checkpointing:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if train.compile:
