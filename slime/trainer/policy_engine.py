@@ -99,7 +99,7 @@ class PolicyEngine:
             onednn = kernel == "onednn" and use_onednn_linears(hf)
             if role == "actor" and dims.is_main:
                 logger.info("model.cpu_linear=%s: fp32 linear layers on CPU run %s", model.cpu_linear,
-                            f"oneDNN's kernels ({onednn} layers)" if onednn else "torch's F.linear (MKL)")
+                            f"oneDNN's kernels ({onednn} layers)" if onednn else "torch's F.linear")
         if role != "reference" and model.gradient_checkpointing:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if train.compile:
