@@ -20,7 +20,7 @@ LAYOUTS = {"1rank-packed": (1, []), "2ranks-packed": (2, []),
            # every linear on oneDNN (the tiny model's calls are all under its size threshold), against the
            # reference's torch linears: the custom autograd Function under ZeRO-3's gathers and releases, with
            # checkpointed layers recomputed in backward
-           "2ranks-onednn": (2, ["model.gradient_checkpointing=true"])}
+           "2ranks-onednn": (2, ["model.cpu_linear=onednn", "model.gradient_checkpointing=true"])}
 ENV = {"2ranks-onednn": {"SLIME_ONEDNN_MIN_MACS": "0"}}
 
 
@@ -72,7 +72,8 @@ def test_loss_and_grads_match_single_process_reference(checks, tiny_model, mode)
 
 
 def test_linears_take_onednn_where_told(checks, request):
-    """Under the size threshold (every other layout) torch's linear runs; with the threshold at 0, oneDNN's."""
+    """Under the size threshold (every other layout, whichever kernel cpu_linear=auto picks on this CPU) torch's
+    linear runs; with oneDNN asked for and the threshold at 0, oneDNN's."""
     _, result = checks
     assert (result["onednn_calls"] > 0) == ("onednn" in request.node.callspec.id), result["onednn_calls"]
 
