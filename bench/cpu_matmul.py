@@ -6,7 +6,8 @@ For the linear layers of a Qwen3 model of the given width (q/o: h x h, k/v: h x 
 and down: h x 2h and 2h x h, as bench/vs_trl.py's models), at 1 (one-token decode) to 4096 rows (a training
 micro-batch): GFLOP/s of the forward on each kernel, their ratio, and for the largest row count both backward
 matmuls (input and weight gradients). Also which kernel `slime.models.onednn.linear` picks (MIN_MACS), so the
-crossover it assumes can be checked on a new machine. Results are also compared to fp64 (max relative error).
+crossover it assumes can be checked on a new machine, and which kernel model.cpu_linear=auto runs on this CPU.
+Results are also compared to fp64 (max relative error).
 """
 from __future__ import annotations
 
@@ -40,7 +41,8 @@ def main() -> None:
     shapes = {"q/o": (h, h), "k/v": (h, h // 2), "gate/up": (h, 2 * h), "down": (2 * h, h)}
     mm = lambda a, b: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")  # noqa: E731  a @ b.T
     print(f"{args.threads} thread(s), fp32, hidden {h}; GFLOP/s torch (MKL) / oneDNN, and the kernel "
-          f"slime.models.onednn.linear picks (oneDNN from {onednn.MIN_MACS} multiply-adds)")
+          f"slime.models.onednn.linear picks (oneDNN from {onednn.MIN_MACS} multiply-adds); on this CPU "
+          f"({onednn.cpu_vendor()}) model.cpu_linear=auto runs {onednn.resolve_cpu_linear('auto')}")
     for rows in (1, 4, 16, 64, 256, 4096):
         cells = []
         for name, (k, n) in shapes.items():
