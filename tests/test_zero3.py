@@ -63,7 +63,9 @@ def test_loss_and_grads_match_single_process_reference(checks, tiny_model, mode)
     loss = reference_loss(model, samples, saved["old_logprobs"], mode)
     loss.backward()
     assert result["modes"][mode]["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-7)
-    assert result["modes"][mode]["ppo_kl_sum"] == pytest.approx(0.0, abs=1e-6)  # old == current before the step
+    # old == current before the step, to fp32 rounding: the scoring pass packs micro-batches under another budget,
+    # so its matmuls have other shapes (MKL's sgemm sums in another order: ~2e-6 here on an Intel CPU)
+    assert result["modes"][mode]["ppo_kl_sum"] == pytest.approx(0.0, abs=2e-5)
     assert result["modes"][mode]["micro_batches"] >= 2 * result["world"]  # the budget really split the batch
     # Packed micro-batches carry a shared prompt once (train.share_prompts), padded ones never.
     assert (result["modes"][mode]["shared_prompt_micro_batches"] > 0) == result["packing"]
