@@ -300,3 +300,66 @@ def test_extra_cost_counts_in_the_balance():
     assert all(len(r & {0, 1}) == 1 for r in ranks), heavy
     with pytest.raises(ValueError, match="extra_cost"):
         plan_micro_batches(lengths, max_tokens=1000, dp_size=2, extra_cost=[1.0])
+
+
+def _grpo_batch(seed: int, prompts: int = 12, n: int = 8, empty_every: int = 0):
+    """A GRPO-like batch: n samples per prompt, long prompts, short responses (some empty when empty_every);
+    -> (Samples, lengths, Prompts)."""
+    from slime.data.sample import Sample
+
+    rng = random.Random(seed)
+    samples = []
+    for g in range(prompts):
+        prompt = [rng.randint(5, 250) for _ in range(rng.randint(100, 400))]
+        for k in range(n):
+            r = 0 if empty_every and (g * n + k) % empty_every == 0 else rng.randint(1, 120)
+            samples.append(Sample(prompt_ids=prompt, response_ids=[rng.randint(5, 250) for _ in range(r)],
+                                  group_id=g))
+    rng.shuffle(samples)
+    lengths = [s.total_len for s in samples]
+    return samples, lengths, [(tuple(s.prompt_ids), len(s.prompt_ids)) for s in samples]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_micro_batch_tokens_are_the_tokens_build_micro_batch_lays_out(seed):
+    """The planner's count of a micro-batch with shared prompts against the builder's row, for random subsets
+    (siblings together and apart, empty responses, which keep their own prompt copy)."""
+    from slime.data.batch import build_micro_batch
+    from slime.data.packing import _Bin, micro_batch_tokens
+
+    samples, lengths, prompts = _grpo_batch(seed, prompts=4, n=6, empty_every=5)
+    rng = random.Random(seed)
+    for _ in range(10):
+        idx = rng.sample(range(len(samples)), rng.randint(1, len(samples)))
+        built = build_micro_batch(samples, sorted(idx), share_prompts=True)  # plans list a micro-batch in order
+        assert micro_batch_tokens(idx, lengths, prompts) == built.input_ids.numel()
+        assert micro_batch_tokens(idx, lengths) == sum(lengths[i] for i in idx)
+        b = _Bin()  # the planner's running count, sample by sample in any order
+        for i in idx:
+            b.add(i, lengths, prompts)
+            assert b.tokens == micro_batch_tokens(b.items, lengths, prompts)
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("dp", [1, 2, 3])
+def test_plans_with_shared_prompts_fill_micro_batches_by_the_tokens_they_hold(seed, dp):
+    from slime.data.packing import micro_batch_tokens, pack_each_rank
+
+    _, lengths, prompts = _grpo_batch(seed)
+    max_tokens = 2048
+    owners = [i * dp // len(lengths) for i in range(len(lengths))]
+    shared = plan_micro_batches(lengths, max_tokens=max_tokens, dp_size=dp, owners=owners, prompts=prompts)
+    plain = plan_micro_batches(lengths, max_tokens=max_tokens, dp_size=dp, owners=owners)
+    assert sorted(flatten_plan(shared)) == list(range(len(lengths)))
+    assert len({len(mbs) for mbs in shared}) == 1
+    for mbs in shared:
+        for mb in mbs:
+            assert mb and micro_batch_tokens(mb, lengths, prompts) <= max_tokens
+    assert len(shared[0]) < len(plain[0])  # 100-400-token prompts, 8 samples each: far fewer micro-batches
+    by_rank = [[i for mb in mbs for i in mb] for mbs in plain]
+    in_place = pack_each_rank([[lengths[i] for i in r] for r in by_rank], max_tokens=max_tokens,
+                              prompts_by_rank=[[prompts[i] for i in r] for r in by_rank])
+    for rank, mbs in enumerate(in_place):
+        local_lengths, local_prompts = [lengths[i] for i in by_rank[rank]], [prompts[i] for i in by_rank[rank]]
+        assert sorted(i for mb in mbs for i in mb) == list(range(len(by_rank[rank])))
+        assert all(micro_batch_tokens(mb, local_lengths, local_prompts) <= max_tokens for mb in mbs if mb)

@@ -115,8 +115,11 @@ def test_reference_never_changes(checks):
 
 def run_minibatch_checks(model, out, nproc, *overrides, env=None) -> dict:
     out.mkdir(parents=True)
+    # Without shared prompts: the samples' prompt counted once, their long siblings would share micro-batches, and
+    # no rank would be short of them (the case this checks).
     run_ranks([str(REPO / "tests/dist/minibatch_checks.py"), str(model), str(out), "train.num_mini_batches=2",
-               f"train.ds_config={stable_adam_ds_config(out)}", *overrides], nproc=nproc, env=env)
+               "train.share_prompts=false", f"train.ds_config={stable_adam_ds_config(out)}", *overrides], nproc=nproc,
+              env=env)
     return torch.load(out / "result.pt", weights_only=False)
 
 

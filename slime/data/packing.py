@@ -6,8 +6,9 @@ tokens are concatenated without padding (position ids reset per sample).
 
 Invariants of a plan returned by `plan_micro_batches` (asserted by tests/test_packing.py):
 1. Every index in `range(len(lengths))` appears exactly once across all ranks and micro-batches.
-2. Every micro-batch is non-empty and its summed length is <= `max_tokens` (with `allow_empty`, a
-   rank short of samples gets EMPTY micro-batches at the end, which the caller runs as dummy calls).
+2. Every micro-batch is non-empty and its tokens are <= `max_tokens`: its summed length, or with `prompts`
+   (shared prompts, slime/data/batch.py) `micro_batch_tokens`, a shared prompt counted once (with
+   `allow_empty`, a rank short of samples gets EMPTY micro-batches at the end, run as dummy calls).
 3. Every rank has the same number of micro-batches, and at least `min_micro_batches`:
    ZeRO-3 gathers parameters inside forward/backward, so a rank that ran one micro-batch fewer
    would leave the others waiting in a collective forever.
@@ -29,6 +30,63 @@ T = TypeVar("T")
 
 Plan = list[list[list[int]]]
 """plan[rank][micro_batch] = sample indices into the global batch."""
+
+Prompts = Sequence["tuple[Hashable, int] | None"]
+"""Per sample, (key, length) of its prompt where micro-batches carry a prompt once for all the samples in them
+that share it (slime/data/batch.py, share_prompts), or None for a sample that keeps its own copy."""
+
+
+def micro_batch_tokens(indices: Sequence[int], lengths: Sequence[int], prompts: Prompts | None = None) -> int:
+    """Tokens of a micro-batch as build_micro_batch lays it out from its indices in order (as plans list them):
+    with `prompts`, the samples of one prompt carry it once (its first sample has it; a sample with an empty
+    response keeps its own copy)."""
+    if prompts is None:
+        return sum(lengths[i] for i in indices)
+    tokens, seen = 0, set()
+    for i in sorted(indices):
+        shared = prompts[i]
+        if shared is not None and shared[0] in seen and lengths[i] > shared[1]:
+            tokens += lengths[i] - shared[1]
+        else:
+            tokens += lengths[i]
+            if shared is not None:
+                seen.add(shared[0])
+    return tokens
+
+
+class _Bin:
+    """A micro-batch being filled, its tokens kept as `micro_batch_tokens` counts them. Per prompt key:
+    [first sample (by index), whether it has a response, response tokens, samples without a response]; the
+    prompt's tokens in the bin are responses + P * (empty ones) + P if the first one has a response."""
+
+    def __init__(self) -> None:
+        self.items: list[int] = []
+        self.tokens = 0
+        self.keys: dict[Hashable, list] = {}
+
+    def _change(self, i: int, lengths: Sequence[int], prompts: Prompts) -> tuple[int, list | None]:
+        """(tokens added by sample i, the key's new state) without adding it."""
+        if prompts[i] is None:
+            return lengths[i], None
+        key, p = prompts[i]
+        r = lengths[i] - p
+        if key not in self.keys:
+            return lengths[i], [i, r > 0, r, int(r == 0)]
+        first, first_has, responses, empty = self.keys[key]
+        new = [i, r > 0, responses + r, empty + (r == 0)] if i < first else [first, first_has, responses + r,
+                                                                            empty + (r == 0)]
+        before = responses + p * empty + p * first_has
+        return new[2] + p * new[3] + p * new[1] - before, new
+
+    def added(self, i: int, lengths: Sequence[int], prompts: Prompts) -> int:
+        return self._change(i, lengths, prompts)[0]
+
+    def add(self, i: int, lengths: Sequence[int], prompts: Prompts) -> None:
+        tokens, state = self._change(i, lengths, prompts)
+        self.items.append(i)
+        self.tokens += tokens
+        if state is not None:
+            self.keys[prompts[i][0]] = state
 
 
 def default_cost(length: int, hidden_size: int = 4096) -> float:
@@ -53,6 +111,7 @@ def plan_micro_batches(
     owners: Sequence[int] | None = None,
     extra_cost: Sequence[float] | None = None,
     allow_empty: bool = False,
+    prompts: Prompts | None = None,
 ) -> Plan:
     """Assign samples to `dp_size` ranks (balanced compute) and pack each rank's share into
     the same number of non-empty micro-batches of at most `max_tokens` tokens.
@@ -64,6 +123,9 @@ def plan_micro_batches(
 
     `extra_cost`: per-sample cost on top of cost_fn(length), e.g. a vision tower's work on the
     sample's image patches (the patches' tokens are already in the length).
+
+    `prompts` (see `Prompts`): micro-batches carry a shared prompt once, and are filled by those tokens
+    (`micro_batch_tokens`) rather than by summed lengths. Balancing over ranks still counts whole lengths.
 
     Steps: Karmarkar-Karp largest differencing over units (samples, or whole groups) into
     `dp_size` parts with equal unit counts, refined by swaps between the heaviest and lightest
@@ -89,6 +151,8 @@ def plan_micro_batches(
     if owners is not None and (groups is not None or len(owners) != len(lengths)
                                or any(not 0 <= r < dp_size for r in owners)):
         raise ValueError("owners needs one rank in [0, dp_size) per sample and no groups")
+    if prompts is not None and len(prompts) != len(lengths):
+        raise ValueError(f"prompts has {len(prompts)} entries for {len(lengths)} samples")
     sample_cost = [float(cost_fn(length)) for length in lengths]
     if extra_cost is not None:
         if len(extra_cost) != len(lengths):
@@ -97,9 +161,11 @@ def plan_micro_batches(
     args = (lengths, sample_cost, max_tokens, dp_size, min_micro_batches)
     if groups is None:
         singles = [[i] for i in range(len(lengths))]
-        plan = ((owners is not None and _pack_per_rank(singles, sample_cost, *args, start=owners))
-                or _pack_per_rank(singles, sample_cost, *args) or _pack_globally(*args)
-                or (allow_empty and _pack_per_rank(singles, sample_cost, *args, start=owners, allow_empty=True))
+        plan = ((owners is not None and _pack_per_rank(singles, sample_cost, *args, start=owners, prompts=prompts))
+                or _pack_per_rank(singles, sample_cost, *args, prompts=prompts)
+                or _pack_globally(*args, prompts=prompts)
+                or (allow_empty and _pack_per_rank(singles, sample_cost, *args, start=owners, allow_empty=True,
+                                                   prompts=prompts))
                 or None)
     else:
         by_group: dict[Hashable, list[int]] = {}
@@ -111,8 +177,8 @@ def plan_micro_batches(
                 f"stays on one rank and every rank needs samples. Use fewer data-parallel ranks "
                 f"or more prompts per rollout batch.")
         units = list(by_group.values())  # first-seen order
-        plan = (_pack_per_rank(units, [sum(sample_cost[i] for i in u) for u in units], *args)
-                or _pack_per_rank(units, [float(len(u)) for u in units], *args, equal_count=False))
+        plan = (_pack_per_rank(units, [sum(sample_cost[i] for i in u) for u in units], *args, prompts=prompts)
+                or _pack_per_rank(units, [float(len(u)) for u in units], *args, equal_count=False, prompts=prompts))
     if plan is None:
         raise ValueError(
             f"cannot give each of {dp_size} ranks the same number (>= min_micro_batches="
@@ -134,7 +200,7 @@ def plan_micro_batches(
 def _pack_per_rank(units: list[list[int]], weights: Sequence[float], lengths: Sequence[int],
                    sample_cost: Sequence[float], max_tokens: int, dp_size: int, min_mb: int, *,
                    equal_count: bool = True, start: Sequence[int] | None = None,
-                   allow_empty: bool = False) -> Plan | None:
+                   allow_empty: bool = False, prompts: Prompts | None = None) -> Plan | None:
     """Balance unit weights over ranks (from scratch, or from the assignment `start`), then pack
     each rank; a rank short of samples: None, or (`allow_empty`) its micro-batches split as far as
     they go and empty ones after them. From `start`, a lone sample stays where it is (moving it would
@@ -148,7 +214,7 @@ def _pack_per_rank(units: list[list[int]], weights: Sequence[float], lengths: Se
         equal_count = len({len(p) for p in parts}) == 1  # keep equal counts equal: swap, don't move
     _even_out(parts, weights, allow_moves=not equal_count)
     ranks = [[i for u in part for i in units[u]] for part in parts]
-    packed = [_first_fit_decreasing(idx, lengths, max_tokens) for idx in ranks]
+    packed = [_first_fit_decreasing(idx, lengths, max_tokens, prompts) for idx in ranks]
     num_mb = max(min_mb, max(len(bins) for bins in packed))
     if any(len(idx) < num_mb for idx in ranks) and not allow_empty:
         return None
@@ -160,9 +226,9 @@ def _pack_per_rank(units: list[list[int]], weights: Sequence[float], lengths: Se
 
 
 def _pack_globally(lengths: Sequence[int], sample_cost: Sequence[float], max_tokens: int,
-                   dp_size: int, min_mb: int) -> Plan | None:
+                   dp_size: int, min_mb: int, *, prompts: Prompts | None = None) -> Plan | None:
     """Pack all samples, split up to dp_size * num_mb micro-batches, deal them out by cost."""
-    bins = _first_fit_decreasing(range(len(lengths)), lengths, max_tokens)
+    bins = _first_fit_decreasing(range(len(lengths)), lengths, max_tokens, prompts)
     num_mb = max(min_mb, -(-len(bins) // dp_size))
     if len(lengths) < dp_size * num_mb:
         return None
@@ -274,8 +340,26 @@ def _even_out(parts: list[list[int]], weights: Sequence[float], *, allow_moves: 
 
 
 def _first_fit_decreasing(indices: Sequence[int], lengths: Sequence[int],
-                          max_tokens: int) -> list[list[int]]:
-    """Fewest bins of at most max_tokens (FFD is within 11/9 of optimal, usually optimal here)."""
+                          max_tokens: int, prompts: Prompts | None = None) -> list[list[int]]:
+    """Fewest bins of at most max_tokens (FFD is within 11/9 of optimal, usually optimal here). With `prompts`,
+    a sample goes to the first bin that already holds its prompt and has room for its response, else to the
+    first bin with room for it whole."""
+    if prompts is not None:
+        shared_bins: list[_Bin] = []
+        for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+            chosen = None
+            key = prompts[i][0] if prompts[i] is not None else None
+            for b in shared_bins:
+                if b.added(i, lengths, prompts) <= max_tokens - b.tokens:
+                    if key is not None and key in b.keys:
+                        chosen = b
+                        break
+                    chosen = chosen or b
+            if chosen is None:
+                chosen = _Bin()
+                shared_bins.append(chosen)
+            chosen.add(i, lengths, prompts)
+        return [b.items for b in shared_bins]
     bins: list[list[int]] = []
     room: list[int] = []
     for i in sorted(indices, key=lambda i: (-lengths[i], i)):
@@ -354,18 +438,19 @@ def padded_fixed_batches(lengths: Sequence[int], *, micro_batch_size: int, dp_si
 
 
 def pack_each_rank(lengths_by_rank: Sequence[Sequence[int]], *, max_tokens: int | None = None,
-                   micro_batch_size: int | None = None) -> Plan:
+                   micro_batch_size: int | None = None, prompts_by_rank: Sequence[Prompts] | None = None) -> Plan:
     """Pack every rank's own samples where they are (no sample changes rank): first-fit decreasing
     under `max_tokens`, or consecutive chunks of `micro_batch_size` (the padded layout).
 
     plan[rank][mb] holds positions into lengths_by_rank[rank]. Every rank gets the same number of
     micro-batches; a rank that needs fewer gets EMPTY ones at the end, which the caller runs as a
-    dummy call (the lockstep ZeRO-3 needs), rather than splitting its real work finer.
+    dummy call (the lockstep ZeRO-3 needs), rather than splitting its real work finer. `prompts_by_rank`:
+    each rank's `Prompts` (packed only).
     """
     if (max_tokens is None) == (micro_batch_size is None):
         raise ValueError("give exactly one of max_tokens (packed) and micro_batch_size (padded)")
     plan: Plan = []
-    for lengths in lengths_by_rank:
+    for rank, lengths in enumerate(lengths_by_rank):
         if micro_batch_size is not None:
             if micro_batch_size < 1:
                 raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
@@ -377,7 +462,8 @@ def pack_each_rank(lengths_by_rank: Sequence[Sequence[int]], *, max_tokens: int 
             i, n = too_long[0]
             raise ValueError(f"sample {i} has {n} tokens, more than the micro-batch budget of {max_tokens}. "
                              "Raise train.logprob_max_tokens_per_gpu (or train.max_tokens_per_gpu).")
-        bins = _first_fit_decreasing(range(len(lengths)), lengths, max_tokens)
+        bins = _first_fit_decreasing(range(len(lengths)), lengths, max_tokens,
+                                     prompts_by_rank[rank] if prompts_by_rank is not None else None)
         plan.append([sorted(b) for b in bins])
     num_mb = max(1, max(len(bins) for bins in plan))
     for bins in plan:

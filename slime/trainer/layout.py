@@ -12,13 +12,15 @@ each rank's samples where they are under the larger no-grad budget.
 """
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
+import hashlib
 from typing import Sequence
 
 from slime.config import TrainConfig
 from slime.data.batch import MicroBatch, Positions, build_micro_batch, build_padded_micro_batch
-from slime.data.packing import (Plan, default_cost, pack_each_rank, packing_stats, padded_fixed_batches,
+from slime.data.packing import (Plan, Prompts, default_cost, pack_each_rank, packing_stats, padded_fixed_batches,
                                 plan_micro_batches)
 from slime.data.sample import Sample
 from slime.distributed.parallel_dims import ParallelDims
@@ -65,8 +67,16 @@ class Layout:
                          f"{-(-n // self.sp)}, or parallel.sp to {need_sp} (sequence parallelism cuts a sample over "
                          "sp GPUs), or lower rollout.max_response_len")
 
+    def prompt_key(self, s: Sample) -> tuple[bytes, int] | None:
+        """What packing needs of a sample's prompt to count it once per micro-batch, where this layout shares
+        prompts (text samples only, as build_micro_batch): a digest of its ids (cheap to gather over ranks) and
+        its length. None: the sample carries its own copy."""
+        if not (self.packing and self.share_prompts) or s.mm is not None:
+            return None
+        return hashlib.blake2b(array.array("q", s.prompt_ids).tobytes(), digest_size=16).digest(), len(s.prompt_ids)
+
     def plan(self, lengths: Sequence[int], dp: int, owners: Sequence[int] | None = None,
-             patches: Sequence[int] | None = None) -> Plan:
+             patches: Sequence[int] | None = None, prompts: Prompts | None = None) -> Plan:
         """Balanced over dp ranks; samples may change rank (as few as balance allows, given `owners`). A count
         that cannot give every rank the same number of non-empty micro-batches (not divisible by dp, as after
         dynamic sampling or a mini-batch split) gives the ranks short of samples dummy micro-batches."""
@@ -74,15 +84,23 @@ class Layout:
         if self.packing:
             extra = [self.patch_cost * n for n in patches] if patches is not None and self.patch_cost else None
             return plan_micro_batches(lengths, max_tokens=self.max_tokens, dp_size=dp, owners=owners,
-                                      cost_fn=self.cost_fn, extra_cost=extra, allow_empty=True)
+                                      cost_fn=self.cost_fn, extra_cost=extra, allow_empty=True,
+                                      prompts=self._shared(prompts))
         return padded_fixed_batches(lengths, micro_batch_size=self.micro_batch_size, dp_size=dp, allow_empty=True)
 
-    def pack_in_place(self, lengths_by_rank: Sequence[Sequence[int]]) -> Plan:
+    def pack_in_place(self, lengths_by_rank: Sequence[Sequence[int]],
+                      prompts_by_rank: Sequence[Prompts] | None = None) -> Plan:
         """Every rank's samples stay where they are; equal micro-batch counts (empty ones are dummies)."""
         if self.packing:
             self.check_lengths([n for lengths in lengths_by_rank for n in lengths])
-            return pack_each_rank(lengths_by_rank, max_tokens=self.max_tokens)
+            return pack_each_rank(lengths_by_rank, max_tokens=self.max_tokens,
+                                  prompts_by_rank=prompts_by_rank if self.share_prompts else None)
         return pack_each_rank(lengths_by_rank, micro_batch_size=self.micro_batch_size)
+
+    def _shared(self, prompts: Prompts | None) -> Prompts | None:
+        """The prompts packing may count once: those of a layout that shares them (the scoring and the training
+        layout of one engine are planned from the same gathered keys)."""
+        return prompts if self.packing and self.share_prompts and prompts is not None else None
 
     def build(self, samples: Sequence[Sample], idx: list[int], dummy_fields: Sequence[str] = ()) -> MicroBatch:
         if self.packing:
@@ -125,6 +143,8 @@ class RankBatch:
     mini_batches: list[MiniBatch]
     moved: int
     """Samples that changed rank (over every rank)."""
+    prompts_by_rank: list[list] | None = None
+    """With shared prompts, every dp rank's Layout.prompt_key per sample (in its order), as lengths_by_rank."""
 
 
 def distribute(local: list[Sample], dims: ParallelDims, layout: Layout, *, num_mini_batches: int = 1) -> RankBatch:
@@ -136,13 +156,16 @@ def distribute(local: list[Sample], dims: ParallelDims, layout: Layout, *, num_m
     N samples and M mini-batches, whatever dp is (so dp does not change what an optimizer step sees); a rank
     short of samples in a mini-batch runs dummy micro-batches.
     """
-    meta = dims.all_gather_objects([(s.total_len, s.num_loss_tokens, s.num_patches) for s in local])
+    meta = dims.all_gather_objects([(s.total_len, s.num_loss_tokens, s.num_patches, layout.prompt_key(s))
+                                    for s in local])
     offset = sum(len(m) for m in meta[:dims.dp_rank])
     for i, s in enumerate(local):
         s.index = offset + i
-    lengths = [length for part in meta for length, _, _ in part]
-    loss_tokens = [n for part in meta for _, n, _ in part]
-    patches = [n for part in meta for _, _, n in part]
+    lengths = [length for part in meta for length, _, _, _ in part]
+    loss_tokens = [n for part in meta for _, n, _, _ in part]
+    patches = [n for part in meta for _, _, n, _ in part]
+    keys = [k for part in meta for _, _, _, k in part]
+    prompts = keys if any(k is not None for k in keys) else None
     source = [r for r, part in enumerate(meta) for _ in part]
     n = len(lengths)
     if n < num_mini_batches:
@@ -152,7 +175,8 @@ def distribute(local: list[Sample], dims: ParallelDims, layout: Layout, *, num_m
     dest = [0] * n
     plans = []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        plan = layout.plan(lengths[a:b], dims.dp, owners=source[a:b], patches=patches[a:b])
+        plan = layout.plan(lengths[a:b], dims.dp, owners=source[a:b], patches=patches[a:b],
+                           prompts=prompts[a:b] if prompts is not None else None)
         for rank, mbs in enumerate(plan):
             for mb in mbs:
                 for i in mb:
@@ -175,7 +199,11 @@ def distribute(local: list[Sample], dims: ParallelDims, layout: Layout, *, num_m
                                num_processed=sum(lengths[a:b]),
                                stats=layout.stats(lengths[a:b], plan)))
     by_rank: list[list[int]] = [[] for _ in range(dims.dp)]
+    prompts_by_rank: list[list] | None = [[] for _ in range(dims.dp)] if prompts is not None else None
     for i in range(n):
         by_rank[dest[i]].append(lengths[i])
+        if prompts_by_rank is not None:
+            prompts_by_rank[dest[i]].append(prompts[i])
     moved = sum(d != s for d, s in zip(dest, source))
-    return RankBatch(samples=mine, num_samples=n, lengths_by_rank=by_rank, mini_batches=minis, moved=moved)
+    return RankBatch(samples=mine, num_samples=n, lengths_by_rank=by_rank, prompts_by_rank=prompts_by_rank,
+                     mini_batches=minis, moved=moved)

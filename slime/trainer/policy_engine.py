@@ -165,7 +165,7 @@ class PolicyEngine:
     def score(self, batch: RankBatch) -> list[torch.Tensor]:
         """Per-sample response logprobs (policy roles) or values (critic) of this rank's samples, in order."""
         layout = self.nograd_layout
-        plan = layout.pack_in_place(batch.lengths_by_rank)[self.dims.dp_rank]
+        plan = layout.pack_in_place(batch.lengths_by_rank, batch.prompts_by_rank)[self.dims.dp_rank]
         out: dict[int, torch.Tensor] = {}
         for idx in plan:
             mb = layout.build(batch.samples, idx)
