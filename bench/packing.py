@@ -5,7 +5,12 @@ Cost per sample is `default_cost` (12*h*L + L^2, h=4096); a padded micro-batch c
 size * cost(longest). "lockstep" is the sum over micro-batch steps of the slowest rank, which
 is what a ZeRO-3 step waits for.
 
-    python bench/packing.py [--n 1024] [--seed 0] [--max-tokens 16384] [--dp 2 8]
+    python bench/packing.py [--n 1024] [--seed 0] [--max-tokens 16384] [--dp 2 8] [--samples-per-prompt 8]
+
+Then shared prompts (train.share_prompts): the same sizes with each prompt (uniform[500, 2000] tokens here)
+shared by --samples-per-prompt samples, planned with every copy counted (as before f1fb686) against each
+prompt counted once per micro-batch (`prompts=`, what the trainer does): micro-batches per rank and the budget
+filled by the tokens the micro-batches really hold (`micro_batch_tokens`).
 """
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from slime.data.packing import packing_stats, padded_fixed_batches, plan_micro_batches  # noqa: E402
+from slime.data.packing import (micro_batch_tokens, packing_stats, padded_fixed_batches,  # noqa: E402
+                                plan_micro_batches)
 
 TARGET_REAL_TOKEN_FRACTION = 0.97
 TARGET_IMBALANCE = 1.05
@@ -32,6 +38,36 @@ def rl_lengths(n: int, seed: int, max_response: int = 4096) -> list[int]:
     return (prompt + response).astype(int).tolist()
 
 
+def shared_prompt_batch(n: int, per_prompt: int, seed: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Lengths and `Prompts` of n samples, per_prompt of them per prompt of uniform[500, 2000] tokens."""
+    rng = np.random.default_rng(seed)
+    lengths, prompts = [], []
+    for i in range(n):
+        if i % per_prompt == 0:
+            prompt = int(rng.integers(500, 2001))
+        response = int(min(4096, math.ceil(rng.lognormal(math.log(400), 1.0))))
+        lengths.append(prompt + response)
+        prompts.append((i // per_prompt, prompt))
+    return lengths, prompts
+
+
+def shared_prompt_rows(args) -> None:
+    lengths, prompts = shared_prompt_batch(args.n, args.samples_per_prompt, args.seed)
+    shared_tokens = micro_batch_tokens(range(len(lengths)), lengths, prompts)
+    print(f"\nshared prompts: {args.n} samples, {args.samples_per_prompt} per prompt of 500-2000 tokens; "
+          f"{sum(lengths)} tokens with every copy, {shared_tokens} with each prompt once")
+    print(f"{'dp':>3} {'planned by':<13} {'mbs/rank':>8} {'fill':>6} {'plan_ms':>7}")
+    for dp in args.dp:
+        owners = [i * dp // len(lengths) for i in range(len(lengths))]  # rank-local rollout: siblings together
+        for name, given in (("every copy", None), ("shared tokens", prompts)):
+            t0 = time.perf_counter()
+            plan = plan_micro_batches(lengths, max_tokens=args.max_tokens, dp_size=dp, owners=owners, prompts=given)
+            ms = 1e3 * (time.perf_counter() - t0)
+            mbs = [mb for rank in plan for mb in rank if mb]
+            fill = sum(micro_batch_tokens(mb, lengths, prompts) for mb in mbs) / (len(mbs) * args.max_tokens)
+            print(f"{dp:>3} {name:<13} {len(plan[0]):>8} {fill:>6.3f} {ms:>7.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--n", type=int, default=1024, help="samples in the global batch")
@@ -41,6 +77,7 @@ def main() -> None:
     parser.add_argument("--dp", type=int, nargs="+", default=[2, 8], help="data-parallel sizes")
     parser.add_argument("--micro-batch-size", type=int, default=8,
                         help="samples per micro-batch in the padded baseline")
+    parser.add_argument("--samples-per-prompt", type=int, default=8, help="shared prompts: samples per prompt")
     args = parser.parse_args()
 
     lengths = rl_lengths(args.n, args.seed)
@@ -88,6 +125,7 @@ def main() -> None:
           f"compute_imbalance <= {TARGET_IMBALANCE}: {'met' if ok else 'NOT met'}")
     print("real_frac: real tokens / tokens processed (packed kernels see no padding). "
           "fill: mean micro-batch tokens / budget. lower_bd: ceil(tokens / (dp * budget)).")
+    shared_prompt_rows(args)
     sys.exit(0 if ok else 1)
 
 

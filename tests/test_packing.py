@@ -356,6 +356,8 @@ def test_plans_with_shared_prompts_fill_micro_batches_by_the_tokens_they_hold(se
         for mb in mbs:
             assert mb and micro_batch_tokens(mb, lengths, prompts) <= max_tokens
     assert len(shared[0]) < len(plain[0])  # 100-400-token prompts, 8 samples each: far fewer micro-batches
+    if dp == 1:  # a prompt's samples packed together: as few micro-batches as the tokens, each prompt once, need
+        assert len(shared[0]) == -(-micro_batch_tokens(range(len(lengths)), lengths, prompts) // max_tokens)
     by_rank = [[i for mb in mbs for i in mb] for mbs in plain]
     in_place = pack_each_rank([[lengths[i] for i in r] for r in by_rank], max_tokens=max_tokens,
                               prompts_by_rank=[[prompts[i] for i in r] for r in by_rank])

@@ -342,11 +342,24 @@ def _even_out(parts: list[list[int]], weights: Sequence[float], *, allow_moves: 
 def _first_fit_decreasing(indices: Sequence[int], lengths: Sequence[int],
                           max_tokens: int, prompts: Prompts | None = None) -> list[list[int]]:
     """Fewest bins of at most max_tokens (FFD is within 11/9 of optimal, usually optimal here). With `prompts`,
-    a sample goes to the first bin that already holds its prompt and has room for its response, else to the
-    first bin with room for it whole."""
+    a prompt's samples come one after another, and a sample goes to the first bin that already holds its prompt
+    and has room for its response, else to the first bin with room for it whole."""
     if prompts is not None:
+        # A prompt's samples one after another (the prompt with the most tokens first, its longest sample first),
+        # so that they fill micro-batches together rather than being spread by their lengths.
+        group: dict = {}
+        for i in indices:
+            if prompts[i] is not None:
+                key, p = prompts[i]
+                first, tokens = group.get(key, (i, p))
+                group[key] = (min(first, i), tokens + lengths[i] - p)
+        def order(i: int) -> tuple:
+            if prompts[i] is None:
+                return (-lengths[i], i, -lengths[i], i)
+            first, tokens = group[prompts[i][0]]
+            return (-tokens, first, -lengths[i], i)
         shared_bins: list[_Bin] = []
-        for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        for i in sorted(indices, key=order):
             chosen = None
             key = prompts[i][0] if prompts[i] is not None else None
             for b in shared_bins:
