@@ -261,7 +261,7 @@ def main() -> None:
                   f"efficiency {floor / t:.2f}{extra}")
         for name, base in (("ours", "trl"), ("ours_zero2", "trl"), ("ours_recompute", "trl"),
                            ("ours_zero2_compile", "trl"), ("ours_zero2_compile", "trl_compile"),
-                           ("ours_zero2_torch_linear", "trl"), ("ours_zero2_onednn_linear", "trl"), ("ours_zero2", "trl_onednn"),
+                           (f"ours_zero2_{other}_linear", "trl"), ("ours_zero2", "trl_onednn"),
                            ("ours_zero2_compile", "trl_onednn"),
                            ("ours_2_ranks", "trl_2_threads"), ("ours_zero2_2_ranks", "trl_2_threads"),
                            ("ours_zero2_compile_2_ranks", "trl_2_threads")):

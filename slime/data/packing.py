@@ -73,8 +73,7 @@ class _Bin:
         if key not in self.keys:
             return lengths[i], [i, r > 0, r, int(r == 0)]
         first, first_has, responses, empty = self.keys[key]
-        new = [i, r > 0, responses + r, empty + (r == 0)] if i < first else [first, first_has, responses + r,
-                                                                            empty + (r == 0)]
+        new = [*((i, r > 0) if i < first else (first, first_has)), responses + r, empty + (r == 0)]
         before = responses + p * empty + p * first_has
         return new[2] + p * new[3] + p * new[1] - before, new
 
@@ -345,34 +344,7 @@ def _first_fit_decreasing(indices: Sequence[int], lengths: Sequence[int],
     a prompt's samples come one after another, and a sample goes to the first bin that already holds its prompt
     and has room for its response, else to the first bin with room for it whole."""
     if prompts is not None:
-        # A prompt's samples one after another (the prompt with the most tokens first, its longest sample first),
-        # so that they fill micro-batches together rather than being spread by their lengths.
-        group: dict = {}
-        for i in indices:
-            if prompts[i] is not None:
-                key, p = prompts[i]
-                first, tokens = group.get(key, (i, p))
-                group[key] = (min(first, i), tokens + lengths[i] - p)
-        def order(i: int) -> tuple:
-            if prompts[i] is None:
-                return (-lengths[i], i, -lengths[i], i)
-            first, tokens = group[prompts[i][0]]
-            return (-tokens, first, -lengths[i], i)
-        shared_bins: list[_Bin] = []
-        for i in sorted(indices, key=order):
-            chosen = None
-            key = prompts[i][0] if prompts[i] is not None else None
-            for b in shared_bins:
-                if b.added(i, lengths, prompts) <= max_tokens - b.tokens:
-                    if key is not None and key in b.keys:
-                        chosen = b
-                        break
-                    chosen = chosen or b
-            if chosen is None:
-                chosen = _Bin()
-                shared_bins.append(chosen)
-            chosen.add(i, lengths, prompts)
-        return [b.items for b in shared_bins]
+        return _first_fit_shared(indices, lengths, max_tokens, prompts)
     bins: list[list[int]] = []
     room: list[int] = []
     for i in sorted(indices, key=lambda i: (-lengths[i], i)):
@@ -385,6 +357,37 @@ def _first_fit_decreasing(indices: Sequence[int], lengths: Sequence[int],
             bins.append([i])
             room.append(max_tokens - lengths[i])
     return bins
+
+
+def _first_fit_shared(indices: Sequence[int], lengths: Sequence[int], max_tokens: int,
+                      prompts: Prompts) -> list[list[int]]:
+    """`_first_fit_decreasing` filling bins by `micro_batch_tokens`. A prompt's samples come one after another
+    (the prompt with the most tokens first, its longest sample first), so that they fill micro-batches together
+    rather than being spread by their lengths; a sample without a shared prompt is a group of its own."""
+    group: dict[Hashable, tuple[int, int]] = {}  # prompt key -> (its first sample, its tokens counted once)
+    for i in indices:
+        if prompts[i] is not None:
+            key, p = prompts[i]
+            first, tokens = group.get(key, (i, p))
+            group[key] = (min(first, i), tokens + lengths[i] - p)
+    def order(i: int) -> tuple[int, int, int, int]:
+        first, tokens = group[prompts[i][0]] if prompts[i] is not None else (i, lengths[i])
+        return -tokens, first, -lengths[i], i
+    bins: list[_Bin] = []
+    for i in sorted(indices, key=order):
+        key = prompts[i][0] if prompts[i] is not None else None
+        chosen = None  # the first bin that holds its prompt with room, else the first with room
+        for b in bins:
+            if b.added(i, lengths, prompts) <= max_tokens - b.tokens:
+                if key is not None and key in b.keys:
+                    chosen = b
+                    break
+                chosen = chosen or b
+        if chosen is None:
+            chosen = _Bin()
+            bins.append(chosen)
+        chosen.add(i, lengths, prompts)
+    return [b.items for b in bins]
 
 
 def _split_costliest(bins: list[list[int]], sample_cost: Sequence[float]) -> None:

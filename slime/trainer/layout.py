@@ -85,7 +85,7 @@ class Layout:
             extra = [self.patch_cost * n for n in patches] if patches is not None and self.patch_cost else None
             return plan_micro_batches(lengths, max_tokens=self.max_tokens, dp_size=dp, owners=owners,
                                       cost_fn=self.cost_fn, extra_cost=extra, allow_empty=True,
-                                      prompts=self._shared(prompts))
+                                      prompts=prompts if self.share_prompts else None)
         return padded_fixed_batches(lengths, micro_batch_size=self.micro_batch_size, dp_size=dp, allow_empty=True)
 
     def pack_in_place(self, lengths_by_rank: Sequence[Sequence[int]],
@@ -96,11 +96,6 @@ class Layout:
             return pack_each_rank(lengths_by_rank, max_tokens=self.max_tokens,
                                   prompts_by_rank=prompts_by_rank if self.share_prompts else None)
         return pack_each_rank(lengths_by_rank, micro_batch_size=self.micro_batch_size)
-
-    def _shared(self, prompts: Prompts | None) -> Prompts | None:
-        """The prompts packing may count once: those of a layout that shares them (the scoring and the training
-        layout of one engine are planned from the same gathered keys)."""
-        return prompts if self.packing and self.share_prompts and prompts is not None else None
 
     def build(self, samples: Sequence[Sample], idx: list[int], dummy_fields: Sequence[str] = ()) -> MicroBatch:
         if self.packing:
