@@ -353,6 +353,13 @@ class TrainConfig:
         False, "torch.compile each decoder layer (regional compilation, dynamic shapes: micro-batches of any length "
         "reuse the graphs; the packed_sdpa attention stays eager). The first step pays the compile (~10-20 s); "
         "text-only dense models with packed_sdpa attention (CPU) on ZeRO-1/2 (ds_configs/zero2.json) only.")
+    fuse_elementwise: bool | Literal["auto"] = field(
+        "auto", "On CPU, run the RMSNorm, rotary-embedding and SwiGLU chains of Llama, Qwen2 and Qwen3 layers as small "
+        "functions torch.compile fuses, forward and backward (slime/models/fused.py): the 23.7M model's forward + "
+        "backward 6.4 -> 5.6 s. Needs a C++ compiler (inductor's CPU backend); the first step pays ~2-3 s of compile "
+        "(~15 s on a machine whose inductor cache is cold). auto: on where it applies (CPU, one of those families, "
+        "hidden size >= 256, the compile works), else off with the reason logged; true: fail where it does not "
+        "apply; false: HF's eager chains.")
     cpu_malloc: Literal["retain", "glibc"] = field(
         "retain", "On CPU: glibc's malloc without mmap or heap trimming, so each step reuses the memory it freed "
         "instead of page-faulting it in again (2-3 s of system time per step on the 23.7M model of "

@@ -20,14 +20,18 @@ LAYOUTS = {"1rank-packed": (1, []), "2ranks-packed": (2, []),
            # every linear on oneDNN (the tiny model's calls are all under its size threshold), against the
            # reference's torch linears: the custom autograd Function under ZeRO-3's gathers and releases, with
            # checkpointed layers recomputed in backward
-           "2ranks-onednn": (2, ["model.cpu_linear=onednn", "model.gradient_checkpointing=true"])}
+           "2ranks-onednn": (2, ["model.cpu_linear=onednn", "model.gradient_checkpointing=true"]),
+           # the fused RMSNorm, rotary and SwiGLU chains (torch.compile'd functions) under ZeRO-3's gathers and
+           # releases, recomputed in backward by checkpointing, against the reference's eager HF model
+           "2ranks-fused": (2, ["train.fuse_elementwise=true", "model.gradient_checkpointing=true"])}
 ENV = {"2ranks-onednn": {"SLIME_ONEDNN_MIN_MACS": "0"}}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def checks(request, tiny_model, tmp_path_factory):
-    """The same global batch under five layouts: 1 vs 2 dp ranks, packed vs padded micro-batches, ZeRO-3 vs
-    ZeRO-2 (replicated parameters, sharded gradients and optimizer states), torch's vs oneDNN's linears."""
+    """The same global batch under six layouts: 1 vs 2 dp ranks, packed vs padded micro-batches, ZeRO-3 vs
+    ZeRO-2 (replicated parameters, sharded gradients and optimizer states), torch's vs oneDNN's linears, eager vs
+    fused elementwise chains."""
     nproc, overrides = LAYOUTS[request.param]
     out = tmp_path_factory.mktemp(request.param)
     run_ranks([str(REPO / "tests/dist/actor_checks.py"), str(tiny_model), str(out), *overrides], nproc=nproc,
@@ -78,6 +82,12 @@ def test_linears_take_onednn_where_told(checks, request):
     linear runs; with oneDNN asked for and the threshold at 0, oneDNN's."""
     _, result = checks
     assert (result["onednn_calls"] > 0) == ("onednn" in request.node.callspec.id), result["onednn_calls"]
+
+
+def test_fused_chains_run_where_told(checks, request):
+    """The tiny model is under train.fuse_elementwise=auto's size threshold: its chains run fused only where asked."""
+    _, result = checks
+    assert (result["fused_calls"] > 0) == ("fused" in request.node.callspec.id), result["fused_calls"]
 
 
 def test_weight_sync_makes_engine_equal_trainer(checks):

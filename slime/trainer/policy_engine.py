@@ -31,6 +31,7 @@ from slime.distributed.expert_parallel import ExpertGather, expert_units
 from slime.distributed.parallelize import parallelize
 from slime.distributed.ulysses import SequenceShard, check_heads, register_ulysses_attention
 from slime.models.attention import PACKED_SDPA, resolve_attn_implementation
+from slime.models import fused
 from slime.models.export import save_hf_dir
 from slime.models.loading import load_model, resolve_dtype
 from slime.models.onednn import resolve_cpu_linear, use_onednn_linears
@@ -106,6 +107,13 @@ class PolicyEngine:
             compiled = compile_layers(hf)
             if role == "actor" and dims.is_main:
                 logger.info("train.compile: %d decoder layers compiled (the first step pays the compile)", compiled)
+        else:
+            why = fused.resolve(train.fuse_elementwise, hf, dims.device)
+            changed = fused.fuse_elementwise(hf) if why is None else 0
+            if role == "actor" and dims.is_main:
+                logger.info("train.fuse_elementwise=%s: %s", train.fuse_elementwise,
+                            f"{changed} norm, MLP and attention modules run fused chains" if why is None else
+                            f"off ({why})")
         module = PolicyModel(hf, head="value" if role == "critic" else "logprobs", adapter=self.adapter, sp=shard)
         self._hf_names = {n for n, _ in hf.named_parameters()}  # before expert parallelism replaces MoE blocks
         total = train.num_steps * train.num_mini_batches

@@ -95,9 +95,23 @@ def count_onednn_calls() -> list[int]:
     return calls
 
 
+def count_fused_calls() -> list[int]:
+    """Counts the fused RMSNorm calls (slime.models.fused, train.fuse_elementwise)."""
+    from slime.models import fused
+
+    calls, rms_norm = [0], fused.rms_norm
+
+    def counted(*args):
+        calls[0] += 1
+        return rms_norm(*args)
+
+    fused.rms_norm = counted
+    return calls
+
+
 def main() -> None:
     model_dir, out = sys.argv[1], Path(sys.argv[2])
-    onednn_calls = count_onednn_calls()
+    onednn_calls, fused_calls = count_onednn_calls(), count_fused_calls()
     cfg = load_config(None, [f"model.path={model_dir}", "data.path=unused.jsonl", "train.lr=1e-2",
                              "train.max_tokens_per_gpu=48", "train.logprob_max_tokens_per_gpu=64",
                              "train.logits_chunk_size=16", *sys.argv[3:]])
@@ -145,6 +159,7 @@ def main() -> None:
     actor.export_hf(str(out / "hf"))
     result["zero_stage"] = actor.engine.zero_optimization_stage()
     result["onednn_calls"] = onednn_calls[0]
+    result["fused_calls"] = fused_calls[0]
     if dims.world_size == 2 and result["zero_stage"] == 3:
         result["finite_check"] = finite_check(PolicyEngine.critic(cfg, dims), dims)
     if dims.is_main:

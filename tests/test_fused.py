@@ -1,0 +1,121 @@
+"""train.fuse_elementwise: the fused RMSNorm, rotary and SwiGLU chains (slime/models/fused.py) give HF's eager
+logprobs and gradients, reuse their graphs across micro-batch lengths, and apply only where they are built for."""
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import AutoModelForCausalLM
+
+from data_tools.make_tiny_model import make_tiny_model, tiny_config
+from slime.models import fused
+from slime.models.attention import PACKED_SDPA
+from slime.models.policy import PolicyModel
+from test_compile import forward_backward
+from test_packed_logprobs import grouped_samples
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("qwen3", {}),  # per-head q and k norms
+    ("qwen2", {}),  # q, k, v biases
+    ("llama", {"attention_bias": True, "mlp_bias": True}),
+])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_fused_chains_match_eager_and_reuse_their_graphs(tmp_path, arch, overrides, checkpointing):
+    torch._dynamo.reset()  # graphs compiled by an earlier test would leave nothing to count
+    cfg = tiny_config(arch, 256, hidden=64, layers=2, heads=4, kv_heads=2, init_std=0.1)
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(1)
+    hf = AutoModelForCausalLM.from_config(cfg, attn_implementation=PACKED_SDPA)
+    if checkpointing:  # the fused forwards then run again in backward
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf.train()
+    eager = PolicyModel(hf)
+    with torch.no_grad():  # norms and biases away from 1 and 0, so a chain that dropped one would show
+        for name, p in eager.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.3 * torch.randn_like(p))
+    fast = copy.deepcopy(eager)
+    layers = hf.config.num_hidden_layers
+    per_layer = 4 + 2 * (arch == "qwen3")  # 2 norms, the MLP, the attention (+ q and k norms)
+    assert fused.fuse_elementwise(fast.hf) == layers * per_layer + 1  # + the final norm
+    before, graphs = counters["stats"]["unique_graphs"], []
+    for seed in (1, 2, 3):  # micro-batches of three lengths, shared prompts included
+        samples = grouped_samples(seed=seed)
+        lp_e, ent_e, g_e = forward_backward(eager, samples)
+        lp_f, ent_f, g_f = forward_backward(fast, samples)
+        torch.testing.assert_close(lp_f, lp_e, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent_f, ent_e, rtol=1e-5, atol=1e-5)
+        for name, grad in g_e.items():  # fused loops round differently: fp32 agreement, not bitwise
+            assert grad.abs().max() > 0, name
+            torch.testing.assert_close(g_f[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(),
+                                       msg=lambda m: f"{name}: {m}")
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+    assert graphs[0] > 0, "nothing was compiled"
+    assert graphs[2] == graphs[1], f"a new micro-batch length compiled again: {graphs}"
+
+
+def test_no_grad_passes_match_eager(tmp_path):
+    """Scoring and the reference model run without grad: their own graphs, the same numbers."""
+    hf = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m", arch="qwen3", seed=2),
+                                              attn_implementation=PACKED_SDPA)
+    eager = PolicyModel(hf)
+    fast = copy.deepcopy(eager)
+    fused.fuse_elementwise(fast.hf)
+    from slime.data.batch import build_micro_batch
+    samples = grouped_samples(seed=4)
+    mb = build_micro_batch(samples, range(len(samples)), share_prompts=True)
+    with torch.no_grad():
+        got, want = (m(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len,
+                       target_ids=mb.target_ids, prompt_prefixes=mb.prompt_prefixes) for m in (fast, eager))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_where_it_applies(tmp_path):
+    cpu = torch.device("cpu")
+    small = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "s", arch="qwen3", hidden=64))
+    big = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "b", arch="qwen3", hidden=256, layers=1))
+    moe = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "moe", arch="qwen3_moe"))
+    assert fused.resolve("auto", big, cpu) is None
+    assert "hidden size 64 < 256" in fused.resolve("auto", small, cpu)
+    assert fused.resolve(True, small, cpu) is None  # asked for: the size does not matter
+    assert "is not one of" in fused.resolve("auto", moe, cpu)
+    assert fused.resolve(False, big, cpu) == "train.fuse_elementwise=false"
+    assert "built and tested on CPU" in fused.resolve("auto", big, torch.device("cuda"))
+    with pytest.raises(ValueError, match=r"train.fuse_elementwise=true: .*is not one of"):
+        fused.resolve(True, moe, cpu)
+    with pytest.raises(ValueError, match=r"train.fuse_elementwise: .*is not one of"):
+        fused.fuse_elementwise(moe)
+    gelu = copy.deepcopy(big)
+    gelu.model.layers[0].mlp.act_fn = torch.nn.GELU()
+    assert "not SiLU" in fused.unsupported(gelu)
+
+
+def test_a_failing_compiler_turns_auto_off_with_the_reason(tmp_path):
+    """No working C++ compiler (inductor's CPU backend needs one): auto falls back to eager and says why; true fails.
+    Run in a fresh process with an empty inductor cache (a cached kernel needs no compiler)."""
+    script = textwrap.dedent("""
+        import torch, torch._inductor.config as cfg
+        from transformers import AutoModelForCausalLM
+        from slime.models import fused
+        cfg.cpp.cxx = ("/nonexistent/c++",)
+        model = AutoModelForCausalLM.from_pretrained(%r)
+        why = fused.resolve("auto", model, torch.device("cpu"))
+        print("AUTO:", why)
+        try:
+            fused.resolve(True, model, torch.device("cpu"))
+        except ValueError as e:
+            print("ON:", e)
+    """ % str(make_tiny_model(tmp_path / "m", arch="qwen3", hidden=256, layers=1)))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TORCHINDUCTOR_FX_GRAPH_CACHE="0")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    auto = next(line for line in out.stdout.splitlines() if line.startswith("AUTO:"))
+    assert "torch.compile failed on a probe" in auto, out.stdout
+    assert "ON: train.fuse_elementwise=true: torch.compile failed on a probe" in out.stdout
