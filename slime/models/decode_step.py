@@ -7,10 +7,6 @@ for Llama, Qwen2 and Qwen3:
 
 - q, k and v are one matmul over their weights stacked, and gate and up another: the model's parameters are
   made views of the stacked tensors, so a weight push into the parameters lands in the stacked ones too;
-- with torch's linear (MKL), every decode weight is stored transposed, (in, out) in memory: at a decode step's
-  few rows MKL multiplies by a weight so laid out 10-40% faster than by the (out, in) one it transposes on the fly
-  (`python bench/cpu_matmul.py`, the `decode` rows); the parameters are transposed views, so a push lands there
-  too, and the model's own forward (the prefill) multiplies the same way;
 - RMSNorm is `F.rms_norm` times the weight (bitwise HF's formula, in fp32 and bf16), Qwen3's per-head q and k
   norms one call over both;
 - rope is q * cos + roll(q) * sin', with sin' = sin with its first half negated: roll(q, D/2) is rotate_half(q)
@@ -33,10 +29,9 @@ FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # all weight * x * rsqrt(mean(x^2) + eps)
 
 
-def _stack_as_views(linears: list[torch.nn.Linear], transposed: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _stack_as_views(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stack the layers' weights (and biases) along their outputs and make each layer's parameters views of the
-    stack; returns the stacked weight and bias. `transposed`: the stacked weight is the transpose of an (in, out)
-    tensor contiguous in memory."""
+    stack; returns the stacked weight and bias."""
     stacked = []
     for name in ("weight", "bias"):
         parts = [getattr(m, name) for m in linears]
@@ -44,8 +39,6 @@ def _stack_as_views(linears: list[torch.nn.Linear], transposed: bool) -> tuple[t
             stacked.append(None)
             continue
         whole = torch.cat([p.data for p in parts])
-        if transposed and name == "weight":
-            whole = whole.t().contiguous().t()
         start = 0
         for p in parts:
             p.data = whole[start:start + p.shape[0]]
@@ -90,7 +83,6 @@ class DecodeStep:
         if why is not None:
             raise ValueError(f"DecodeStep cannot run this model: {why}")
         self.model, self.linear = model, linear
-        self.transposed = linear is torch._C._nn.linear or linear is F.linear  # oneDNN takes (out, in) as it is
         self._layers: list[tuple] = []
         self._views: list[int] = []
         self._stack()
@@ -102,23 +94,14 @@ class DecodeStep:
             n_kv = attn.v_proj.weight.shape[0] // attn.head_dim
             n_q = attn.q_proj.weight.shape[0] // attn.head_dim
             qk_norm = getattr(attn, "q_norm", None) is not None
-            self._layers.append((*_stack_as_views([attn.q_proj, attn.k_proj, attn.v_proj], self.transposed),
-                                 *_stack_as_views([mlp.gate_proj, mlp.up_proj], self.transposed), n_q, n_kv, qk_norm))
-            if self.transposed:
-                _stack_as_views([attn.o_proj], True)
-                _stack_as_views([mlp.down_proj], True)
-        head = self.model.lm_head
-        if self.transposed and head.weight is not self.model.model.embed_tokens.weight:  # tied: the lookups stay rows
-            _stack_as_views([head], True)
+            self._layers.append((*_stack_as_views([attn.q_proj, attn.k_proj, attn.v_proj]),
+                                 *_stack_as_views([mlp.gate_proj, mlp.up_proj]), n_q, n_kv, qk_norm))
         self._views = self._pointers()
 
-    def _linears(self) -> list[torch.nn.Linear]:
-        return [m for layer in self.model.model.layers
-                for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                          layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)] + [self.model.lm_head]
-
-    def _pointers(self) -> list[tuple[int, tuple[int, ...]]]:
-        return [(p.data_ptr(), p.stride()) for m in self._linears() for p in (m.weight, m.bias) if p is not None]
+    def _pointers(self) -> list[int]:
+        return [p.data_ptr() for layer in self.model.model.layers
+                for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                          layer.mlp.gate_proj, layer.mlp.up_proj) for p in (m.weight, m.bias) if p is not None]
 
     def check(self) -> None:
         """Stack again if a parameter is no longer a view of its stack (the model was moved or cast since)."""
