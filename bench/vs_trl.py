@@ -2,6 +2,7 @@
 
     pip install -e ".[bench]"          # trl
     python bench/vs_trl.py [--sizes small,medium] [--steps 5] [--reps 2] [--whole-machine] [--recompute] [--compile] [--kernels]
+                             [--unfused]
 
 Per model size (random Qwen3 models built by data_tools, ~4M and ~25M parameters, the tiny char tokenizer),
 one process each, 1 thread, fp32: 16 prompts x 4 samples x exactly 64 new tokens at temperature 1 (EOS
@@ -12,7 +13,8 @@ old-logprob forward (algo.old_logprobs=recompute); --compile adds both with torc
 train.compile=true on ZeRO-2, TRL torch_compile=True; each pays its compile in step 1, outside the median);
 --kernels adds ours on the linear kernel that model.cpu_linear=auto does not pick (auto: oneDNN on AMD,
 torch's F.linear, i.e. MKL, elsewhere) and TRL with its linears on oneDNN and our malloc settings
-(train.cpu_malloc=retain), to show what the kernel gives and what the rest of the design does.
+(train.cpu_malloc=retain), to show what the kernel gives and what the rest of the design does; --unfused
+adds ours with HF's eager norm, rotary and SwiGLU chains (train.fuse_elementwise=false).
 Runs alternate (TRL, ours, ..., then again) so machine load hits all alike; each reports the median step time
 of steps 2..N. --whole-machine adds TRL with 2 threads against ours with 2 ranks. Printed: the step times,
 the ratio ours/TRL against the issue's target, our breakdown (rollout / scoring+update / sync), and the FLOP
@@ -39,6 +41,7 @@ SIZES = {"small": dict(hidden=256, layers=6), "medium": dict(hidden=512, layers=
 PROMPTS, SAMPLES, NEW_TOKENS, LR = 16, 4, 64, 1e-5
 PROMPT_TOKENS = 7  # "37+48=" and the like, in the char tokenizer
 ZERO2 = "train.ds_config=ds_configs/zero2.json"  # the full model and its gradients on every rank
+UNFUSED = "train.fuse_elementwise=false"  # HF's eager elementwise chains
 TARGET_RATIO, TARGET_EFFICIENCY = 0.75, 0.8  # issue 15's targets: ours/TRL step time, and floor/step time (~25M)
 
 
@@ -186,6 +189,9 @@ def main() -> None:
                     help="also ours on ZeRO-2 with the fp32 linear kernel model.cpu_linear=auto does not pick here "
                          "(oneDNN or torch's MKL), and TRL with its nn.Linear layers on oneDNN (slime.models.onednn) "
                          "and our malloc settings (slime.utils.cpu_malloc)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="also ours (ZeRO-3 and ZeRO-2) with HF's eager norm, rotary and SwiGLU chains "
+                         "(train.fuse_elementwise=false; the default fuses them on CPU, slime/models/fused.py)")
     ap.add_argument("--worker-trl", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker_trl:
@@ -225,6 +231,9 @@ def main() -> None:
             runs["trl_onednn"] = (lambda o: run_trl(model, data, o, args.steps, onednn=True), False)
             runs[f"ours_zero2_{other}_linear"] = (lambda o: run_ours(model, data, o, args.steps,
                                                                      [ZERO2, f"model.cpu_linear={other}"]), False)
+        if args.unfused:
+            runs["ours_unfused"] = (lambda o: run_ours(model, data, o, args.steps, [UNFUSED]), False)
+            runs["ours_zero2_unfused"] = (lambda o: run_ours(model, data, o, args.steps, [ZERO2, UNFUSED]), False)
         if args.compile:
             runs["trl_compile"] = (lambda o: run_trl(model, data, o, args.steps, compile_model=True), False)
             runs["ours_zero2_compile"] = (lambda o: run_ours(model, data, o, args.steps, compiled), False)

@@ -12,7 +12,7 @@ from slime.config import load_config
 
 @pytest.mark.parametrize("extra", [[], ["algo.old_logprobs=recompute"], [vs_trl.ZERO2],
                                    [vs_trl.ZERO2, "train.compile=true"], ["model.cpu_linear=torch"],
-                                   ["model.cpu_linear=onednn"]])
+                                   ["model.cpu_linear=onednn"], [vs_trl.ZERO2, vs_trl.UNFUSED]])
 def test_vs_trl_settings_load(extra, tmp_path):
     cfg = load_config(str(vs_trl.OUR_CONFIG), vs_trl.our_overrides(tmp_path / "m", tmp_path / "d.jsonl",
                                                                    tmp_path / "run", 5, extra))
