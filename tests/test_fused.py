@@ -61,7 +61,7 @@ def test_fused_chains_match_eager_and_reuse_their_graphs(tmp_path, arch, overrid
 
 
 def test_no_grad_passes_match_eager(tmp_path):
-    """Scoring and the reference model run without grad: their own graphs, the same numbers."""
+    """Scoring and the reference model run without grad: the same numbers, and one set of graphs for both."""
     hf = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m", arch="qwen3", seed=2),
                                               attn_implementation=PACKED_SDPA)
     eager = PolicyModel(hf)
@@ -75,6 +75,13 @@ def test_no_grad_passes_match_eager(tmp_path):
                        target_ids=mb.target_ids, prompt_prefixes=mb.prompt_prefixes) for m in (fast, eager))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    graphs = counters["stats"]["unique_graphs"]
+    frozen = copy.deepcopy(fast).requires_grad_(False)  # as the reference model is
+    with torch.no_grad():
+        again = frozen(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len,
+                       target_ids=mb.target_ids, prompt_prefixes=mb.prompt_prefixes)
+    torch.testing.assert_close(again[0], got[0], rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] == graphs, "a frozen model's no-grad pass compiled graphs of its own"
 
 
 def test_where_it_applies(tmp_path):

@@ -66,7 +66,10 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 
 def _norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return rms_norm(x, self.weight, self.variance_epsilon)
+    # Without grad, a trained weight and a frozen one (the reference model's) share one graph: torch.compile guards
+    # on requires_grad, and each variant counts against its limit of graphs per function.
+    weight = self.weight if torch.is_grad_enabled() else self.weight.detach()
+    return rms_norm(x, weight, self.variance_epsilon)
 
 
 def _mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
