@@ -32,6 +32,25 @@ def forward_backward(model, samples):
     return logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def compare_over_lengths(eager, other) -> list[int]:
+    """Forward + backward of both models over micro-batches of three lengths, shared prompts included: the same
+    logprobs, entropies and (nonzero) gradients to fp32 rounding. Returns the graphs compiled since the start, after
+    each micro-batch."""
+    before, graphs = counters["stats"]["unique_graphs"], []
+    for seed in (1, 2, 3):
+        samples = grouped_samples(seed=seed)
+        lp_e, ent_e, g_e = forward_backward(eager, samples)
+        lp_o, ent_o, g_o = forward_backward(other, samples)
+        torch.testing.assert_close(lp_o, lp_e, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent_o, ent_e, rtol=1e-5, atol=1e-5)
+        for name, grad in g_e.items():  # fused kernels round differently: fp32 agreement, not bitwise
+            assert grad.abs().max() > 0, name
+            torch.testing.assert_close(g_o[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(),
+                                       msg=lambda m: f"{name}: {m}")
+        graphs.append(counters["stats"]["unique_graphs"] - before)
+    return graphs
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_compiled_layers_match_eager_and_reuse_their_graphs(model_dir, checkpointing):
     torch._dynamo.reset()
@@ -42,17 +61,7 @@ def test_compiled_layers_match_eager_and_reuse_their_graphs(model_dir, checkpoin
     eager = PolicyModel(hf)
     compiled = copy.deepcopy(eager)
     assert compile_layers(compiled.hf) == compiled.hf.config.num_hidden_layers
-    before, graphs = counters["stats"]["unique_graphs"], []
-    for seed in (1, 2, 3):  # micro-batches of three different lengths, shared prompts included
-        samples = grouped_samples(seed=seed)
-        lp_e, ent_e, g_e = forward_backward(eager, samples)
-        lp_c, ent_c, g_c = forward_backward(compiled, samples)
-        torch.testing.assert_close(lp_c, lp_e, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(ent_c, ent_e, rtol=1e-5, atol=1e-5)
-        for name, grad in g_e.items():  # fused kernels round differently: fp32 agreement, not bitwise
-            torch.testing.assert_close(g_c[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(),
-                                       msg=lambda m: f"{name}: {m}")
-        graphs.append(counters["stats"]["unique_graphs"] - before)
+    graphs = compare_over_lengths(eager, compiled)
     assert graphs[0] > 0, "nothing was compiled"
     assert graphs[2] == graphs[1] == graphs[0], f"new micro-batch lengths recompiled the layers: {graphs}"
 

@@ -15,7 +15,7 @@ from data_tools.make_tiny_model import make_tiny_model, tiny_config
 from slime.models import fused
 from slime.models.attention import PACKED_SDPA
 from slime.models.policy import PolicyModel
-from test_compile import forward_backward
+from test_compile import compare_over_lengths
 from test_packed_logprobs import grouped_samples
 
 
@@ -44,18 +44,7 @@ def test_fused_chains_match_eager_and_reuse_their_graphs(tmp_path, arch, overrid
     layers = hf.config.num_hidden_layers
     per_layer = 4 + 2 * (arch == "qwen3")  # 2 norms, the MLP, the attention (+ q and k norms)
     assert fused.fuse_elementwise(fast.hf) == layers * per_layer + 1  # + the final norm
-    before, graphs = counters["stats"]["unique_graphs"], []
-    for seed in (1, 2, 3):  # micro-batches of three lengths, shared prompts included
-        samples = grouped_samples(seed=seed)
-        lp_e, ent_e, g_e = forward_backward(eager, samples)
-        lp_f, ent_f, g_f = forward_backward(fast, samples)
-        torch.testing.assert_close(lp_f, lp_e, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(ent_f, ent_e, rtol=1e-5, atol=1e-5)
-        for name, grad in g_e.items():  # fused loops round differently: fp32 agreement, not bitwise
-            assert grad.abs().max() > 0, name
-            torch.testing.assert_close(g_f[name], grad, rtol=1e-4, atol=1e-5 * grad.abs().max().item(),
-                                       msg=lambda m: f"{name}: {m}")
-        graphs.append(counters["stats"]["unique_graphs"] - before)
+    graphs = compare_over_lengths(eager, fast)  # micro-batches of three lengths, shared prompts included
     assert graphs[0] > 0, "nothing was compiled"
     assert graphs[2] == graphs[1], f"a new micro-batch length compiled again: {graphs}"
 
