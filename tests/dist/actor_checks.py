@@ -19,6 +19,7 @@ from deepspeed.utils import safe_get_full_grad
 from slime.config import load_config
 from slime.data.sample import Sample, as_token_tensor
 from slime.distributed.parallel_dims import ParallelDims, leave
+from slime.models import fused, onednn
 from slime.rollout.hf_engine import HFEngine
 from slime.trainer.layout import distribute
 from slime.trainer.losses import actor_loss
@@ -81,37 +82,22 @@ def finite_check(critic: PolicyEngine, dims: ParallelDims) -> dict:
     return out
 
 
-def count_onednn_calls() -> list[int]:
-    """Counts the linear calls that take oneDNN (slime.models.onednn), forward passes only."""
-    from slime.models import onednn
-
-    calls, apply = [0], onednn._Linear.apply
+def count_calls(owner, name: str) -> list[int]:
+    """Counts the calls of owner.<name> from now on (its replacement counts, then calls it)."""
+    calls, original = [0], getattr(owner, name)
 
     def counted(*args):
         calls[0] += 1
-        return apply(*args)
+        return original(*args)
 
-    onednn._Linear.apply = counted
-    return calls
-
-
-def count_fused_calls() -> list[int]:
-    """Counts the fused RMSNorm calls (slime.models.fused, train.fuse_elementwise)."""
-    from slime.models import fused
-
-    calls, rms_norm = [0], fused.rms_norm
-
-    def counted(*args):
-        calls[0] += 1
-        return rms_norm(*args)
-
-    fused.rms_norm = counted
+    setattr(owner, name, counted)
     return calls
 
 
 def main() -> None:
     model_dir, out = sys.argv[1], Path(sys.argv[2])
-    onednn_calls, fused_calls = count_onednn_calls(), count_fused_calls()
+    onednn_calls = count_calls(onednn._Linear, "apply")  # the linear calls that take oneDNN, forward passes only
+    fused_calls = count_calls(fused, "rms_norm")  # the fused RMSNorm calls (train.fuse_elementwise)
     cfg = load_config(None, [f"model.path={model_dir}", "data.path=unused.jsonl", "train.lr=1e-2",
                              "train.max_tokens_per_gpu=48", "train.logprob_max_tokens_per_gpu=64",
                              "train.logits_chunk_size=16", *sys.argv[3:]])
