@@ -35,6 +35,7 @@ from slime.trainer.losses import actor_loss, critic_loss
 from slime.trainer.policy_engine import PolicyEngine
 from slime.trainer.evaluate import evaluate, load_eval_prompts
 from slime.utils.cpu_malloc import retain_freed_memory
+from slime.utils.cpu_threads import main_thread_only
 from slime.utils.metrics import MetricsLogger
 from slime.utils.plot import plot_metrics
 from slime.utils.signals import StopRequest
@@ -140,6 +141,8 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
 
 def run(cfg: Config) -> dict:
     """Train for cfg.train.num_steps; returns the last logged metrics."""
+    if not torch.cuda.is_available():  # before the process group's threads run any op
+        logger.info("CPU threads: %s", main_thread_only())
     dims = ParallelDims.build(sp=cfg.parallel.sp, ep=cfg.parallel.ep,
                               timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes))
     if dims.device.type == "cpu" and cfg.train.cpu_malloc == "retain":
