@@ -16,11 +16,11 @@ torch's F.linear, i.e. MKL, elsewhere) and TRL with its linears on oneDNN and ou
 (train.cpu_malloc=retain), to show what the kernel gives and what the rest of the design does; --unfused
 adds ours with HF's eager norm, rotary and SwiGLU chains (train.fuse_elementwise=false).
 Runs alternate (TRL, ours, ..., then again) so machine load hits all alike; each reports the median step time
-of steps 2..N. --whole-machine adds TRL with 2 threads against ours with 2 ranks. Printed: the step times,
-the ratio ours/TRL against the issue's target, our breakdown (rollout / scoring+update / sync), and the FLOP
-floor of a step from the 1-thread fp32 matmul peak measured in the same run (the faster of torch's F.linear
-and oneDNN): generation 2 N T_gen, old-logprob forward 2 N T, forward+backward 6 N T (N parameters without
-embeddings, T tokens), with each run's efficiency = floor / step time (target >= 0.8 on the ~25M model).
+of steps 2..N. --whole-machine adds TRL with 2 threads against ours in one process of 2 threads and ours on 2
+ranks of 1 thread. Printed: the step times, the ratio ours/TRL against the issue's target, our breakdown
+(rollout / scoring+update / sync), and the FLOP floor of a step from the 1-thread fp32 matmul peak measured in
+the same run (the faster of torch's F.linear and oneDNN): generation 2 N T_gen, old-logprob forward 2 N T,
+forward+backward 6 N T (N parameters without embeddings, T tokens), with each run's efficiency = floor / step time (target >= 0.8 on the ~25M model).
 """
 from __future__ import annotations
 
@@ -141,12 +141,13 @@ def our_overrides(model: Path, data: Path, run_dir: Path, steps: int, extra: lis
             "checkpoint.export_hf=false", "checkpoint.save_final=false", "checkpoint.interval=0", *extra]
 
 
-def run_ours(model: Path, data: Path, out: Path, steps: int, extra: list[str], ranks: int = 1) -> dict:
-    run_dir = out / f"ours{ranks}{''.join(Path(e.split('=')[-1]).stem for e in extra)}"
+def run_ours(model: Path, data: Path, out: Path, steps: int, extra: list[str], ranks: int = 1,
+             threads: int = 1) -> dict:
+    run_dir = out / f"ours{ranks}x{threads}{''.join(Path(e.split('=')[-1]).stem for e in extra)}"
     launch = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={ranks}"]
     cmd = [*launch, str(REPO / "run.py"), "--config", str(OUR_CONFIG), *our_overrides(model, data, run_dir, steps, extra)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO))
     log = run_dir.with_suffix(".log")
     with open(log, "w") as f:
         if subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode:
@@ -182,7 +183,8 @@ def main() -> None:
     ap.add_argument("--recompute", action="store_true",
                     help="also ours with the separate old-logprob forward (algo.old_logprobs=recompute)")
     ap.add_argument("--whole-machine", action="store_true",
-                    help="also TRL with 2 threads vs ours with 2 ranks of 1 thread (both use both cores)")
+                    help="also TRL with 2 threads vs ours with 2 threads in one process and with 2 ranks of 1 "
+                         "thread (all use both cores)")
     ap.add_argument("--compile", action="store_true",
                     help="also both with torch.compile: ours with train.compile=true on ZeRO-2, TRL with torch_compile=True")
     ap.add_argument("--kernels", action="store_true",
@@ -239,6 +241,8 @@ def main() -> None:
             runs["ours_zero2_compile"] = (lambda o: run_ours(model, data, o, args.steps, compiled), False)
         if args.whole_machine:
             runs["trl_2_threads"] = (lambda o: run_trl(model, data, o, args.steps, threads=2), False)
+            runs["ours_2_threads"] = (lambda o: run_ours(model, data, o, args.steps, [], threads=2), False)
+            runs["ours_zero2_2_threads"] = (lambda o: run_ours(model, data, o, args.steps, [ZERO2], threads=2), False)
             runs["ours_2_ranks"] = (lambda o: run_ours(model, data, o, args.steps, [], ranks=2), False)
             runs["ours_zero2_2_ranks"] = (lambda o: run_ours(model, data, o, args.steps, [ZERO2], ranks=2), False)
             if args.compile:
@@ -272,6 +276,7 @@ def main() -> None:
                            ("ours_zero2_compile", "trl"), ("ours_zero2_compile", "trl_compile"),
                            (f"ours_zero2_{other}_linear", "trl"), ("ours_zero2", "trl_onednn"),
                            ("ours_zero2_compile", "trl_onednn"),
+                           ("ours_2_threads", "trl_2_threads"), ("ours_zero2_2_threads", "trl_2_threads"),
                            ("ours_2_ranks", "trl_2_threads"), ("ours_zero2_2_ranks", "trl_2_threads"),
                            ("ours_zero2_compile_2_ranks", "trl_2_threads")):
             if name in step and base in step:
