@@ -20,7 +20,8 @@ of steps 2..N. --whole-machine adds TRL with 2 threads against ours in one proce
 ranks of 1 thread. Printed: the step times, the ratio ours/TRL against the issue's target, our breakdown
 (rollout / scoring+update / sync), and the FLOP floor of a step from the 1-thread fp32 matmul peak measured in
 the same run (the faster of torch's F.linear and oneDNN): generation 2 N T_gen, old-logprob forward 2 N T,
-forward+backward 6 N T (N parameters without embeddings, T tokens), with each run's efficiency = floor / step time (target >= 0.8 on the ~25M model).
+forward+backward 6 N T (N parameters without embeddings, T tokens), with each run's efficiency = floor / step
+time (target >= 0.8 on the ~25M model).
 """
 from __future__ import annotations
 
