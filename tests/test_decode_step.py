@@ -1,5 +1,6 @@
 """The hf engine's decode step (slime/models/decode_step.py) against the model's own forward over whole sequences."""
 import copy
+import functools
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from data_tools.make_tiny_model import tiny_config
 from slime.models.attention import GQA_SDPA
+from slime.models import onednn
 from slime.models.decode_step import DecodeStep
 from slime.rollout.hf_engine import PreallocatedLayer
 
@@ -100,6 +102,64 @@ def test_a_weight_written_into_the_parameters_reaches_the_stacked_matmuls():
         step.check()
         torch.testing.assert_close(decode(stepped, step, prompts, new, {}), reference(model, prompts, new, {}),
                                    rtol=1e-5, atol=1e-5)
+
+
+def packed_step(model: torch.nn.Module, monkeypatch) -> DecodeStep:
+    """The hf engine's step on oneDNN with packed weights, every call on oneDNN (the tiny model's matmuls are
+    below MIN_MACS, where the packed weights would not be read)."""
+    monkeypatch.setattr(onednn, "MIN_MACS", 0)
+    return DecodeStep(model, functools.partial(onednn.linear, fallback=torch._C._nn.linear), pack=onednn.pack)
+
+
+needs_onednn = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch,overrides", [
+    ("qwen3", {}),
+    ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+])
+def test_packed_weights_give_the_models_logits(arch, overrides, monkeypatch):
+    model = tiny(arch, **overrides)
+    stepped = copy.deepcopy(model)
+    step = packed_step(stepped, monkeypatch)
+    prompts = [[5, 17, 33], [40, 41, 42, 43, 44, 45, 46], [9], [60, 7, 7, 12]]
+    new = torch.randint(3, VOCAB, (len(prompts), 5), generator=torch.Generator().manual_seed(1))
+    keep_after = {1: [0, 1, 3], 3: [2, 0]}  # down to 2 rows: any row count reads the packed weights
+    with torch.no_grad():
+        got, want = decode(stepped, step, prompts, new, keep_after), reference(model, prompts, new, keep_after)
+    for s, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {s}: {m}")
+
+
+@needs_onednn
+def test_packed_weights_follow_writes_into_the_parameters(monkeypatch):
+    """The packed weights are copies. check() packs again after an in-place write into a parameter (its version
+    counter moved); a write through .data (as HFEngine.update_weights writes) is not seen until refresh(): the
+    step runs the old weight until then, shown here so that the test can fail."""
+    model = tiny("qwen3")
+    stepped = copy.deepcopy(model)
+    step = packed_step(stepped, monkeypatch)
+    prompts, new = [[5, 17, 33], [9]], torch.tensor([[4, 8], [15, 16]])
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+                     "lm_head.weight"):
+            fresh = torch.randn(model.get_parameter(name).shape, generator=g)
+            model.get_parameter(name).copy_(fresh)
+            stepped.get_parameter(name).copy_(fresh)
+        step.check()
+        torch.testing.assert_close(decode(stepped, step, prompts, new, {}), reference(model, prompts, new, {}),
+                                   rtol=1e-5, atol=1e-5)
+        name = "model.layers.2.mlp.down_proj.weight"
+        fresh = torch.randn(model.get_parameter(name).shape, generator=g)
+        model.get_parameter(name).copy_(fresh)
+        stepped.get_parameter(name).data.copy_(fresh)
+        step.check()
+        want = reference(model, prompts, new, {})
+        assert not torch.allclose(decode(stepped, step, prompts, new, {})[0], want[0], atol=1e-3)
+        step.refresh()
+        torch.testing.assert_close(decode(stepped, step, prompts, new, {}), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch,overrides,why", [

@@ -1,10 +1,11 @@
 """The hf engine's own decoding loop against HF's generate and against a full forward of what it generated."""
 import pytest
 import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from data_tools.make_tiny_model import make_tiny_model
 from slime.config import ModelConfig
+from slime.models import onednn
 from slime.rollout.engine import SamplingParams
 from slime.rollout.hf_engine import HFEngine
 
@@ -266,6 +267,23 @@ def test_decode_attention_equals_sdpa(padded):
     got = _decode_attention(q, k, v, mask, scaling=0.3)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True).transpose(1, 2)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
+def test_a_weight_push_reaches_the_packed_weights_of_the_decode_step(model_path, tmp_path, monkeypatch):
+    """On oneDNN the decode step multiplies with packed copies of the weights: after update_weights it generates
+    what the model's own forward (on the weights themselves) generates from the pushed weights, not the old ones."""
+    monkeypatch.setattr(onednn, "MIN_MACS", 0)  # the tiny model's matmuls on oneDNN too
+    engine = HFEngine(ModelConfig(path=str(model_path), dtype="float32", cpu_linear="onednn"),
+                      AutoTokenizer.from_pretrained(model_path), device=torch.device("cpu"))
+    assert engine._step is not None and engine._step.pack is not None
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    before = [g.response_ids for (g,) in engine.generate(PROMPTS, params)]
+    other = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "other", arch="qwen3", seed=2))
+    engine.update_weights([[(n, p.detach()) for n, p in other.named_parameters()]], version=1)
+    got = [g.response_ids for (g,) in engine.generate(PROMPTS, params)]
+    want, _ = hf_generate(engine, PROMPTS, params)
+    assert got == want.tolist() and got != before
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0])

@@ -11,7 +11,9 @@ for Llama, Qwen2 and Qwen3:
   norms one call over both;
 - rope is q * cos + roll(q) * sin', with sin' = sin with its first half negated: roll(q, D/2) is rotate_half(q)
   without the sign, so the product is rotate_half(q) * sin exactly;
-- attention is the engine's decode attention (slime/models/attention.py) on the engine's in-place KV cache.
+- attention is the engine's decode attention (slime/models/attention.py) on the engine's in-place KV cache;
+- with `pack` (the hf engine on oneDNN: slime/models/onednn.py's `pack`), the matmuls read packed copies of their
+  weights, made again by `refresh()`, which the engine calls after every weight push.
 
 `python bench/hf_generation.py` measures it against the same loop over HF's forward. Other families (MoE,
 sliding windows, VL) decode through the model's own forward: `DecodeStep.unsupported(model)` says why.
@@ -78,13 +80,16 @@ class DecodeStep:
                 return "an MLP without gate_proj"
         return None
 
-    def __init__(self, model: torch.nn.Module, linear: Callable = torch._C._nn.linear):
+    def __init__(self, model: torch.nn.Module, linear: Callable = torch._C._nn.linear,
+                 pack: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """`linear(x, weight, bias)`; with `pack`, also `linear(x, weight, bias, packed=pack(weight))`."""
         why = self.unsupported(model)
         if why is not None:
             raise ValueError(f"DecodeStep cannot run this model: {why}")
-        self.model, self.linear = model, linear
+        self.model, self.linear, self.pack = model, linear, pack
         self._layers: list[tuple] = []
         self._views: list[int] = []
+        self._packed: dict[int, torch.Tensor] = {}  # id(weight) -> pack(weight)
         self._stack()
 
     def _stack(self) -> None:
@@ -96,15 +101,42 @@ class DecodeStep:
             qk_norm = getattr(attn, "q_norm", None) is not None
             self._layers.append((*_stack_as_views([attn.q_proj, attn.k_proj, attn.v_proj]),
                                  *_stack_as_views([mlp.gate_proj, mlp.up_proj]), n_q, n_kv, qk_norm))
+        self.refresh()
+
+    def refresh(self) -> None:
+        """With `pack`: pack the weights again (after a write into the parameters)."""
         self._views = self._pointers()
+        if self.pack is None:
+            return
+        weights = [self.model.lm_head.weight]
+        for layer, (w_qkv, _, w_gu, *_) in zip(self.model.model.layers, self._layers):
+            weights += [w_qkv, layer.self_attn.o_proj.weight, w_gu, layer.mlp.down_proj.weight]
+        self._packed = {id(w): self.pack(w) for w in weights}
+
+    def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.pack is None:
+            return self.linear(x, weight, bias)
+        return self.linear(x, weight, bias, packed=self._packed[id(weight)])
 
     def _pointers(self) -> list[int]:
-        return [p.data_ptr() for layer in self.model.model.layers
-                for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                          layer.mlp.gate_proj, layer.mlp.up_proj) for p in (m.weight, m.bias) if p is not None]
+        """Where the stacked parameters live; with `pack`, also the version counter of every weight it packs (an
+        in-place write into a parameter bumps it) and where the unstacked ones live."""
+        layers = self.model.model.layers
+        stacked = [p.data_ptr() for layer in layers
+                   for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                             layer.mlp.gate_proj, layer.mlp.up_proj) for p in (m.weight, m.bias) if p is not None]
+        if self.pack is None:
+            return stacked
+        weights = [self.model.lm_head.weight] + [
+            m.weight for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                   layer.self_attn.v_proj, layer.self_attn.o_proj, layer.mlp.gate_proj,
+                                                   layer.mlp.up_proj, layer.mlp.down_proj)]
+        return stacked + [w.data_ptr() for w in weights] + [w._version for w in weights]
 
     def check(self) -> None:
-        """Stack again if a parameter is no longer a view of its stack (the model was moved or cast since)."""
+        """Stack again if a parameter is no longer a view of its stack (the model was moved or cast since); with
+        `pack`, pack again if a weight was written in place since (a write through `.data` is not seen: call
+        `refresh()` after one, as HFEngine.update_weights does)."""
         if self._pointers() != self._views:
             self._stack()
 
@@ -113,7 +145,7 @@ class DecodeStep:
         """tokens, positions (B,) long; mask (B, L) bool over the L keys the cache holds after this step (None: all
         valid); cache a DynamicCache whose layers' `update(k, v)` return their whole keys and values -> the
         next-token logits (B, V)."""
-        inner, linear, b = self.model.model, self.linear, tokens.shape[0]
+        inner, linear, b = self.model.model, self._linear, tokens.shape[0]
         x = inner.embed_tokens(tokens)
         cos, sin = inner.rotary_emb(x, positions[:, None])  # (B, 1, D), attention scaling applied
         half = cos.shape[-1] // 2

@@ -29,7 +29,7 @@ from transformers.cache_utils import DynamicLayer
 from slime.models.attention import GQA_SDPA
 from slime.models.decode_step import DecodeStep
 from slime.models.loading import load_model, resolve_dtype
-from slime.models.onednn import linear as onednn_linear, resolve_cpu_linear, use_onednn_linears
+from slime.models.onednn import linear as onednn_linear, pack as onednn_pack, resolve_cpu_linear, use_onednn_linears
 from slime.multimodal.processor import MultimodalInputs, check_contexts
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
 
@@ -150,7 +150,7 @@ class HFEngine:
         # Text decode steps of Llama-family models skip HF's forward (slime/models/decode_step.py).
         why = DecodeStep.unsupported(self.model) if decode_step else "turned off"
         linear = functools.partial(onednn_linear, fallback=torch._C._nn.linear) if onednn else torch._C._nn.linear
-        self._step = None if why else DecodeStep(self.model, linear)
+        self._step = None if why else DecodeStep(self.model, linear, pack=onednn_pack if onednn else None)
         if why:
             logger.info("hf engine: decode steps run the model's own forward (%s)", why)
         self.device, self.batch_size = device, batch_size
@@ -370,6 +370,8 @@ class HFEngine:
         missing = set(self._load_plan) - seen
         if missing:
             raise RuntimeError(f"weight update {version} left {len(missing)} tensors stale, e.g. {sorted(missing)[:3]}")
+        if self._step is not None:
+            self._step.refresh()  # its packed weights (oneDNN) are copies
         self._version = version
 
     def sleep(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
