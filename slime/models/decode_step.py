@@ -13,7 +13,8 @@ for Llama, Qwen2 and Qwen3:
   without the sign, so the product is rotate_half(q) * sin exactly;
 - attention is the engine's decode attention (slime/models/attention.py) on the engine's in-place KV cache;
 - with `pack` (the hf engine on oneDNN: slime/models/onednn.py's `pack`), the matmuls read packed copies of their
-  weights, made again by `refresh()`, which the engine calls after every weight push.
+  weights (the engine holds its matmul weights twice), made again by `refresh()` after every weight push and by
+  `check()` after an in-place write into a parameter.
 
 `python bench/hf_generation.py` measures it against the same loop over HF's forward. Other families (MoE,
 sliding windows, VL) decode through the model's own forward: `DecodeStep.unsupported(model)` says why.

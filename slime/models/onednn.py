@@ -125,9 +125,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """A copy of `weight` (out, in) in oneDNN's own blocked layout, for `linear(..., packed=)`. Only oneDNN's linear
     reads it (its shape is the weight's, its memory is not laid out as the shape says), and it is a copy: a write
-    into the weight reaches it only when packed again. Where a weight streams from memory at every call (a
-    decode step's 64-row matmuls) oneDNN then reads it in the layout its kernel wants: the hf engine's rollout of bench/vs_trl.py's
-    23.7M model 3.41 -> 2.97 s, bitwise the same tokens and logprobs (the row count is a hint; any count runs)."""
+    into the weight reaches it only when packed again. Where a weight streams from memory at every call (a decode
+    step's 64-row matmuls) oneDNN then reads it in the layout its kernel wants: the hf engine's rollout of
+    bench/vs_trl.py's 23.7M model 3.38 -> 3.08 s on a 2-core EPYC, bitwise the same tokens and logprobs (the row
+    count is a hint; any count runs)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 64)
 
 
