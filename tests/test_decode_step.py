@@ -61,16 +61,31 @@ def reference(model, prompts, new, keep_after) -> list[torch.Tensor]:
     return out
 
 
+def packed_step(model: torch.nn.Module, monkeypatch) -> DecodeStep:
+    """The hf engine's step on oneDNN with packed weights, every call on oneDNN (the tiny model's matmuls are
+    below MIN_MACS, where the packed weights would not be read)."""
+    monkeypatch.setattr(onednn, "MIN_MACS", 0)
+    return DecodeStep(model, functools.partial(onednn.linear, fallback=torch._C._nn.linear), pack=onednn.pack)
+
+
+needs_onednn = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
+
+
 @pytest.mark.parametrize("arch,overrides", [
     ("qwen3", {}),  # per-head q and k norms
     ("qwen2", {}),  # q, k, v biases
     ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
 ])
-def test_decode_step_gives_the_models_logits(arch, overrides):
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_decode_step_gives_the_models_logits(arch, overrides, packed, monkeypatch):
+    """Plain, and with the weights packed for oneDNN (the hf engine on oneDNN): rows leaving the batch run the
+    packed weights at any row count."""
+    if packed and not onednn.available():
+        pytest.skip("this torch build has no oneDNN")
     model = tiny(arch, **overrides)
     assert DecodeStep.unsupported(model) is None
     stepped = copy.deepcopy(model)
-    step = DecodeStep(stepped)
+    step = packed_step(stepped, monkeypatch) if packed else DecodeStep(stepped)
     prompts = [[5, 17, 33], [40, 41, 42, 43, 44, 45, 46], [9], [60, 7, 7, 12]]
     new = torch.randint(3, VOCAB, (len(prompts), 6), generator=torch.Generator().manual_seed(1))
     keep_after = {1: [0, 1, 3], 3: [2, 0]}  # rows leave, and the order of those left changes
@@ -78,6 +93,14 @@ def test_decode_step_gives_the_models_logits(arch, overrides):
         got, want = decode(stepped, step, prompts, new, keep_after), reference(model, prompts, new, keep_after)
     for s, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {s}: {m}")
+
+
+def write_fresh(g: torch.Generator, names: list[str], *models: torch.nn.Module) -> None:
+    """Copy the same random values into the named parameters of each model (in place, on the parameter)."""
+    for name in names:
+        fresh = torch.randn(models[0].get_parameter(name).shape, generator=g)
+        for m in models:
+            m.get_parameter(name).copy_(fresh)
 
 
 def test_a_weight_written_into_the_parameters_reaches_the_stacked_matmuls():
@@ -89,11 +112,8 @@ def test_a_weight_written_into_the_parameters_reaches_the_stacked_matmuls():
     prompts, new = [[5, 17, 33], [9]], torch.tensor([[4, 8], [15, 16]])
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
-        for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight",
-                     "model.layers.2.self_attn.v_proj.weight"):
-            fresh = torch.randn(model.get_parameter(name).shape, generator=g)
-            model.get_parameter(name).copy_(fresh)
-            stepped.get_parameter(name).copy_(fresh)
+        write_fresh(g, ["model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                        "model.layers.2.self_attn.v_proj.weight"], model, stepped)
         torch.testing.assert_close(decode(stepped, step, prompts, new, {}), reference(model, prompts, new, {}),
                                    rtol=1e-5, atol=1e-5)
         fresh = torch.randn(model.model.layers[0].self_attn.q_proj.weight.shape, generator=g)
@@ -102,34 +122,6 @@ def test_a_weight_written_into_the_parameters_reaches_the_stacked_matmuls():
         step.check()
         torch.testing.assert_close(decode(stepped, step, prompts, new, {}), reference(model, prompts, new, {}),
                                    rtol=1e-5, atol=1e-5)
-
-
-def packed_step(model: torch.nn.Module, monkeypatch) -> DecodeStep:
-    """The hf engine's step on oneDNN with packed weights, every call on oneDNN (the tiny model's matmuls are
-    below MIN_MACS, where the packed weights would not be read)."""
-    monkeypatch.setattr(onednn, "MIN_MACS", 0)
-    return DecodeStep(model, functools.partial(onednn.linear, fallback=torch._C._nn.linear), pack=onednn.pack)
-
-
-needs_onednn = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
-
-
-@needs_onednn
-@pytest.mark.parametrize("arch,overrides", [
-    ("qwen3", {}),
-    ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
-])
-def test_packed_weights_give_the_models_logits(arch, overrides, monkeypatch):
-    model = tiny(arch, **overrides)
-    stepped = copy.deepcopy(model)
-    step = packed_step(stepped, monkeypatch)
-    prompts = [[5, 17, 33], [40, 41, 42, 43, 44, 45, 46], [9], [60, 7, 7, 12]]
-    new = torch.randint(3, VOCAB, (len(prompts), 5), generator=torch.Generator().manual_seed(1))
-    keep_after = {1: [0, 1, 3], 3: [2, 0]}  # down to 2 rows: any row count reads the packed weights
-    with torch.no_grad():
-        got, want = decode(stepped, step, prompts, new, keep_after), reference(model, prompts, new, keep_after)
-    for s, (g, w) in enumerate(zip(got, want)):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {s}: {m}")
 
 
 @needs_onednn
@@ -143,11 +135,8 @@ def test_packed_weights_follow_writes_into_the_parameters(monkeypatch):
     prompts, new = [[5, 17, 33], [9]], torch.tensor([[4, 8], [15, 16]])
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
-        for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.0.self_attn.o_proj.weight",
-                     "lm_head.weight"):
-            fresh = torch.randn(model.get_parameter(name).shape, generator=g)
-            model.get_parameter(name).copy_(fresh)
-            stepped.get_parameter(name).copy_(fresh)
+        write_fresh(g, ["model.layers.1.self_attn.k_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+                        "lm_head.weight"], model, stepped)
         step.check()
         torch.testing.assert_close(decode(stepped, step, prompts, new, {}), reference(model, prompts, new, {}),
                                    rtol=1e-5, atol=1e-5)
