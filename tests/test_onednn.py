@@ -63,6 +63,35 @@ def test_linear_matches_fp64_forward_and_backward(bias, layout, out_features):
         torch.testing.assert_close(a.double(), r.detach(), rtol=0, atol=2e-6 * scale)  # fp32 sums of 96-600 terms
 
 
+@pytest.mark.parametrize("out_features", [160, 64])  # the two weight-gradient forms: 1 and 2 transposes
+def test_weight_gradient_transposes_through_the_given_copy(out_features, monkeypatch):
+    """`transpose` (the fused chains' compiled copy) makes the weight gradient's transposes; the operands oneDNN
+    then reads hold the same numbers, so every gradient is bitwise the same as without it."""
+    from slime.models import fused
+    if fused.compiler_works() is not None:
+        pytest.skip(f"torch.compile does not run here: {fused.compiler_works()}")
+    g = torch.Generator().manual_seed(2)
+    x, w, up = (torch.randn(*shape, generator=g) for shape in ((300, 96), (out_features, 96), (300, out_features)))
+    calls = []
+
+    def counted(t):
+        calls.append(tuple(t.shape))
+        return fused.transpose(t)
+
+    grads = {}
+    for label, transpose, threshold in (("plain", None, 0), ("given", counted, 0), ("small", counted, 10 ** 9)):
+        monkeypatch.setattr(onednn, "MIN_TRANSPOSE", threshold)
+        got = [t.clone().requires_grad_() for t in (x, w)]
+        (onednn.linear(*got, transpose=transpose) * up).sum().backward()
+        grads[label] = [t.grad for t in got]
+        if label == "given":  # the narrower of grad and x, and for a wider grad the (in, out) result back
+            assert calls == ([(300, 64)] if out_features == 64 else [(300, 96), (96, out_features)]), calls
+    assert len(calls) == (1 if out_features == 64 else 2), "under MIN_TRANSPOSE the copy is torch's own"
+    for label in ("given", "small"):
+        for a, b in zip(grads[label], grads["plain"]):
+            assert torch.equal(a, b), label
+
+
 @pytest.mark.parametrize("trainable", ["input", "weight", "bias"])
 def test_linear_with_frozen_parts_and_an_in_place_add_on_its_output(trainable):
     """Only one of input, weight and bias needs a gradient (a frozen layer, a frozen bias, a LoRA-style base

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 # weight that is under 4 rows, for 256x256 under 16. bench/cpu_matmul.py prints the crossover of a machine;
 # SLIME_ONEDNN_MIN_MACS moves it (0 sends every fp32 CPU call to oneDNN, as some tests do).
 MIN_MACS = int(os.environ.get("SLIME_ONEDNN_MIN_MACS", 1 << 20))
+MIN_TRANSPOSE = 1 << 16  # elements: below it a compiled transpose's call (~20 us) costs more than it saves
 
 
 def available() -> bool:
@@ -85,12 +86,14 @@ def _gathered(weight: torch.Tensor) -> torch.Tensor:
 
 class _Linear(torch.autograd.Function):
     """y = x @ weight.T + bias for 2-D x; the output is a fresh tensor (not a view), so callers may add to it
-    in place as they would to F.linear's."""
+    in place as they would to F.linear's. `transpose(t)`, where given, is `t.t().contiguous()` by a faster copy
+    (slime/models/fused.py's `transpose`) for the weight gradient's big operand."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                transpose: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.transpose = bias is not None, transpose
         return _mm_nt(x, weight, bias)
 
     @staticmethod
@@ -99,9 +102,22 @@ class _Linear(torch.autograd.Function):
         gx = _mm_nt(grad, _gathered(weight).t()) if ctx.needs_input_grad[0] else None
         gw = None
         if ctx.needs_input_grad[1]:  # oneDNN copies a transposed first operand: transpose the narrower of the two
-            gw = _mm_nt(grad.t(), x.t()) if grad.shape[1] <= x.shape[1] else _mm_nt(x.t(), grad.t()).t().contiguous()
+            transpose = ctx.transpose if ctx.transpose is not None and not torch.compiler.is_compiling() else None
+            if grad.shape[1] <= x.shape[1]:
+                gw = _mm_nt(_t(grad, transpose), x.t())
+            else:
+                gw = _t(_mm_nt(_t(x, transpose), grad.t()), transpose, copy=True)
         gb = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb
+        return gx, gw, gb, None
+
+
+def _t(t: torch.Tensor, transpose: Callable[[torch.Tensor], torch.Tensor] | None, copy: bool = False) -> torch.Tensor:
+    """t.T: through `transpose` where given, for a big t; else as a view (`copy`: torch's contiguous copy of it). A
+    transposed first operand is copied by oneDNN itself, by torch's strided copy, 2-3x slower than inductor's tiled
+    one at (4192, 512)."""
+    if transpose is not None and t.numel() >= MIN_TRANSPOSE:
+        return transpose(t)
+    return t.t().contiguous() if copy else t.t()
 
 
 def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -110,12 +126,14 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           fallback: Callable = F.linear, packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias; `packed`: `pack(weight)`, used where oneDNN takes the call without grad."""
+           fallback: Callable = F.linear, packed: torch.Tensor | None = None,
+           transpose: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """x @ weight.T + bias; `packed`: `pack(weight)`, used where oneDNN takes the call without grad; `transpose`:
+    see _Linear."""
     if usable(x, weight):
         flat = x.reshape(-1, x.shape[-1])
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-            out = _Linear.apply(flat, weight, bias)
+            out = _Linear.apply(flat, weight, bias, transpose)
         else:  # no graph to record (generation, no-grad scoring): the Function's bookkeeping is ~10 us a call
             out = _mm_nt(flat, weight if packed is None else packed, bias)
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -132,16 +150,18 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 64)
 
 
-def use_onednn_linears(model: nn.Module, fallback: Callable | None = None) -> int:
+def use_onednn_linears(model: nn.Module, fallback: Callable | None = None,
+                       transpose: Callable[[torch.Tensor], torch.Tensor] | None = None) -> int:
     """Point each plain nn.Linear's forward at `linear` (per module: nothing process-wide changes). `fallback` is
     the linear for the calls oneDNN does not take; None looks up F.linear at call time (which ZeRO-3 wraps).
-    Returns the number of layers changed; 0 where oneDNN is missing from this torch build."""
+    `transpose`: the backward's transposes (see _Linear). Returns the number of layers changed; 0 where oneDNN is
+    missing from this torch build."""
     if not available():
         return 0
     count = 0
     for module in model.modules():
         if type(module) is nn.Linear:
             module.forward = types.MethodType(
-                lambda self, x: linear(x, self.weight, self.bias, fallback or F.linear), module)
+                lambda self, x: linear(x, self.weight, self.bias, fallback or F.linear, transpose=transpose), module)
             count += 1
     return count

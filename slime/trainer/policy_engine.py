@@ -95,9 +95,12 @@ class PolicyEngine:
             attention = register_ulysses_attention(attention, shard)
         hf, self.adapter = load_model(model, attn_implementation=attention, dtype=dtype, backbone_only=role == "critic")
         hf.config.use_cache = False
+        # The fused chains (train.fuse_elementwise) also make the oneDNN linears' weight-gradient transposes.
+        fuse_why = "train.compile=true" if train.compile else fused.resolve(train.fuse_elementwise, hf, dims.device)
         if dims.device.type == "cpu":
             kernel = resolve_cpu_linear(model.cpu_linear)
-            onednn = kernel == "onednn" and use_onednn_linears(hf)
+            onednn = kernel == "onednn" and use_onednn_linears(
+                hf, transpose=fused.transpose if fuse_why is None else None)
             if role == "actor" and dims.is_main:
                 logger.info("model.cpu_linear=%s: fp32 linear layers on CPU run %s", model.cpu_linear,
                             f"oneDNN's kernels ({onednn} layers)" if onednn else "torch's F.linear")
@@ -108,12 +111,11 @@ class PolicyEngine:
             if role == "actor" and dims.is_main:
                 logger.info("train.compile: %d decoder layers compiled (the first step pays the compile)", compiled)
         else:
-            why = fused.resolve(train.fuse_elementwise, hf, dims.device)
-            changed = fused.fuse_elementwise(hf) if why is None else 0
+            changed = fused.fuse_elementwise(hf) if fuse_why is None else 0
             if role == "actor" and dims.is_main:
                 logger.info("train.fuse_elementwise=%s: %s", train.fuse_elementwise,
-                            f"{changed} norm, MLP and attention modules run fused chains" if why is None else
-                            f"off ({why})")
+                            f"{changed} norm, MLP and attention modules run fused chains" if fuse_why is None else
+                            f"off ({fuse_why})")
         module = PolicyModel(hf, head="value" if role == "critic" else "logprobs", adapter=self.adapter, sp=shard)
         self._hf_names = {n for n, _ in hf.named_parameters()}  # before expert parallelism replaces MoE blocks
         total = train.num_steps * train.num_mini_batches
