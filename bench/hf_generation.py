@@ -1,5 +1,6 @@
-"""hf engine decoding: our loop (stopped rows leave the batch) vs HF's generate, same model and prompts; and our
-loop with its decode step (slime/models/decode_step.py) vs the same loop over HF's forward.
+"""hf engine decoding: our loop (stopped rows leave the batch) vs HF's generate, same model and prompts; our loop
+with its decode step (slime/models/decode_step.py) vs the same loop over HF's forward; and, where the engine runs
+oneDNN (model.cpu_linear=auto on AMD), its decode step on packed weights vs on the plain ones.
 
     python bench/hf_generation.py [--hidden 512] [--layers 10] [--prompts 16] [--n 4] [--max-new 64] [--reps 3]
                                   [--prompt-len 0]
@@ -9,7 +10,7 @@ lengths (EOS ignored: both decode rows x max_new tokens) and ragged lengths (a s
 responses early, as real responses do). Prints the median time of each, generated tokens per second and
 the ratio, measured in the same run; HF's generate gets the same sampling settings (top_k=0). Prompts are
 4-11 tokens, or --prompt-len tokens each: ours prefills each prompt once for its n samples, HF's generate
-once per sample.
+once per sample. Our runs sample from generators of one seed, so at each repetition they decode the same tokens.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def main() -> None:
 
     from data_tools.make_tiny_model import make_tiny_model
     from slime.config import ModelConfig
+    from slime.models.decode_step import DecodeStep
     from slime.rollout.engine import SamplingParams
     from slime.rollout.hf_engine import NO_TOKEN, HFEngine
 
@@ -49,6 +51,13 @@ def main() -> None:
                       device=torch.device("cpu"), batch_size=args.prompts * args.n)
     hf_forward = HFEngine(ModelConfig(path=str(path), dtype="float32"), AutoTokenizer.from_pretrained(path),
                           device=torch.device("cpu"), batch_size=args.prompts * args.n, decode_step=False)
+    unpacked = None
+    if engine._step is not None and engine._step.pack is not None:  # the same step on the plain weights
+        unpacked = HFEngine(ModelConfig(path=str(path), dtype="float32"), AutoTokenizer.from_pretrained(path),
+                            device=torch.device("cpu"), batch_size=args.prompts * args.n)
+        unpacked._step = DecodeStep(unpacked.model, unpacked._step.linear)
+    else:
+        print("the engine's decode step does not pack its weights here (it runs torch's linear): no packed row")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 250, (args.prompt_len or int(torch.randint(4, 12, (1,), generator=g)),),
                              generator=g).tolist() for _ in range(args.prompts)]
@@ -72,9 +81,11 @@ def main() -> None:
         return sum(len(x.response_ids) for group in engine.generate(prompts, params) for x in group)
 
     runs = {"ours": ours, "ours, hf forward": lambda params: ours(params, hf_forward), "hf generate": hf_generate}
+    if unpacked is not None:
+        runs["ours, unpacked"] = lambda params: ours(params, unpacked)
 
-    settings = {"fixed lengths": SamplingParams(max_new_tokens=args.max_new, n=args.n, ignore_eos=True),
-                "ragged lengths": SamplingParams(max_new_tokens=args.max_new, n=args.n,
+    settings = {"fixed lengths": SamplingParams(max_new_tokens=args.max_new, n=args.n, ignore_eos=True, seed=0),
+                "ragged lengths": SamplingParams(max_new_tokens=args.max_new, n=args.n, seed=0,
                                                  stop_token_ids=tuple(range(5, 15)))}
     for name, params in settings.items():
         times, tokens = {label: [] for label in runs}, {}
@@ -89,7 +100,8 @@ def main() -> None:
         for label in t:
             print(f"  {label:16s} {t[label]:6.2f} s  {tokens[label] / t[label]:7.0f} tokens/s")
         print(f"  ours / hf generate: {t['ours'] / t['hf generate']:.2f}x the time; "
-              f"ours / ours over hf forward: {t['ours'] / t['ours, hf forward']:.2f}x")
+              f"ours / ours over hf forward: {t['ours'] / t['ours, hf forward']:.2f}x"
+              + (f"; packed / unpacked weights: {t['ours'] / t['ours, unpacked']:.2f}x" if unpacked else ""))
 
 
 if __name__ == "__main__":
