@@ -1,12 +1,14 @@
 """The hf engine's own decoding loop against HF's generate and against a full forward of what it generated."""
+import types
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from data_tools.make_tiny_model import make_tiny_model
-from slime.config import ModelConfig
+from slime.config import ModelConfig, RolloutConfig
 from slime.models import onednn
-from slime.rollout.engine import SamplingParams
+from slime.rollout.engine import SamplingParams, make_engine
 from slime.rollout.hf_engine import HFEngine
 
 
@@ -284,6 +286,21 @@ def test_a_weight_push_reaches_the_packed_weights_of_the_decode_step(model_path,
     got = [g.response_ids for (g,) in engine.generate(PROMPTS, params)]
     want, _ = hf_generate(engine, PROMPTS, params)
     assert got == want.tolist() and got != before
+
+
+@pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
+def test_rollout_hf_packed_weights_false_keeps_no_packed_copies(model_path, monkeypatch):
+    """rollout.hf_packed_weights=false (through make_engine, as the trainer builds it): the decode step multiplies
+    with the weights themselves, and generates what the packed one does."""
+    monkeypatch.setattr(onednn, "MIN_MACS", 0)
+    model = ModelConfig(path=str(model_path), dtype="float32", cpu_linear="onednn")
+    tok, dims = AutoTokenizer.from_pretrained(model_path), types.SimpleNamespace(device=torch.device("cpu"))
+    engines = {flag: make_engine(RolloutConfig(hf_packed_weights=flag), model, tok, dims) for flag in (True, False)}
+    assert engines[True]._step._packed and engines[True]._step.packed_bytes() > 0
+    assert engines[False]._step.pack is None and not engines[False]._step._packed
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    got = {flag: [g.response_ids for (g,) in e.generate(PROMPTS, params)] for flag, e in engines.items()}
+    assert got[True] == got[False]
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.0])

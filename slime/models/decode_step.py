@@ -114,6 +114,10 @@ class DecodeStep:
             weights += [w_qkv, layer.self_attn.o_proj.weight, w_gu, layer.mlp.down_proj.weight]
         self._packed = {id(w): self.pack(w) for w in weights}
 
+    def packed_bytes(self) -> int:
+        """Memory held by the packed copies (their weights' size: oneDNN's blocked layout may pad a little more)."""
+        return sum(p.numel() * p.element_size() for p in self._packed.values())
+
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.pack is None:
             return self.linear(x, weight, bias)

@@ -73,7 +73,8 @@ def make_engine(cfg, model_cfg, tokenizer, dims, *, run_dir: str | None = None) 
     if cfg.engine == "hf":
         from slime.rollout.hf_engine import HFEngine
 
-        return HFEngine(model_cfg, tokenizer, device=dims.device, batch_size=cfg.gen_batch_size)
+        return HFEngine(model_cfg, tokenizer, device=dims.device, batch_size=cfg.gen_batch_size,
+                        packed_weights=cfg.hf_packed_weights)
     if cfg.engine == "sglang":
         from slime.rollout.sglang_engine import SGLangEngine
 

@@ -140,7 +140,7 @@ class SeededSampling(LogitsProcessor):
 
 class HFEngine:
     def __init__(self, model_cfg, tokenizer, *, device: torch.device, batch_size: int = 64,
-                 decode_step: bool = True):
+                 decode_step: bool = True, packed_weights: bool = True):
         self.model, self.adapter = load_model(model_cfg, attn_implementation=GQA_SDPA, dtype=resolve_dtype(model_cfg.dtype))
         self.model.to(device).eval()
         onednn = device.type == "cpu" and resolve_cpu_linear(model_cfg.cpu_linear) == "onednn" and \
@@ -150,9 +150,13 @@ class HFEngine:
         # Text decode steps of Llama-family models skip HF's forward (slime/models/decode_step.py).
         why = DecodeStep.unsupported(self.model) if decode_step else "turned off"
         linear = functools.partial(onednn_linear, fallback=torch._C._nn.linear) if onednn else torch._C._nn.linear
-        self._step = None if why else DecodeStep(self.model, linear, pack=onednn_pack if onednn else None)
+        self._step = None if why else DecodeStep(self.model, linear,
+                                                  pack=onednn_pack if onednn and packed_weights else None)
         if why:
             logger.info("hf engine: decode steps run the model's own forward (%s)", why)
+        elif self._step.pack is not None:
+            logger.info("hf engine: decode steps read packed copies of the matmul weights (~%.0f MB more memory; "
+                        "rollout.hf_packed_weights=false saves it)", self._step.packed_bytes() / 2 ** 20)
         self.device, self.batch_size = device, batch_size
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
