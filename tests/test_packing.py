@@ -365,3 +365,25 @@ def test_plans_with_shared_prompts_fill_micro_batches_by_the_tokens_they_hold(se
         local_lengths, local_prompts = [lengths[i] for i in by_rank[rank]], [prompts[i] for i in by_rank[rank]]
         assert sorted(i for mb in mbs for i in mb) == list(range(len(by_rank[rank])))
         assert all(micro_batch_tokens(mb, local_lengths, local_prompts) <= max_tokens for mb in mbs if mb)
+
+
+def test_balancing_counts_a_shared_prompt_once():
+    """Rank 0 made three prompts of 10 tokens, rank 1 one of 300 tokens whose two samples share it. Summed whole
+    lengths call the ranks even (740 and 700 tokens) where rank 0 runs 730 tokens and rank 1 400; counting each
+    shared prompt once, the planner moves a sample and the ranks run 580 and 550."""
+    from slime.data.packing import micro_batch_tokens
+
+    lengths = [210, 210, 20, 110, 210, 60, 310, 310]
+    prompts = [(0, 10), (0, 10), (1, 10), (1, 10), (2, 10), (2, 10), (3, 300), (3, 300)]
+    owners = [0, 0, 0, 0, 1, 1, 1, 1]
+    kw = dict(max_tokens=4096, dp_size=2, owners=owners, cost_fn=lambda n: default_cost(n, hidden_size=64))
+
+    def rank_tokens(plan):
+        return [micro_batch_tokens([i for mb in mbs for i in mb], lengths, prompts) for mbs in plan]
+
+    by_whole_lengths = plan_micro_batches(lengths, **kw)  # the ranks balancing whole lengths picks
+    assert rank_tokens(by_whole_lengths) == [730, 400]
+    assert packing_stats(lengths, by_whole_lengths, cost_fn=kw["cost_fn"], prompts=prompts)["compute_imbalance"] > 1.2
+    plan = plan_micro_batches(lengths, prompts=prompts, **kw)
+    assert rank_tokens(plan) == [580, 550]
+    assert packing_stats(lengths, plan, cost_fn=kw["cost_fn"], prompts=prompts)["compute_imbalance"] < 1.02

@@ -17,7 +17,8 @@ Invariants of a plan returned by `plan_micro_batches` (asserted by tests/test_pa
 5. Same input gives the same output: no randomness, ties broken by sample index.
 
 Compute is balanced across ranks by `cost_fn`, not by token count, because attention makes a
-long sample cost more than two samples of half its length.
+long sample cost more than two samples of half its length; with shared prompts, a prompt is paid once by the
+samples that share it.
 """
 from __future__ import annotations
 
@@ -124,7 +125,9 @@ def plan_micro_batches(
     sample's image patches (the patches' tokens are already in the length).
 
     `prompts` (see `Prompts`): micro-batches carry a shared prompt once, and are filled by those tokens
-    (`micro_batch_tokens`) rather than by summed lengths. Balancing over ranks still counts whole lengths.
+    (`micro_batch_tokens`) rather than by summed lengths. Balancing counts a shared prompt once too: each of the m
+    samples (with a response) that share it pays for its response and 1/m of the prompt (`_prompts_shared`),
+    exact where they sit in one micro-batch, as packing tries to put them.
 
     Steps: Karmarkar-Karp largest differencing over units (samples, or whole groups) into
     `dp_size` parts with equal unit counts, refined by swaps between the heaviest and lightest
@@ -157,6 +160,8 @@ def plan_micro_batches(
         if len(extra_cost) != len(lengths):
             raise ValueError(f"extra_cost has {len(extra_cost)} entries for {len(lengths)} samples")
         sample_cost = [c + float(e) for c, e in zip(sample_cost, extra_cost)]
+    if prompts is not None:
+        sample_cost = _prompts_shared(sample_cost, lengths, prompts, cost_fn)
     args = (lengths, sample_cost, max_tokens, dp_size, min_micro_batches)
     if groups is None:
         singles = [[i] for i in range(len(lengths))]
@@ -193,6 +198,24 @@ def plan_micro_batches(
         bins = [sorted(b) for b in bins]
         bins.sort(key=lambda b: (-sum(sample_cost[i] for i in b), b[0] if b else len(lengths)))
         out.append(bins)
+    return out
+
+
+def _prompts_shared(sample_cost: Sequence[float], lengths: Sequence[int], prompts: Prompts,
+                    cost_fn: Callable[[int], float]) -> list[float]:
+    """Per-sample costs with each shared prompt paid once: the m samples with a response that share a prompt of P
+    tokens each give back (m - 1) / m of cost_fn(P). With cost_fn = default_cost that is exact: a response of r
+    tokens after a shared prompt costs 12 h r + 2 r P + r^2 (its tokens, and their attention to the prompt and to
+    each other), which is cost_fn(P + r) - cost_fn(P)."""
+    sharing: dict[Hashable, int] = {}
+    for i, shared in enumerate(prompts):
+        if shared is not None and lengths[i] > shared[1]:
+            sharing[shared[0]] = sharing.get(shared[0], 0) + 1
+    out = list(sample_cost)
+    for i, shared in enumerate(prompts):
+        if shared is not None and lengths[i] > shared[1] and sharing[shared[0]] > 1:
+            m = sharing[shared[0]]
+            out[i] -= float(cost_fn(shared[1])) * (m - 1) / m
     return out
 
 
@@ -488,8 +511,10 @@ def pack_each_rank(lengths_by_rank: Sequence[Sequence[int]], *, max_tokens: int 
 
 
 def packing_stats(lengths: Sequence[int], plan: Plan, *, max_tokens: int | None = None,
-                  padded: bool = False, cost_fn: Callable[[int], float] = default_cost) -> dict:
-    """Efficiency figures for a plan, comparable between packed and padded layouts.
+                  padded: bool = False, cost_fn: Callable[[int], float] = default_cost,
+                  prompts: Prompts | None = None) -> dict:
+    """Efficiency figures for a plan, comparable between packed and padded layouts. With `prompts` (packed), a
+    micro-batch's tokens and cost count each shared prompt once, as `micro_batch_tokens` lays it out.
 
     - real_token_fraction: real tokens / tokens the kernels process. Packed micro-batches
       process exactly their samples (1.0); a padded one processes size * longest.
@@ -502,13 +527,23 @@ def packing_stats(lengths: Sequence[int], plan: Plan, *, max_tokens: int | None 
     - max_micro_batch_tokens: processed tokens of the largest micro-batch (activation peak).
     - total_cost: summed cost over all ranks, padding included.
     """
+    if padded:
+        prompts = None
+
     def mb_tokens(mb: list[int]) -> int:  # an empty (dummy) micro-batch: 0
-        return len(mb) * max((lengths[i] for i in mb), default=0) if padded else sum(lengths[i] for i in mb)
+        return len(mb) * max((lengths[i] for i in mb), default=0) if padded else micro_batch_tokens(mb, lengths, prompts)
 
     def mb_cost(mb: list[int]) -> float:
         if padded:
             return len(mb) * cost_fn(max(lengths[i] for i in mb)) if mb else 0.0
-        return sum(cost_fn(lengths[i]) for i in mb)
+        cost, seen = sum(cost_fn(lengths[i]) for i in mb), set()
+        for i in sorted(mb) if prompts is not None else ():  # the copies micro_batch_tokens leaves out
+            shared = prompts[i]
+            if shared is not None and shared[0] in seen and lengths[i] > shared[1]:
+                cost -= cost_fn(shared[1])
+            elif shared is not None:
+                seen.add(shared[0])
+        return cost
 
     costs = [[mb_cost(mb) for mb in rank] for rank in plan]
     tokens = [mb_tokens(mb) for rank in plan for mb in rank]
@@ -516,7 +551,7 @@ def packing_stats(lengths: Sequence[int], plan: Plan, *, max_tokens: int | None 
     mean_cost = sum(rank_cost) / len(rank_cost)
     num_mb = max(len(rank) for rank in plan)
     lockstep = sum(max(c[j] if j < len(c) else 0.0 for c in costs) for j in range(num_mb))
-    real = sum(lengths[i] for i in flatten_plan(plan))
+    real = sum(tokens) if not padded else sum(lengths[i] for i in flatten_plan(plan))  # packed: no padding
     return {
         "real_token_fraction": real / sum(tokens),
         "budget_fill": (sum(tokens) / (len(tokens) * max_tokens)) if max_tokens else None,

@@ -103,9 +103,10 @@ class Layout:
                                      dummy_fields=dummy_fields)
         return build_padded_micro_batch(samples, idx, self.positions, dummy_fields=dummy_fields)
 
-    def stats(self, lengths: Sequence[int], plan: Plan) -> dict:
+    def stats(self, lengths: Sequence[int], plan: Plan, prompts: Prompts | None = None) -> dict:
         st = packing_stats(lengths, plan, max_tokens=self.max_tokens if self.packing else None,
-                           padded=not self.packing, cost_fn=self.cost_fn)
+                           padded=not self.packing, cost_fn=self.cost_fn,
+                           prompts=prompts if self.share_prompts else None)
         return {"real_token_fraction": st["real_token_fraction"], "dp_imbalance": st["compute_imbalance"]}
 
 
@@ -192,7 +193,7 @@ def distribute(local: list[Sample], dims: ParallelDims, layout: Layout, *, num_m
         minis.append(MiniBatch(micro=[[position[a + i] for i in mb] for mb in plan[me]],
                                num_loss_tokens=sum(loss_tokens[a:b]), num_seqs=sum(n > 0 for n in loss_tokens[a:b]),
                                num_processed=sum(lengths[a:b]),
-                               stats=layout.stats(lengths[a:b], plan)))
+                               stats=layout.stats(lengths[a:b], plan, prompts[a:b] if prompts is not None else None)))
     by_rank: list[list[int]] = [[] for _ in range(dims.dp)]
     prompts_by_rank: list[list] | None = [[] for _ in range(dims.dp)] if prompts is not None else None
     for i in range(n):
