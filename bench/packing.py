@@ -10,13 +10,19 @@ is what a ZeRO-3 step waits for.
 Then shared prompts (train.share_prompts): the same sizes with each prompt (uniform[500, 2000] tokens here)
 shared by --samples-per-prompt samples, planned with every copy counted (as before f1fb686) against each
 prompt counted once per micro-batch (`prompts=`, what the trainer does): micro-batches per rank and the budget
-filled by the tokens the micro-batches really hold (`micro_batch_tokens`).
+filled by the tokens the micro-batches really hold (`micro_batch_tokens`), and the ranks' compute imbalance with
+each prompt counted once. Last, 200 small random GRPO batches (2 or 4 ranks, 2 or 4 prompts a rank of 20, 100
+or 400 tokens, 4 samples each, responses uniform[1, 300]; h=1024): the imbalance of ranks balanced by whole
+lengths against ranks balanced with each shared prompt paid once (what the trainer does).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
+import random
+import statistics
 import sys
 import time
 
@@ -24,8 +30,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from slime.data.packing import (micro_batch_tokens, packing_stats, padded_fixed_batches,  # noqa: E402
-                                plan_micro_batches)
+from slime.data.packing import (default_cost, micro_batch_tokens, packing_stats,  # noqa: E402
+                                padded_fixed_batches, plan_micro_batches)
 
 TARGET_REAL_TOKEN_FRACTION = 0.97
 TARGET_IMBALANCE = 1.05
@@ -56,7 +62,7 @@ def shared_prompt_rows(args) -> None:
     shared_tokens = micro_batch_tokens(range(len(lengths)), lengths, prompts)
     print(f"\nshared prompts: {args.n} samples, {args.samples_per_prompt} per prompt of 500-2000 tokens; "
           f"{sum(lengths)} tokens with every copy, {shared_tokens} with each prompt once")
-    print(f"{'dp':>3} {'planned by':<13} {'mbs/rank':>8} {'fill':>6} {'plan_ms':>7}")
+    print(f"{'dp':>3} {'planned by':<13} {'mbs/rank':>8} {'fill':>6} {'imbal':>6} {'plan_ms':>7}")
     for dp in args.dp:
         owners = [i * dp // len(lengths) for i in range(len(lengths))]  # rank-local rollout: siblings together
         for name, given in (("every copy", None), ("shared tokens", prompts)):
@@ -65,7 +71,35 @@ def shared_prompt_rows(args) -> None:
             ms = 1e3 * (time.perf_counter() - t0)
             mbs = [mb for rank in plan for mb in rank if mb]
             fill = sum(micro_batch_tokens(mb, lengths, prompts) for mb in mbs) / (len(mbs) * args.max_tokens)
-            print(f"{dp:>3} {name:<13} {len(plan[0]):>8} {fill:>6.3f} {ms:>7.1f}")
+            imbalance = packing_stats(lengths, plan, prompts=prompts)["compute_imbalance"]
+            print(f"{dp:>3} {name:<13} {len(plan[0]):>8} {fill:>6.3f} {imbalance:>6.3f} {ms:>7.1f}")
+
+
+def small_grpo_balance_rows(batches: int = 200) -> None:
+    cost = functools.partial(default_cost, hidden_size=1024)
+    imbalance = {"whole lengths": [], "shared prompts": []}
+    for seed in range(batches):
+        rng = random.Random(seed)
+        dp = rng.choice([2, 4])
+        n_prompts = dp * rng.choice([2, 4])
+        lengths, prompts, owners = [], [], []
+        for g in range(n_prompts):
+            p = rng.choice([20, 100, 400])
+            for _ in range(4):
+                lengths.append(p + rng.randint(1, 300))
+                prompts.append((g, p))
+                owners.append(g * dp // n_prompts)
+        for name, given in (("whole lengths", None), ("shared prompts", prompts)):
+            plan = plan_micro_batches(lengths, max_tokens=4096, dp_size=dp, cost_fn=cost, owners=owners,
+                                      prompts=given)
+            imbalance[name].append(packing_stats(lengths, plan, cost_fn=cost, prompts=prompts)["compute_imbalance"])
+    old, new = imbalance["whole lengths"], imbalance["shared prompts"]
+    print(f"\n{batches} random GRPO batches, max/mean rank cost with each prompt counted once:")
+    for name, v in imbalance.items():
+        print(f"  balanced by {name:<15} mean {statistics.mean(v):.3f}  p90 {sorted(v)[int(0.9 * len(v))]:.3f}  "
+              f"max {max(v):.3f}")
+    print(f"  shared prompts better in {sum(a < b - 1e-3 for a, b in zip(new, old))}, "
+          f"worse in {sum(a > b + 1e-3 for a, b in zip(new, old))}")
 
 
 def main() -> None:
@@ -126,6 +160,7 @@ def main() -> None:
     print("real_frac: real tokens / tokens processed (packed kernels see no padding). "
           "fill: mean micro-batch tokens / budget. lower_bd: ceil(tokens / (dp * budget)).")
     shared_prompt_rows(args)
+    small_grpo_balance_rows()
     sys.exit(0 if ok else 1)
 
 
