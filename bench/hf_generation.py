@@ -40,7 +40,6 @@ def main() -> None:
 
     from data_tools.make_tiny_model import make_tiny_model
     from slime.config import ModelConfig
-    from slime.models.decode_step import DecodeStep
     from slime.rollout.engine import SamplingParams
     from slime.rollout.hf_engine import NO_TOKEN, HFEngine
 
@@ -54,8 +53,7 @@ def main() -> None:
     unpacked = None
     if engine._step is not None and engine._step.pack is not None:  # the same step on the plain weights
         unpacked = HFEngine(ModelConfig(path=str(path), dtype="float32"), AutoTokenizer.from_pretrained(path),
-                            device=torch.device("cpu"), batch_size=args.prompts * args.n)
-        unpacked._step = DecodeStep(unpacked.model, unpacked._step.linear)
+                            device=torch.device("cpu"), batch_size=args.prompts * args.n, packed_weights=False)
     else:
         print("the engine's decode step does not pack its weights here (it runs torch's linear): no packed row")
     g = torch.Generator().manual_seed(0)

@@ -41,18 +41,21 @@ def micro_batch_tokens(indices: Sequence[int], lengths: Sequence[int], prompts: 
     """Tokens of a micro-batch as build_micro_batch lays it out from its indices in order (as plans list them):
     with `prompts`, the samples of one prompt carry it once (its first sample has it; a sample with an empty
     response keeps its own copy)."""
+    return sum(lengths[i] for i in indices) - sum(prompts[i][1] for i in _prompt_left_out(indices, lengths, prompts))
+
+
+def _prompt_left_out(indices: Sequence[int], lengths: Sequence[int], prompts: Prompts | None) -> list[int]:
+    """The samples of a micro-batch laid out without their prompt, which an earlier sample of theirs carries."""
     if prompts is None:
-        return sum(lengths[i] for i in indices)
-    tokens, seen = 0, set()
+        return []
+    left_out, seen = [], set()
     for i in sorted(indices):
         shared = prompts[i]
         if shared is not None and shared[0] in seen and lengths[i] > shared[1]:
-            tokens += lengths[i] - shared[1]
-        else:
-            tokens += lengths[i]
-            if shared is not None:
-                seen.add(shared[0])
-    return tokens
+            left_out.append(i)
+        elif shared is not None:
+            seen.add(shared[0])
+    return left_out
 
 
 class _Bin:
@@ -536,14 +539,8 @@ def packing_stats(lengths: Sequence[int], plan: Plan, *, max_tokens: int | None 
     def mb_cost(mb: list[int]) -> float:
         if padded:
             return len(mb) * cost_fn(max(lengths[i] for i in mb)) if mb else 0.0
-        cost, seen = sum(cost_fn(lengths[i]) for i in mb), set()
-        for i in sorted(mb) if prompts is not None else ():  # the copies micro_batch_tokens leaves out
-            shared = prompts[i]
-            if shared is not None and shared[0] in seen and lengths[i] > shared[1]:
-                cost -= cost_fn(shared[1])
-            elif shared is not None:
-                seen.add(shared[0])
-        return cost
+        return (sum(cost_fn(lengths[i]) for i in mb)
+                - sum(cost_fn(prompts[i][1]) for i in _prompt_left_out(mb, lengths, prompts)))
 
     costs = [[mb_cost(mb) for mb in rank] for rank in plan]
     tokens = [mb_tokens(mb) for rank in plan for mb in rank]
