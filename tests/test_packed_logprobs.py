@@ -83,7 +83,22 @@ def test_length_groups_cover_each_sample_once_within_the_padding_bound(lengths):
         assert len(groups) == 1  # equal lengths: one sdpa call
 
 
-def test_grouped_attention_equals_one_call_per_sample():
+@pytest.fixture(params=["flash", "autograd"])
+def packed_path(request, monkeypatch):
+    """packed_sdpa's two ways: its own calls of the CPU flash kernel (_PackedFlash), and the same calls through
+    autograd (taken on CUDA without flash-attn, and with dropout)."""
+    from slime.models import attention
+
+    if request.param == "autograd":
+        monkeypatch.setattr(attention, "_use_flash_cpu", lambda query, dropout: False)
+    return request.param
+
+
+def check_path(out, path):
+    assert (type(out.grad_fn).__name__ == "_PackedFlashBackward") == (path == "flash"), out.grad_fn
+
+
+def test_grouped_attention_equals_one_call_per_sample(packed_path):
     """packed_sdpa (length groups, padded calls, gathered back) against plain sdpa on each sample alone:
     outputs and the gradients of q, k, v, with GQA, over lengths that make several groups and 1-token samples."""
     import torch.nn.functional as F
@@ -100,6 +115,7 @@ def test_grouped_attention_equals_one_call_per_sample():
     q, k, v = (torch.randn(1, h, int(cu[-1]), 16, generator=g, dtype=torch.float64, requires_grad=True)
                for h in (4, 2, 2))
     got = packed_sdpa_forward(Module, q, k, v, None, cu_seq_lens_q=cu)[0]
+    check_path(got, packed_path)
     want = torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True,
                                                      enable_gqa=True)
                       for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())], 2).transpose(1, 2)
@@ -141,7 +157,7 @@ def test_shared_prompt_layout():
     assert plain.target_ids.tolist() == plain.input_ids[plain.pred_index + 1].tolist()
 
 
-def test_shared_prompt_attention_equals_separate_copies():
+def test_shared_prompt_attention_equals_separate_copies(packed_path):
     """packed_sdpa with prompt prefixes against the unshared layout (each sample with its own prompt copy): the
     same outputs at every token, and the same q/k/v gradients, a shared token's being the sum over its copies."""
     from slime.models.attention import packed_sdpa_forward
@@ -162,7 +178,9 @@ def test_shared_prompt_attention_equals_separate_copies():
     q, k, v = (torch.randn(1, h, shared.input_ids.numel(), 16, generator=g, dtype=torch.float64, requires_grad=True)
                for h in (4, 2, 2))
     got = packed_sdpa_forward(Module, q, k, v, None, cu_seq_lens_q=shared.cu_seqlens,
-                              prompt_prefixes=shared.prompt_prefixes)[0][0]
+                              prompt_prefixes=shared.prompt_prefixes)[0]
+    check_path(got, packed_path)
+    got = got[0]
     want = packed_sdpa_forward(Module, *(t.index_select(2, copy_of) for t in (q, k, v)), None,
                                cu_seq_lens_q=plain.cu_seqlens)[0][0]
     torch.testing.assert_close(got[copy_of], want, rtol=1e-12, atol=1e-12)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -57,23 +58,32 @@ def attention_groups(bounds: tuple[int, ...]) -> list[tuple[int, tuple[int, ...]
             for g in _length_groups(lengths)]
 
 
+class _Group(NamedTuple):
+    """One sdpa call of a packed micro-batch: n segments padded to L query slots, each with P prompt keys first."""
+    queries: torch.Tensor  # (n * L,) the token of each query slot (a padding slot repeats its row's first token)
+    shape: tuple[int, int]  # (n, L)
+    keys: torch.Tensor  # (n * (P + L),) the token of each key slot
+    prompt: int  # P (0: plain causal)
+    real: torch.Tensor | None  # the slots holding real tokens (None: all of them)
+    real_tokens: torch.Tensor  # their tokens, in slot order
+    padding: torch.Tensor | None  # the other slots
+
+
 @functools.lru_cache(maxsize=64)
-def _gather_plan(bounds: tuple[int, ...], prefixes: tuple[int, ...], device: torch.device):
-    """Per group: the token index of each padded query slot (n, L_max) and of each key slot (n, P + L_max), the
-    flat query slots holding real tokens, and P (0: plain causal); and the permutation from the
-    groups' concatenated real queries back to packed order. Built once per micro-batch and device (every
-    layer reuses it).
+def _gather_plan(bounds: tuple[int, ...], prefixes: tuple[int, ...], device: torch.device) -> list[_Group]:
+    """Sample borders and prompt spans -> the micro-batch's sdpa calls. Built once per micro-batch and device
+    (every layer reuses it).
 
     Segment k of the row (tokens bounds[k]:bounds[k+1]) attends to a shared prompt of P tokens first, the
     tokens prefixes[2k]:prefixes[2k+1] (none when empty), then causally to itself: its queries are its own
     tokens, its keys the prompt's and its own, and query i sees keys up to P + i (causal, lower right).
-    Segments are grouped by P, then by length."""
+    Segments are grouped by P, then by length; every token is a real query slot of exactly one group."""
     spans = list(zip(bounds[:-1], bounds[1:]))
     pre = list(zip(prefixes[0::2], prefixes[1::2])) if prefixes else [(0, 0)] * len(spans)
     by_prompt: dict[int, list[int]] = {}
     for k, (ps, pe) in enumerate(pre):
         by_prompt.setdefault(pe - ps, []).append(k)
-    plan, order = [], []
+    plan = []
     for p, segments in sorted(by_prompt.items()):
         for group in _length_groups([spans[k][1] - spans[k][0] for k in segments], offset=p):
             rows = [segments[i] for i in group]
@@ -84,21 +94,82 @@ def _gather_plan(bounds: tuple[int, ...], prefixes: tuple[int, ...], device: tor
             # Padding slots repeat the row's first token: only padded queries (discarded) ever attend to them.
             queries = torch.where(real, starts + steps, starts)
             keys = torch.cat([torch.tensor([pre[k][0] for k in rows])[:, None] + torch.arange(p), queries], 1)
-            q_index = queries.flatten().to(device)
-            k_index = keys.flatten().to(device) if p else q_index  # no prompt: the keys are the queries' tokens
-            kept = real.flatten().nonzero().squeeze(1).to(device)
-            plan.append((q_index, queries.shape, k_index, keys.shape, kept, p))
-            order.append(queries[real])
-    back = torch.empty(bounds[-1], dtype=torch.long)
-    back[torch.cat(order)] = torch.arange(bounds[-1])
-    return plan, back.to(device)
+            slots = real.flatten()
+            padded = not bool(slots.all())
+            plan.append(_Group(queries.flatten().to(device), tuple(queries.shape), keys.flatten().to(device), p,
+                               slots.nonzero().squeeze(1).to(device) if padded else None,
+                               queries[real].to(device), (~slots).nonzero().squeeze(1).to(device) if padded else None))
+    return plan
 
 
 @functools.lru_cache(maxsize=16)
-def _lower_right_causal(length: int, prompt: int, device: torch.device) -> torch.Tensor:
-    """(length, prompt + length) bool: query i sees the prompt and its own tokens up to i. Cached apart from the
-    plans, which hold only index tensors of the micro-batch's size."""
-    return torch.ones(length, prompt + length, dtype=torch.bool).tril(prompt).to(device)
+def _lower_right_causal(length: int, prompt: int, device: torch.device, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+    """(length, prompt + length): query i sees the prompt and its own tokens up to i. Bool, or additive (0 /
+    -inf) in a float dtype. Cached apart from the plans, which hold only index tensors of the micro-batch's size."""
+    seen = torch.ones(length, prompt + length, dtype=torch.bool).tril(prompt)
+    if dtype != torch.bool:
+        seen = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, float("-inf"))
+    return seen.to(device)
+
+
+def _flash_args(group: _Group, dtype: torch.dtype, device: torch.device) -> dict:
+    if group.prompt:
+        return {"is_causal": False, "attn_mask": _lower_right_causal(group.shape[1], group.prompt, device, dtype)}
+    return {"is_causal": True}
+
+
+class _PackedFlash(torch.autograd.Function):
+    """All of a micro-batch's groups through sdpa's CPU flash kernel, forward and backward, token-major: each group
+    gathers its tokens' rows of q, k and v ((T, H, D) views, the layout HF's projections give), the kernel writes
+    (n, L, H, D), and the real slots are copied into the (T, H, D) output; backward gathers the output's gradient
+    the same way (zero at padding slots), copies the query gradients to their tokens and adds up the key and value
+    gradients (a shared prompt's keys are keys of many rows). Against the same calls through autograd (index_select,
+    cat, and their backward's zero-filled buffers): one copy per tensor each way instead of two or three."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, plan, scale):
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
+        out = q.new_empty(q.shape)
+        saved = []
+        for g in plan:
+            n, length = g.shape
+            qg = q.index_select(0, g.queries).unflatten(0, (n, length)).transpose(1, 2)  # (n, H, L, D)
+            kg, vg = (t.index_select(0, g.keys).unflatten(0, (n, -1)).transpose(1, 2) for t in (k, v))
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qg, kg, vg, 0.0, scale=scale, **_flash_args(g, q.dtype, q.device))
+            flat = o.transpose(1, 2).reshape(n * length, *q.shape[1:])
+            if g.real is None:
+                out.index_copy_(0, g.queries, flat)
+            else:
+                out.index_copy_(0, g.real_tokens, flat.index_select(0, g.real))
+            saved += [qg, kg, vg, o, lse]
+        ctx.save_for_backward(*saved)
+        ctx.plan, ctx.scale, ctx.kv_shape = plan, scale, k.shape
+        return out[None]
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad[0]  # (T, H, D)
+        dq = grad.new_empty(grad.shape)
+        dk, dv = (grad.new_zeros(ctx.kv_shape) for _ in range(2))
+        saved = ctx.saved_tensors
+        for i, g in enumerate(ctx.plan):
+            qg, kg, vg, o, lse = saved[5 * i:5 * i + 5]
+            n, length = g.shape
+            go = grad.index_select(0, g.queries)
+            if g.padding is not None:
+                go.index_fill_(0, g.padding, 0.0)  # padded queries' outputs are discarded: no gradient
+            gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                go.unflatten(0, (n, length)).transpose(1, 2), qg, kg, vg, o, lse, 0.0, scale=ctx.scale,
+                **_flash_args(g, grad.dtype, grad.device))
+            gq = gq.transpose(1, 2).reshape(n * length, *dq.shape[1:])
+            if g.real is None:
+                dq.index_copy_(0, g.queries, gq)
+            else:
+                dq.index_copy_(0, g.real_tokens, gq.index_select(0, g.real))
+            dk.index_add_(0, g.keys, gk.transpose(1, 2).reshape(-1, *dk.shape[1:]))
+            dv.index_add_(0, g.keys, gv.transpose(1, 2).reshape(-1, *dv.shape[1:]))
+        return (*(t.transpose(0, 1)[None] for t in (dq, dk, dv)), None, None)
 
 
 @torch.compiler.disable  # compiled layers (train.compile) call it eagerly: its plans are Python over the borders
@@ -113,22 +184,33 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
     if attention_mask is not None:
         raise ValueError("packed_sdpa expects no attention mask; pass cu_seq_lens_q instead of padding")
     cu = kwargs.get("cu_seq_lens_q")
-    attend = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout if module.training else 0.0,
-                               scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    dropout = dropout if module.training else 0.0
+    attend = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout, scale=scaling,
+                               enable_gqa=query.shape[1] != key.shape[1])
     bounds = tuple(cu.tolist()) if cu is not None else (0, query.shape[2])
     prefixes = tuple(prompt_prefixes.flatten().tolist()) if prompt_prefixes is not None else ()
     if len(bounds) == 2 and not any(prefixes):
         return attend(query, key, value, is_causal=True).transpose(1, 2).contiguous(), None
-    plan, back = _gather_plan(bounds, prefixes, query.device)
-    outs = []
-    for queries, q_shape, keys, k_shape, real, prompt in plan:  # (n, L) token indices -> (n, H, L, D)
-        q = query[0].index_select(1, queries).unflatten(1, q_shape).transpose(0, 1)
-        k, v = (t[0].index_select(1, keys).unflatten(1, k_shape).transpose(0, 1) for t in (key, value))
-        mask = {"attn_mask": _lower_right_causal(q_shape[1], prompt, query.device)} if prompt else {"is_causal": True}
-        o = attend(q, k, v, **mask)
-        outs.append(o.transpose(1, 2).flatten(0, 1).index_select(0, real))  # real tokens, in group order
-    out = torch.cat(outs) if len(outs) > 1 else outs[0]
-    return out.index_select(0, back)[None], None
+    plan = _gather_plan(bounds, prefixes, query.device)
+    if _use_flash_cpu(query, dropout):
+        return _PackedFlash.apply(query, key, value, plan, scaling), None
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # (T, H, D)
+    for g in plan:  # elsewhere (CUDA without flash-attn, dropout): the same calls through autograd
+        q = query[0].index_select(1, g.queries).unflatten(1, g.shape).transpose(0, 1)  # (n, H, L, D)
+        k, v = (t[0].index_select(1, g.keys).unflatten(1, (g.shape[0], -1)).transpose(0, 1) for t in (key, value))
+        mask = {"attn_mask": _lower_right_causal(g.shape[1], g.prompt, query.device)} if g.prompt \
+            else {"is_causal": True}
+        o = attend(q, k, v, **mask).transpose(1, 2).flatten(0, 1)
+        if g.real is None:
+            out.index_copy_(0, g.queries, o)
+        else:
+            out.index_copy_(0, g.real_tokens, o.index_select(0, g.real))
+    return out[None], None
+
+
+def _use_flash_cpu(query: torch.Tensor, dropout: float) -> bool:
+    """Whether packed_sdpa calls sdpa's CPU flash kernel itself (_PackedFlash): on CPU, without dropout."""
+    return query.device.type == "cpu" and not dropout
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_forward)
