@@ -78,7 +78,11 @@ def finite_check(critic: PolicyEngine, dims: ParallelDims) -> dict:
         if dims.dp_rank == 1:
             first[0] = float("nan")
         out["nan_element_counts"] = not critic.parameters_finite()
+        if dims.dp_rank == 1:
+            first[0] = float("inf")
+        out["inf_element_counts"] = not critic.parameters_finite()
         first[0] = saved
+        out["restored_is_finite"] = critic.parameters_finite()
     return out
 
 
