@@ -105,7 +105,7 @@ def test_finite_check_reads_real_elements_only(checks):
     if result["world"] == 2 and result["zero_stage"] == 3:
         check = result["finite_check"]
         assert check["padded"] >= 1 and not check["nan_padding_counts"] and check["nan_element_counts"]
-        assert check["inf_element_counts"] and check["restored_is_finite"]
+        assert check["inf_element_counts"] and check["huge_is_finite"] and check["restored_is_finite"]
     else:
         assert "finite_check" not in result
 

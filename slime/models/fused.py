@@ -61,7 +61,13 @@ def transpose(t: torch.Tensor) -> torch.Tensor:
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """HF's apply_rotary_pos_emb, same signature."""
+    """HF's apply_rotary_pos_emb, same signature. HF's q and k (B, H, T, D) are views of token-major (B, T, H, D)
+    projections; computed in that layout, the compiled graphs read and write contiguous memory, and the gradients
+    arriving from packed attention (token-major too) need no copy into another layout (two copies of q and two of
+    k per layer in backward otherwise)."""
+    if unsqueeze_dim == 1 and q.dim() == 4 and k.dim() == 4:
+        q, k = _rotary(q.transpose(1, 2), k.transpose(1, 2), cos.unsqueeze(2), sin.unsqueeze(2))
+        return q.transpose(1, 2), k.transpose(1, 2)
     return _rotary(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
 
 

@@ -271,10 +271,11 @@ class PolicyEngine:
 
     def parameters_finite(self) -> bool:
         """Every rank's parameter partitions are finite (a collective)."""
-        # A sum is finite exactly when every element is (a NaN or inf carries through; finite fp32, bf16 or fp16
-        # values cannot overflow a float64 sum): one read of the weights, where isfinite().all() makes four passes.
-        sums = [local_elements(p).sum(dtype=torch.float64) for p in self.engine.module.parameters()]
-        local = math.isfinite(float(torch.stack(sums).sum())) if sums else True
+        # A finite sum means finite elements (a NaN or inf carries through): one read of the weights, where
+        # isfinite().all() makes four passes. A non-finite sum may be an overflow of huge finite values: checked.
+        parts = [local_elements(p) for p in self.engine.module.parameters()]
+        local = not parts or math.isfinite(float(torch.stack([t.sum().float() for t in parts]).sum())) \
+            or all(bool(torch.isfinite(t).all()) for t in parts)
         return self.dims.all_reduce_sum([0.0 if local else 1.0], group=self.dims.world_group)[0] == 0.0
 
     def train_step(self, batch: RankBatch, loss_fn: LossFn) -> dict[str, float]:

@@ -73,7 +73,7 @@ def finite_check(critic: PolicyEngine, dims: ParallelDims) -> dict:
                 padded += 1
     out = {"padded": dims.all_reduce_sum([padded])[0], "nan_padding_counts": not critic.parameters_finite()}
     first = next(critic.engine.module.parameters()).ds_tensor
-    saved = first[0].item()
+    saved = first[:2].clone()
     with torch.no_grad():
         if dims.dp_rank == 1:
             first[0] = float("nan")
@@ -81,7 +81,11 @@ def finite_check(critic: PolicyEngine, dims: ParallelDims) -> dict:
         if dims.dp_rank == 1:
             first[0] = float("inf")
         out["inf_element_counts"] = not critic.parameters_finite()
-        first[0] = saved
+        first[:2] = saved
+        if dims.dp_rank == 1:  # finite, but summing to inf in fp32
+            first[:2] = 3e38
+        out["huge_is_finite"] = critic.parameters_finite()
+        first[:2] = saved
         out["restored_is_finite"] = critic.parameters_finite()
     return out
 
