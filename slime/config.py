@@ -365,10 +365,10 @@ class TrainConfig:
         "hidden size >= 256, the compile works), else off with the reason logged; true: fail where it does not "
         "apply; false: HF's eager chains.")
     cpu_malloc: Literal["retain", "glibc"] = field(
-        "retain", "On CPU: glibc's malloc without mmap or heap trimming, so each step reuses the memory it freed "
-        "instead of page-faulting it in again (2-3 s of system time per step on the 23.7M model of "
-        "bench/vs_trl.py); resident memory stays at its peak. glibc = malloc's defaults. MALLOC_* variables in the "
-        "environment win.")
+        "retain", "On CPU: glibc's malloc without mmap or heap trimming, and one arena for all threads, so each step "
+        "reuses the memory it freed instead of page-faulting it in again (2-3 s of system time per step on the 23.7M "
+        "model of bench/vs_trl.py; on 2 ranks gloo's threads another 0.2-0.4 s); resident memory stays at its peak. "
+        "glibc = malloc's defaults. MALLOC_* variables in the environment win.")
     ds_config: str = field("ds_configs/zero3.json", "DeepSpeed JSON config; 'auto' fields are filled from this file.")
     seed: int = field(1234, "Seed for data order, sampling and initialisation.")
     max_skipped_steps: int = field(3, "Stop after this many consecutive optimizer steps skipped for a non-finite "

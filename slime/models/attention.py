@@ -12,6 +12,10 @@ forward + backward, 1 thread: 64 x 71 tokens 122 -> 46 ms, a long-tailed batch o
 With shared prompts (slime/data/batch.py) a segment may first attend to another segment's prompt: its
 queries are its own tokens, its keys the prompt's then its own, under a lower-right causal mask, one sdpa
 call per group of segments with prompts of one length (`python bench/shared_prompts.py`).
+On CPU the groups go straight to sdpa's CPU flash kernel, forward and backward (`_PackedFlash`), gathered and
+scattered in the token-major layout that HF's projections give and the kernel writes; the same calls through
+autograd (elsewhere, and with dropout) cost a third more per layer in index_select, cat and their backward's
+zero-filled buffers.
 On GPU, flash-attn's varlen kernel gets the same `cu_seq_lens_*` kwargs through transformers' own
 `flash_attention_2` path.
 """

@@ -141,12 +141,12 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
 
 def run(cfg: Config) -> dict:
     """Train for cfg.train.num_steps; returns the last logged metrics."""
-    if not torch.cuda.is_available():  # before the process group's threads run any op
+    if not torch.cuda.is_available():  # before the process group's threads run any op, or allocate
         logger.info("CPU threads: %s", main_thread_only())
+        if cfg.train.cpu_malloc == "retain":
+            logger.info("train.cpu_malloc=retain: %s", retain_freed_memory())
     dims = ParallelDims.build(sp=cfg.parallel.sp, ep=cfg.parallel.ep,
                               timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes))
-    if dims.device.type == "cpu" and cfg.train.cpu_malloc == "retain":
-        logger.info("train.cpu_malloc=retain: %s", retain_freed_memory())
     seed_everything(cfg.train.seed + dims.rank)  # per-rank sampling streams, reproducible
     run_dir, sft = Path(cfg.log.run_dir), cfg.algo.policy_loss == "sft"
     check_run_dir(cfg, run_dir)
