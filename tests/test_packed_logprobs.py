@@ -126,6 +126,17 @@ def test_grouped_attention_equals_one_call_per_sample(packed_path):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_packed_attention_refuses_tokens_outside_every_sample():
+    from slime.models.attention import packed_sdpa_forward
+
+    class Module:
+        training = False
+
+    q, k, v = (torch.randn(1, h, 10, 8) for h in (4, 2, 2))
+    with pytest.raises(ValueError, match="cu_seq_lens_q ends at 8 but the row holds 10 tokens"):
+        packed_sdpa_forward(Module, q, k, v, None, cu_seq_lens_q=torch.tensor([0, 3, 8]))
+
+
 def grouped_samples(seed=0):
     """GRPO-like: 3 prompts x 3 samples in mixed order, plus one sample with a prompt of its own and one whose
     response is empty."""

@@ -193,6 +193,9 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
                                enable_gqa=query.shape[1] != key.shape[1])
     bounds = tuple(cu.tolist()) if cu is not None else (0, query.shape[2])
     prefixes = tuple(prompt_prefixes.flatten().tolist()) if prompt_prefixes is not None else ()
+    if bounds[-1] != query.shape[2]:
+        raise ValueError(f"packed_sdpa: cu_seq_lens_q ends at {bounds[-1]} but the row holds {query.shape[2]} tokens; "
+                         "every token must belong to a sample")
     if len(bounds) == 2 and not any(prefixes):
         return attend(query, key, value, is_causal=True).transpose(1, 2).contiguous(), None
     plan = _gather_plan(bounds, prefixes, query.device)
