@@ -8,7 +8,8 @@ right-padded (n, H, L_max, D) batch and runs ONE causal sdpa call (a query never
 row's end), and the outputs are gathered back to packed order. Within a group the padded area n * L_max^2
 is at most PAD_AREA times the real one, so padding cannot cost more than that in attention; one group per
 similar-length run replaces one sdpa call per sample (`python bench/packed_attention.py`, one layer's
-forward + backward, 1 thread: 64 x 71 tokens 122 -> 46 ms, a long-tailed batch of 64 254 -> 183 ms).
+forward + backward, 1 thread, per sample -> grouped, on the flash path below: 64 x 71 tokens 165 -> 61 ms, a
+long-tailed batch of 64 404 -> 196 ms).
 With shared prompts (slime/data/batch.py) a segment may first attend to another segment's prompt: its
 queries are its own tokens, its keys the prompt's then its own, under a lower-right causal mask, one sdpa
 call per group of segments with prompts of one length (`python bench/shared_prompts.py`).
