@@ -123,6 +123,13 @@ def _flash_args(group: _Group, dtype: torch.dtype, device: torch.device) -> dict
     return {"is_causal": True}
 
 
+def _to_tokens(out: torch.Tensor, group: _Group, slots: torch.Tensor) -> torch.Tensor:
+    """Copy a group's rows per query slot (n * L, ...) to their tokens' rows of `out` (T, ...), real slots only."""
+    if group.real is None:
+        return out.index_copy_(0, group.queries, slots)
+    return out.index_copy_(0, group.real_tokens, slots.index_select(0, group.real))
+
+
 class _PackedFlash(torch.autograd.Function):
     """All of a micro-batch's groups through sdpa's CPU flash kernel, forward and backward, token-major: each group
     gathers its tokens' rows of q, k and v ((T, H, D) views, the layout HF's projections give), the kernel writes
@@ -143,10 +150,7 @@ class _PackedFlash(torch.autograd.Function):
             o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 qg, kg, vg, 0.0, scale=scale, **_flash_args(g, q.dtype, q.device))
             flat = o.transpose(1, 2).reshape(n * length, *q.shape[1:])
-            if g.real is None:
-                out.index_copy_(0, g.queries, flat)
-            else:
-                out.index_copy_(0, g.real_tokens, flat.index_select(0, g.real))
+            _to_tokens(out, g, flat)
             saved += [qg, kg, vg, o, lse]
         ctx.save_for_backward(*saved)
         ctx.plan, ctx.scale, ctx.kv_shape = plan, scale, k.shape
@@ -168,10 +172,7 @@ class _PackedFlash(torch.autograd.Function):
                 go.unflatten(0, (n, length)).transpose(1, 2), qg, kg, vg, o, lse, 0.0, scale=ctx.scale,
                 **_flash_args(g, grad.dtype, grad.device))
             gq = gq.transpose(1, 2).reshape(n * length, *dq.shape[1:])
-            if g.real is None:
-                dq.index_copy_(0, g.queries, gq)
-            else:
-                dq.index_copy_(0, g.real_tokens, gq.index_select(0, g.real))
+            _to_tokens(dq, g, gq)
             dk.index_add_(0, g.keys, gk.transpose(1, 2).reshape(-1, *dk.shape[1:]))
             dv.index_add_(0, g.keys, gv.transpose(1, 2).reshape(-1, *dv.shape[1:]))
         return (*(t.transpose(0, 1)[None] for t in (dq, dk, dv)), None, None)
@@ -209,10 +210,7 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
         mask = {"attn_mask": _lower_right_causal(g.shape[1], g.prompt, query.device)} if g.prompt \
             else {"is_causal": True}
         o = attend(q, k, v, **mask).transpose(1, 2).flatten(0, 1)
-        if g.real is None:
-            out.index_copy_(0, g.queries, o)
-        else:
-            out.index_copy_(0, g.real_tokens, o.index_select(0, g.real))
+        _to_tokens(out, g, o)
     return out[None], None
 
 
