@@ -23,3 +23,28 @@ def test_weight_sync_settings_load(tmp_path):
     cfg = load_config(str(weight_sync.CONFIG), weight_sync.overrides(tmp_path / "m", tmp_path / "d.jsonl",
                                                                      tmp_path / "run", 3, []))
     assert cfg.train.lr == 1e-5
+
+
+def test_step_profile_groups_ops_as_its_doc_says():
+    """bench/step_profile.py's grouping: each kind of op lands in its group, on a real profile."""
+    import torch
+    import torch.nn.functional as F
+    from torch.profiler import profile
+
+    from bench import step_profile
+
+    assert step_profile.group_of("## Call CompiledFxGraph fabc ##") == "fused chains"
+    assert step_profile.group_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert step_profile.group_of("mkldnn::_linear_pointwise") == "matmuls"
+    assert step_profile.group_of("aten::_foreach_mul_") == "copies and optimizer"
+    assert step_profile.group_of("aten::silu") == "other ops"
+    x, q = torch.randn(256, 256), torch.randn(1, 2, 64, 32)
+    with profile() as prof:
+        F.linear(x, x)
+        F.scaled_dot_product_attention(q, q, q)
+        x.clone()
+        x.exp()
+    groups = step_profile.grouped(prof, wall=10.0)
+    assert all(groups[g] > 0 for g in ("matmuls", "attention", "copies and optimizer", "other ops"))
+    assert groups["fused chains"] == 0
+    assert sum(groups.values()) == pytest.approx(10.0)  # what no op accounts for is "outside ops"
