@@ -121,6 +121,10 @@ def main() -> None:
     run.main(["--config", str(vs_trl.OUR_CONFIG),
               *vs_trl.our_overrides(model, data, work / "run", args.step + 1, args.overrides)])
 
+    missing = [phase for phase in ("rollout", "update") if phase not in seen]
+    if missing:  # another engine (rollout.engine=sglang), or an override that ends the job before --step
+        sys.exit(f"step_profile: no {' or '.join(missing)} of step {args.step} was profiled (calls seen: {calls}); "
+                 "it profiles the hf engine's generate and the trainer's train_step, in this process")
     floors = {"rollout": 2 * n * tokens["gen"] / (peak * 1e9), "update": 6 * n * tokens["all"] / (peak * 1e9)}
     print(f"\n{args.size}: {n / 1e6:.1f}M parameters without embeddings, 1-thread fp32 matmul peak {peak:.0f} "
           f"GFLOP/s; step {args.step}: {tokens['gen']} generated tokens, {tokens['all']} in the update's batch")
