@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 import tempfile
@@ -76,11 +75,9 @@ def main() -> None:
     from slime.rollout import hf_engine
     from slime.trainer import policy_engine
 
-    peak = max(vs_trl.matmul_gflops(k, seconds=1.0) for k in ("torch", "onednn") for _ in range(3))
+    peak = max(max(p) for p in vs_trl.matmul_peaks().values())
     work = Path(tempfile.mkdtemp(prefix="step-profile-"))
-    rows = [json.loads(line) for line in (REPO / "assets/tiny-arith-data/train.jsonl").read_text().splitlines()]
-    data = work / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": r["prompt"], "label": r["label"]}) + "\n" for r in rows[:256]))
+    data = vs_trl.write_prompts(work)
     model = make_tiny_model(work / args.size, arch="qwen3", seed=0, heads=4, kv_heads=2, **vs_trl.SIZES[args.size])
     n = vs_trl.non_embedding_params(model)
 
@@ -106,10 +103,10 @@ def main() -> None:
                     out = original(self, *a, **k)
                     wall = time.perf_counter() - start
                 seen[phase] = (wall, grouped(prof, wall))
-            if phase == "rollout" and calls[phase] == args.step:
-                prompts, params = a[0], a[1]
-                tokens["gen"] = sum(len(g.response_ids) for group in out for g in group)
-                tokens["all"] = tokens["gen"] + params.n * sum(map(len, prompts))
+                if phase == "rollout":
+                    prompts, params = a[0], a[1]
+                    tokens["gen"] = sum(len(g.response_ids) for group in out for g in group)
+                    tokens["all"] = tokens["gen"] + params.n * sum(map(len, prompts))
             return out
 
         setattr(owner, name, wrapper)

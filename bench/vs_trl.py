@@ -74,6 +74,20 @@ def matmul_gflops(kernel: str, n: int = 512, seconds: float = 2.0) -> float:
     return 2 * n ** 3 * count / (time.perf_counter() - start) / 1e9
 
 
+def write_prompts(work: Path, count: int = 256) -> Path:
+    """The first `count` prompts of the shipped arithmetic data, as a prompts jsonl in `work`."""
+    rows = [json.loads(line) for line in (REPO / "assets/tiny-arith-data/train.jsonl").read_text().splitlines()]
+    data = work / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "label": r["label"]}) + "\n" for r in rows[:count]))
+    return data
+
+
+def matmul_peaks() -> dict[str, list[float]]:
+    """Three 1-second measurements of each kernel's 1-thread fp32 matmul GFLOP/s. A floor is taken from the best
+    of them all: a peak measured low (or from the slower kernel) would flatter every efficiency."""
+    return {k: [matmul_gflops(k, seconds=1.0) for _ in range(3)] for k in ("torch", "onednn")}
+
+
 def non_embedding_params(model_dir: Path) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -204,12 +218,8 @@ def main() -> None:
     from data_tools.make_tiny_model import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="vs-trl-"))
-    rows = [json.loads(line) for line in (REPO / "assets/tiny-arith-data/train.jsonl").read_text().splitlines()]
-    data = work / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": r["prompt"], "label": r["label"]}) + "\n" for r in rows[:256]))
-    peaks = {k: [matmul_gflops(k, seconds=1.0) for _ in range(3)] for k in ("torch", "onednn")}
-    # The floor comes from the faster kernel, each at the best of three: a floor from a peak measured low (or from
-    # a kernel slower than the machine allows) would flatter every efficiency.
+    data = write_prompts(work)
+    peaks = matmul_peaks()
     peak = max(max(p) for p in peaks.values())
     from slime.models.onednn import resolve_cpu_linear
 

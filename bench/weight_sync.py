@@ -74,6 +74,7 @@ def main() -> None:
         sys.exit("set SLIME_SGLANG_PYTHON to the Python of an SGLang environment (docs/sglang.md)")
     import torch
 
+    from bench.vs_trl import write_prompts
     from data_tools.make_tiny_model import make_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="weight-sync-"))
@@ -81,9 +82,7 @@ def main() -> None:
                             kv_heads=2)
     nbytes = sum(t.numel() * t.element_size() for t in
                  __import__("safetensors.torch", fromlist=["load_file"]).load_file(model / "model.safetensors").values())
-    rows = [json.loads(line) for line in (REPO / "assets/tiny-arith-data/train.jsonl").read_text().splitlines()]
-    data = work / "prompts.jsonl"
-    data.write_text("".join(json.dumps({"prompt": r["prompt"], "label": r["label"]}) + "\n" for r in rows[:64]))
+    data = write_prompts(work, 64)
     env = {"SGLANG_USE_CPU_ENGINE": "1"} if not torch.cuda.is_available() else {}
     if os.environ.get("SLIME_SGLANG_PYTHONPATH"):
         env["PYTHONPATH"] = os.environ["SLIME_SGLANG_PYTHONPATH"]
