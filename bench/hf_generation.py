@@ -1,6 +1,7 @@
 """hf engine decoding: our loop (stopped rows leave the batch) vs HF's generate, same model and prompts; our loop
-with its decode step (slime/models/decode_step.py) vs the same loop over HF's forward; and, where the engine runs
-oneDNN (model.cpu_linear=auto on AMD), its decode step on packed weights vs on the plain ones.
+with its decode step (slime/models/decode_step.py) vs the same loop over HF's forward; its decode attention
+compiled (rollout.hf_fused_attention) vs the batched matmuls; and, where the engine runs oneDNN
+(model.cpu_linear=auto on AMD), its decode step on packed weights vs on the plain ones.
 
     python bench/hf_generation.py [--hidden 512] [--layers 10] [--prompts 16] [--n 4] [--max-new 64] [--reps 3]
                                   [--prompt-len 0]
@@ -8,7 +9,8 @@ oneDNN (model.cpu_linear=auto on AMD), its decode step on packed weights vs on t
 1 thread, fp32, a random Qwen3 model, 16 prompts x 4 samples at temperature 1. Two settings: fixed
 lengths (EOS ignored: both decode rows x max_new tokens) and ragged lengths (a set of stop tokens ends
 responses early, as real responses do). Prints the median time of each, generated tokens per second and
-the ratio, measured in the same run; HF's generate gets the same sampling settings (top_k=0). Prompts are
+the ratios, measured in the same run (our engines decode once before, untimed: the compiled attention's
+compile); HF's generate gets the same sampling settings (top_k=0). Prompts are
 4-11 tokens, or --prompt-len tokens each: ours prefills each prompt once for its n samples, HF's generate
 once per sample. Our runs sample from generators of one seed, so at each repetition they decode the same tokens.
 """
@@ -50,6 +52,8 @@ def main() -> None:
                       device=torch.device("cpu"), batch_size=args.prompts * args.n)
     hf_forward = HFEngine(ModelConfig(path=str(path), dtype="float32"), AutoTokenizer.from_pretrained(path),
                           device=torch.device("cpu"), batch_size=args.prompts * args.n, decode_step=False)
+    matmul_attention = HFEngine(ModelConfig(path=str(path), dtype="float32"), AutoTokenizer.from_pretrained(path),
+                                device=torch.device("cpu"), batch_size=args.prompts * args.n, fused_attention=False)
     unpacked = None
     if engine._step is not None and engine._step.pack is not None:  # the same step on the plain weights
         unpacked = HFEngine(ModelConfig(path=str(path), dtype="float32"), AutoTokenizer.from_pretrained(path),
@@ -78,10 +82,14 @@ def main() -> None:
     def ours(params: SamplingParams, engine=engine) -> int:
         return sum(len(x.response_ids) for group in engine.generate(prompts, params) for x in group)
 
-    runs = {"ours": ours, "ours, hf forward": lambda params: ours(params, hf_forward), "hf generate": hf_generate}
+    runs = {"ours": ours, "ours, hf forward": lambda params: ours(params, hf_forward), "hf generate": hf_generate,
+            "ours, matmul attn": lambda params: ours(params, matmul_attention)}
     if unpacked is not None:
         runs["ours, unpacked"] = lambda params: ours(params, unpacked)
 
+    for e in (engine, matmul_attention, unpacked):  # warm-up: compiles, first-touch page faults
+        if e is not None:
+            ours(SamplingParams(max_new_tokens=40, n=args.n, ignore_eos=True, seed=0), e)
     settings = {"fixed lengths": SamplingParams(max_new_tokens=args.max_new, n=args.n, ignore_eos=True, seed=0),
                 "ragged lengths": SamplingParams(max_new_tokens=args.max_new, n=args.n, seed=0,
                                                  stop_token_ids=tuple(range(5, 15)))}
@@ -100,6 +108,7 @@ def main() -> None:
         print(f"  ours / hf generate: {t['ours'] / t['hf generate']:.2f}x the time; "
               f"ours / ours over hf forward: {t['ours'] / t['ours, hf forward']:.2f}x"
               + (f"; packed / unpacked weights: {t['ours'] / t['ours, unpacked']:.2f}x" if unpacked else ""))
+        print(f"  compiled / matmul decode attention: {t['ours'] / t['ours, matmul attn']:.2f}x the time")
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from data_tools.make_tiny_model import tiny_config
-from slime.models.attention import GQA_SDPA
-from slime.models import onednn
+from slime.models import attention, onednn
+from slime.models.attention import GQA_SDPA, _decode_attention, decode_attention_fused
 from slime.models.decode_step import DecodeStep
 from slime.rollout.hf_engine import PreallocatedLayer
 
@@ -93,6 +93,98 @@ def test_decode_step_gives_the_models_logits(arch, overrides, packed, monkeypatc
         got, want = decode(stepped, step, prompts, new, keep_after), reference(model, prompts, new, keep_after)
     for s, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {s}: {m}")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("keys", [1, 7, 40])
+def test_fused_decode_attention_is_the_matmuls_and_sdpa(dtype, tol, keys):
+    """decode_attention_fused against the engine's batched matmuls and against sdpa, one query per row over a cache
+    view (strided, as the engine's preallocated layers give), GQA, rows whose first keys are padding."""
+    g = torch.Generator().manual_seed(keys)
+    b, heads, kv_heads, d = 3, 4, 2, 16
+    cache_k, cache_v = (torch.randn(b, kv_heads, keys + 5, d, generator=g).to(dtype) for _ in range(2))
+    k, v = cache_k[:, :, :keys], cache_v[:, :, :keys]
+    q = torch.randn(b, heads, 1, d, generator=g).to(dtype)
+    mask = torch.ones(b, 1, 1, keys, dtype=torch.bool)
+    mask[1, ..., :keys // 2] = False
+    mask[2, ..., :keys - 1] = False  # only its newest key
+    got = decode_attention_fused(q, k, v, mask, 0.3)
+    assert got.shape == (b, 1, heads, d) and got.dtype == dtype
+    torch.testing.assert_close(got, _decode_attention(q, k, v, mask, 0.3), rtol=tol, atol=tol)
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                            scale=0.3, enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(decode_attention_fused(q, k, v, None, None),  # no mask, the default scale
+                               _decode_attention(q, k, v, None, None), rtol=tol, atol=tol)
+
+
+def test_decode_step_with_fused_attention_gives_the_models_logits(monkeypatch):
+    """fused_attention=True, every step of 2 rows or more through decode_attention_fused (the (row, key) threshold
+    set to 0): the same logits as the model's forward. The one-row steps take the matmuls (torch.compile would
+    specialize a second graph for a size of 1)."""
+    monkeypatch.setattr(attention, "FUSED_DECODE_MIN_PAIRS", 0)
+    calls = []
+
+    def counted(*args):
+        calls.append(args[1].shape[0])
+        return decode_attention_fused(*args)
+
+    import slime.models.decode_step as decode_step
+    monkeypatch.setattr(decode_step, "decode_attention_fused", counted)
+    model = tiny("qwen3")
+    stepped = copy.deepcopy(model)
+    step = DecodeStep(stepped, fused_attention=True)
+    prompts = [[5, 17, 33], [40, 41, 42, 43, 44, 45, 46], [9], [60, 7, 7, 12]]
+    new = torch.randint(3, VOCAB, (len(prompts), 6), generator=torch.Generator().manual_seed(1))
+    keep_after = {1: [0, 1, 3], 3: [2]}
+    with torch.no_grad():
+        got, want = decode(stepped, step, prompts, new, keep_after), reference(model, prompts, new, keep_after)
+    for s, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {s}: {m}")
+    assert calls == [4] * 3 * 2 + [3] * 3 * 2  # 3 layers; steps 0-1 of 4 rows, 2-3 of 3, then one row: none
+
+
+def test_a_failing_fused_attention_falls_back_or_raises(monkeypatch, caplog):
+    """A compile that fails (no C++ compiler for inductor, say): "fallback" (rollout.hf_fused_attention=auto) logs
+    why once and decodes on with the matmuls, the same logits; True raises."""
+    monkeypatch.setattr(attention, "FUSED_DECODE_MIN_PAIRS", 0)
+    import slime.models.decode_step as decode_step
+
+    def broken(*args):
+        raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+
+    monkeypatch.setattr(decode_step, "decode_attention_fused", broken)
+    model = tiny("qwen3")
+    prompts, new = [[5, 17, 33], [9]], torch.tensor([[4, 8], [15, 16]])
+    with torch.no_grad():
+        want = reference(model, prompts, new, {})
+        step = DecodeStep(copy.deepcopy(model), fused_attention="fallback")
+        with caplog.at_level("WARNING"):
+            got = decode(step.model, step, prompts, new, {})
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        warnings = [r.getMessage() for r in caplog.records if "compiled decode attention failed" in r.getMessage()]
+        assert len(warnings) == 1 and "InvalidCxxCompiler" in warnings[0] and step.fused_attention is False
+        step = DecodeStep(copy.deepcopy(model), fused_attention=True)
+        with pytest.raises(RuntimeError, match="InvalidCxxCompiler"):
+            decode(step.model, step, prompts, new, {})
+
+
+def test_fused_attention_setting_resolves_per_model_and_device():
+    """rollout.hf_fused_attention: auto is on (with the fallback) for hidden sizes from fused.MIN_HIDDEN on CPU,
+    off below it and off the CPU; true is on at any size, and refuses another device with the fix; false is off."""
+    from slime.models import fused
+    from slime.rollout.hf_engine import _fused_attention
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    small, large = tiny("qwen3"), tiny("qwen3")
+    large.config.hidden_size = fused.MIN_HIDDEN
+    assert _fused_attention("auto", large, cpu) == "fallback"
+    assert _fused_attention("auto", small, cpu) is False
+    assert _fused_attention("auto", large, cuda) is False
+    assert _fused_attention(True, small, cpu) is True
+    assert _fused_attention(False, large, cpu) is False
+    with pytest.raises(ValueError, match="rollout.hf_fused_attention=auto or false"):
+        _fused_attention(True, large, cuda)
 
 
 def write_fresh(g: torch.Generator, names: list[str], *models: torch.nn.Module) -> None:

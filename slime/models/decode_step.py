@@ -12,6 +12,8 @@ for Llama, Qwen2 and Qwen3:
 - rope is q * cos + roll(q) * sin', with sin' = sin with its first half negated: roll(q, D/2) is rotate_half(q)
   without the sign, so the product is rotate_half(q) * sin exactly;
 - attention is the engine's decode attention (slime/models/attention.py) on the engine's in-place KV cache;
+  with `fused_attention`, on batches of 2048 (row, key) pairs or more it runs compiled (`decode_attention_fused`),
+  which long responses need most: there it takes longer than all of a layer's matmuls;
 - with `pack` (the hf engine on oneDNN: slime/models/onednn.py's `pack`), the matmuls read packed copies of their
   weights (the engine holds its matmul weights twice), made again by `refresh()` after every weight push and by
   `check()` after an in-place write into a parameter.
@@ -21,12 +23,15 @@ sliding windows, VL) decode through the model's own forward: `DecodeStep.unsuppo
 """
 from __future__ import annotations
 
-from typing import Callable
+import logging
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
 
-from slime.models.attention import _decode_attention
+from slime.models.attention import _decode_attention, decode_attention_fused, use_fused_decode_attention
+
+logger = logging.getLogger(__name__)
 
 FAMILIES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # all weight * x * rsqrt(mean(x^2) + eps)
@@ -82,12 +87,15 @@ class DecodeStep:
         return None
 
     def __init__(self, model: torch.nn.Module, linear: Callable = torch._C._nn.linear,
-                 pack: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        """`linear(x, weight, bias)`; with `pack`, also `linear(x, weight, bias, packed=pack(weight))`."""
+                 pack: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 fused_attention: bool | Literal["fallback"] = False):
+        """`linear(x, weight, bias)`; with `pack`, also `linear(x, weight, bias, packed=pack(weight))`.
+        `fused_attention`: attention runs compiled where `use_fused_decode_attention` says; where its compile fails
+        (no C++ compiler for inductor, say), True raises and "fallback" logs why and goes on with the matmuls."""
         why = self.unsupported(model)
         if why is not None:
             raise ValueError(f"DecodeStep cannot run this model: {why}")
-        self.model, self.linear, self.pack = model, linear, pack
+        self.model, self.linear, self.pack, self.fused_attention = model, linear, pack, fused_attention
         self._layers: list[tuple] = []
         self._views: list[int] = []
         self._packed: dict[int, torch.Tensor] = {}  # id(weight) -> pack(weight)
@@ -167,10 +175,24 @@ class DecodeStep:
                 qk = F.rms_norm(qk, weight.shape[-1:], None, attn.q_norm.variance_epsilon) * weight
             qk = qk * cos + qk.roll(half, -1) * sin
             keys, values = cache_layer.update(qk[:, n_q:, None], v[:, :, None])
-            o = _decode_attention(qk[:, :n_q, None], keys, values, mask, attn.scaling)  # (B, 1, H, D)
+            o = self._attention(qk[:, :n_q, None], keys, values, mask, attn.scaling)  # (B, 1, H, D)
             x = x + linear(o.reshape(b, -1), attn.o_proj.weight, attn.o_proj.bias)
             h = rms_norm(x, layer.post_attention_layernorm)
             gate, up = linear(h, w_gu, b_gu).chunk(2, -1)
             x = x + linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         x = rms_norm(x, inner.norm)
         return linear(x, self.model.lm_head.weight, self.model.lm_head.bias)
+
+    def _attention(self, query, keys, values, mask, scaling) -> torch.Tensor:
+        if not self.fused_attention or not use_fused_decode_attention(keys.shape[0], keys.shape[2]):
+            return _decode_attention(query, keys, values, mask, scaling)
+        try:
+            return decode_attention_fused(query, keys, values, mask, scaling)
+        except Exception as e:  # inductor raises many kinds (CppCompileError, InvalidCxxCompiler, BackendCompilerFailed)
+            if self.fused_attention is True:
+                raise
+            why = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            logger.warning("hf engine: the compiled decode attention failed (%s: %s); decoding goes on with the "
+                           "batched matmuls (rollout.hf_fused_attention=false skips the attempt)", type(e).__name__, why)
+            self.fused_attention = False
+            return _decode_attention(query, keys, values, mask, scaling)

@@ -27,6 +27,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessor, Logits
 from transformers.cache_utils import DynamicLayer
 
 from slime.models.attention import GQA_SDPA
+from slime.models import fused
 from slime.models.decode_step import DecodeStep
 from slime.models.loading import load_model, resolve_dtype
 from slime.models.onednn import linear as onednn_linear, pack as onednn_pack, resolve_cpu_linear, use_onednn_linears
@@ -94,6 +95,20 @@ class PreallocatedLayer(DynamicLayer):
         return kept
 
 
+def _fused_attention(setting: bool | str, model: torch.nn.Module, device: torch.device) -> bool | str:
+    """rollout.hf_fused_attention for this model and device -> DecodeStep's `fused_attention`."""
+    if setting is False or setting == "false":
+        return False
+    if device.type != "cpu":
+        if setting is True:
+            raise ValueError(f"rollout.hf_fused_attention=true is built and tested on CPU; this engine runs on "
+                             f"{device.type}: use rollout.hf_fused_attention=auto or false")
+        return False
+    if setting is True:
+        return True
+    return "fallback" if model.config.get_text_config().hidden_size >= fused.MIN_HIDDEN else False
+
+
 def plain_linear(model: torch.nn.Module) -> None:
     """Make the model's nn.Linear layers call torch's own linear (layers that call F.linear themselves, such as
     some MoE experts, keep the process-wide one: slower, as correct). A ZeRO-3 engine replaces
@@ -140,7 +155,7 @@ class SeededSampling(LogitsProcessor):
 
 class HFEngine:
     def __init__(self, model_cfg, tokenizer, *, device: torch.device, batch_size: int = 64,
-                 decode_step: bool = True, packed_weights: bool = True):
+                 decode_step: bool = True, packed_weights: bool = True, fused_attention: bool | str = "auto"):
         self.model, self.adapter = load_model(model_cfg, attn_implementation=GQA_SDPA, dtype=resolve_dtype(model_cfg.dtype))
         self.model.to(device).eval()
         onednn = device.type == "cpu" and resolve_cpu_linear(model_cfg.cpu_linear) == "onednn" and \
@@ -150,7 +165,8 @@ class HFEngine:
         # Text decode steps of Llama-family models skip HF's forward (slime/models/decode_step.py).
         why = DecodeStep.unsupported(self.model) if decode_step else "turned off"
         linear = functools.partial(onednn_linear, fallback=torch._C._nn.linear) if onednn else torch._C._nn.linear
-        self._step = None if why else DecodeStep(self.model, linear,
+        fused = _fused_attention(fused_attention, self.model, device)
+        self._step = None if why else DecodeStep(self.model, linear, fused_attention=fused,
                                                   pack=onednn_pack if onednn and packed_weights else None)
         if why:
             logger.info("hf engine: decode steps run the model's own forward (%s)", why)
