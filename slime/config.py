@@ -168,11 +168,11 @@ class RolloutConfig:
     hf_fused_attention: bool | Literal["auto"] = field(
         "auto", "hf engine on CPU: decode attention over 2048 (row, key) pairs or more (64 rows x 32 keys) as one "
         "function torch.compile fuses (slime/models/attention.py's decode_attention_fused): 64 rows x 256 keys 1.7x "
-        "faster than the batched matmuls, a 256-token rollout of the 23.7M model ~1.2x (long responses gain most). "
-        "Needs a C++ compiler (inductor's CPU backend); the first rollout that reaches it pays the compile (~2-5 s, "
-        "cached on disk). auto: on for Llama, Qwen2 and Qwen3 models with hidden size >= 256 on CPU, falling back to "
-        "the matmuls with a warning where the compile fails; true: on for any size, failing where the compile fails; "
-        "false: off.")
+        "faster than the batched matmuls, a 256-token rollout of the 23.7M model in 0.89x the time (long responses "
+        "gain most). Needs a C++ compiler (inductor's CPU backend); the first rollout that reaches it pays the "
+        "compile (~2-5 s, cached on disk). auto: on for Llama, Qwen2 and Qwen3 models with hidden size >= 256 on CPU, "
+        "falling back to the matmuls with a warning where the compile fails; true: on for any size, failing where "
+        "the compile fails; false: off.")
     generate_fn: str | None = field(None, "'package.module:function' building each prompt's samples (multi-turn, "
                                           "tools; see docs/custom_rollouts.md); None = one completion per sample.")
     generate_fn_timeout: float = field(3600.0, "Seconds rollout.generate_fn may take for one prompt's samples (a tool "

@@ -20,7 +20,6 @@ one layer's worth. Real runs add the CUDA context and fragmentation: the warning
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 

@@ -188,11 +188,12 @@ class DecodeStep:
             return _decode_attention(query, keys, values, mask, scaling)
         try:
             return decode_attention_fused(query, keys, values, mask, scaling)
-        except Exception as e:  # inductor raises many kinds (CppCompileError, InvalidCxxCompiler, BackendCompilerFailed)
+        except Exception as e:  # inductor raises many kinds (CppCompileError, InvalidCxxCompiler, ...)
             if self.fused_attention is True:
                 raise
             why = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
             logger.warning("hf engine: the compiled decode attention failed (%s: %s); decoding goes on with the "
-                           "batched matmuls (rollout.hf_fused_attention=false skips the attempt)", type(e).__name__, why)
+                           "batched matmuls (rollout.hf_fused_attention=false skips the attempt)",
+                           type(e).__name__, why)
             self.fused_attention = False
             return _decode_attention(query, keys, values, mask, scaling)

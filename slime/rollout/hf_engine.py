@@ -26,8 +26,8 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.cache_utils import DynamicLayer
 
-from slime.models.attention import GQA_SDPA
 from slime.models import fused
+from slime.models.attention import GQA_SDPA
 from slime.models.decode_step import DecodeStep
 from slime.models.loading import load_model, resolve_dtype
 from slime.models.onednn import linear as onednn_linear, pack as onednn_pack, resolve_cpu_linear, use_onednn_linears
@@ -165,8 +165,8 @@ class HFEngine:
         # Text decode steps of Llama-family models skip HF's forward (slime/models/decode_step.py).
         why = DecodeStep.unsupported(self.model) if decode_step else "turned off"
         linear = functools.partial(onednn_linear, fallback=torch._C._nn.linear) if onednn else torch._C._nn.linear
-        fused = _fused_attention(fused_attention, self.model, device)
-        self._step = None if why else DecodeStep(self.model, linear, fused_attention=fused,
+        fused_attention = _fused_attention(fused_attention, self.model, device)
+        self._step = None if why else DecodeStep(self.model, linear, fused_attention=fused_attention,
                                                   pack=onednn_pack if onednn and packed_weights else None)
         if why:
             logger.info("hf engine: decode steps run the model's own forward (%s)", why)

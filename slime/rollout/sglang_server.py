@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import json
 import logging
 import os
 import signal
