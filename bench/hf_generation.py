@@ -12,7 +12,9 @@ responses early, as real responses do). Prints the median time of each, generate
 the ratios, measured in the same run (our engines decode once before, untimed: the compiled attention's
 compile); HF's generate gets the same sampling settings (top_k=0). Prompts are
 4-11 tokens, or --prompt-len tokens each: ours prefills each prompt once for its n samples, HF's generate
-once per sample. Our runs sample from generators of one seed, so at each repetition they decode the same tokens.
+once per sample. Our engines sample from generators of one seed, one each, drawn on from call to call: at a
+repetition they decode the same tokens as each other (up to the compiled attention's rounding), not the
+same tokens as at the last repetition.
 """
 from __future__ import annotations
 
@@ -87,7 +89,7 @@ def main() -> None:
     if unpacked is not None:
         runs["ours, unpacked"] = lambda params: ours(params, unpacked)
 
-    for e in (engine, matmul_attention, unpacked):  # warm-up: compiles, first-touch page faults
+    for e in (engine, hf_forward, matmul_attention, unpacked):  # warm-up (compiles, page faults); same draws after
         if e is not None:
             ours(SamplingParams(max_new_tokens=40, n=args.n, ignore_eos=True, seed=0), e)
     settings = {"fixed lengths": SamplingParams(max_new_tokens=args.max_new, n=args.n, ignore_eos=True, seed=0),
