@@ -110,7 +110,11 @@ def main() -> None:
         print(f"  ours / hf generate: {t['ours'] / t['hf generate']:.2f}x the time; "
               f"ours / ours over hf forward: {t['ours'] / t['ours, hf forward']:.2f}x"
               + (f"; packed / unpacked weights: {t['ours'] / t['ours, unpacked']:.2f}x" if unpacked else ""))
-        print(f"  compiled / matmul decode attention: {t['ours'] / t['ours, matmul attn']:.2f}x the time")
+        if engine._step is not None and engine._step.fused_attention:
+            print(f"  compiled / matmul decode attention: {t['ours'] / t['ours, matmul attn']:.2f}x the time")
+        else:
+            print("  (the decode attention is not compiled for this model: rollout.hf_fused_attention=auto needs a "
+                  "hidden size >= 256 and a working compile)")
 
 
 if __name__ == "__main__":
