@@ -19,6 +19,7 @@ same tokens as at the last repetition.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import tempfile
@@ -50,16 +51,15 @@ def main() -> None:
     torch.set_num_threads(1)
     path = make_tiny_model(Path(tempfile.mkdtemp()) / "m", arch="qwen3", hidden=args.hidden, layers=args.layers,
                            heads=4, kv_heads=2)
-    engine = HFEngine(ModelConfig(path=str(path), dtype="float32"), AutoTokenizer.from_pretrained(path),
-                      device=torch.device("cpu"), batch_size=args.prompts * args.n)
-    hf_forward = HFEngine(ModelConfig(path=str(path), dtype="float32"), AutoTokenizer.from_pretrained(path),
-                          device=torch.device("cpu"), batch_size=args.prompts * args.n, decode_step=False)
-    matmul_attention = HFEngine(ModelConfig(path=str(path), dtype="float32"), AutoTokenizer.from_pretrained(path),
-                                device=torch.device("cpu"), batch_size=args.prompts * args.n, fused_attention=False)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    make = functools.partial(HFEngine, ModelConfig(path=str(path), dtype="float32"), tokenizer,
+                             device=torch.device("cpu"), batch_size=args.prompts * args.n)
+    engine = make()
+    hf_forward = make(decode_step=False)
+    matmul_attention = make(fused_attention=False)
     unpacked = None
     if engine._step is not None and engine._step.pack is not None:  # the same step on the plain weights
-        unpacked = HFEngine(ModelConfig(path=str(path), dtype="float32"), AutoTokenizer.from_pretrained(path),
-                            device=torch.device("cpu"), batch_size=args.prompts * args.n, packed_weights=False)
+        unpacked = make(packed_weights=False)
     else:
         print("the engine's decode step does not pack its weights here (it runs torch's linear): no packed row")
     g = torch.Generator().manual_seed(0)

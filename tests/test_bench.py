@@ -2,8 +2,6 @@
 train.min_lr of the example above a bench's lower train.lr)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from bench import vs_trl, weight_sync

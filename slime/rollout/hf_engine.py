@@ -97,7 +97,7 @@ class PreallocatedLayer(DynamicLayer):
 
 def _fused_attention(setting: bool | str, model: torch.nn.Module, device: torch.device) -> bool | str:
     """rollout.hf_fused_attention for this model and device -> DecodeStep's `fused_attention`."""
-    if setting is False or setting == "false":
+    if setting is False:
         return False
     if device.type != "cpu":
         if setting is True:
