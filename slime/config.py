@@ -165,14 +165,15 @@ class RolloutConfig:
                                           "steps read a copy of the matmul weights in oneDNN's blocked layout, "
                                           "4-20% faster rollouts here; false saves that copy's memory (the size of "
                                           "the model's matmul weights, logged at start).")
-    hf_fused_attention: bool | Literal["auto"] = field(
-        "auto", "hf engine on CPU: decode attention over 2048 (row, key) pairs or more (64 rows x 32 keys) as one "
-        "function torch.compile fuses (slime/models/attention.py's decode_attention_fused): 64 rows x 256 keys 1.7x "
-        "faster than the batched matmuls, a 256-token rollout of the 23.7M model in 0.89x the time (long responses "
-        "gain most). Needs a C++ compiler (inductor's CPU backend); the first rollout that reaches it pays the "
-        "compile (~2-5 s, cached on disk). auto: on for Llama, Qwen2 and Qwen3 models with hidden size >= 256 on CPU, "
-        "falling back to the matmuls with a warning where the compile fails; true: on for any size, failing where "
-        "the compile fails; false: off.")
+    hf_compile: Literal["auto", "step", "attention", False] = field(
+        "auto", "hf engine on CPU: what of a decode step torch.compile (inductor) fuses. step: the whole step, every "
+        "layer, as one compiled graph (slime/models/decode_step.py's _compiled_step): no Python and one C++ loop per "
+        "elementwise chain between the matmuls; a 64-token rollout of the 23.7M model of bench/vs_trl.py in ~0.85x "
+        "the time. attention: only the decode attention over 2048 (row, key) pairs or more (64 rows x 32 keys), "
+        "which long responses need most (a 256-token rollout in 0.89x the time). Both need a C++ compiler; the first "
+        "rollout pays the compile (step: ~15-40 s for 10 layers, growing with the depth; attention: ~2-5 s; cached "
+        "on disk). auto: step for Llama, Qwen2 and Qwen3 models with hidden size >= 256 and SwiGLU MLPs on CPU, "
+        "falling back to eager decoding with a warning where the compile fails; false: neither.")
     generate_fn: str | None = field(None, "'package.module:function' building each prompt's samples (multi-turn, "
                                           "tools; see docs/custom_rollouts.md); None = one completion per sample.")
     generate_fn_timeout: float = field(3600.0, "Seconds rollout.generate_fn may take for one prompt's samples (a tool "
@@ -557,6 +558,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 # Other names users know a setting by (`async` is a Python keyword, so not a field name).
 ALIASES = {"rollout.async": "rollout.one_step_off"}
+# Keys that were renamed: key -> what to write instead.
+RENAMED = {"rollout.hf_fused_attention": "rollout.hf_compile (true -> attention, false -> false; auto now compiles "
+                                         "the whole decode step)"}
 
 
 def _build(cls: type, raw: dict, prefix: str = "") -> Any:
@@ -569,6 +573,8 @@ def _build(cls: type, raw: dict, prefix: str = "") -> Any:
             alias, key, full = full, ALIASES[full].rsplit(".", 1)[-1], ALIASES[full]
             if key in raw:
                 raise ValueError(f"{full} is set twice, also by its alias {alias}; keep one")
+        if full in RENAMED:
+            raise ValueError(f"config key '{full}' was renamed: use {RENAMED[full]}")
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""

@@ -28,15 +28,16 @@ def tiny(arch: str, **overrides) -> torch.nn.Module:
 
 
 def decode(stepped: torch.nn.Module, step: DecodeStep, prompts: list[list[int]], new: torch.Tensor,
-           keep_after: dict[int, list[int]]) -> list[torch.Tensor]:
+           keep_after: dict[int, list[int]], capacity: int | None = None) -> list[torch.Tensor]:
     """Prefill the left-padded prompts with the model's forward, then one step per column of `new` (B, S);
-    rows not in keep_after[s] leave the batch after step s. Returns each step's logits (rows still going, V)."""
+    rows not in keep_after[s] leave the batch after step s. Returns each step's logits (rows still going, V).
+    The cache holds `capacity` positions (default: the prompts' and two more, so that it grows)."""
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache(config=stepped.config)
-    cache.layers = [PreallocatedLayer(width + 2) for _ in cache.layers]  # grows past its capacity, too
+    cache.layers = [PreallocatedLayer(capacity or width + 2) for _ in cache.layers]
     stepped(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
     live, pos, out = torch.arange(len(prompts)), positions[:, -1] + 1, []
     for s in range(new.shape[1]):
@@ -145,8 +146,8 @@ def test_decode_step_with_fused_attention_gives_the_models_logits(monkeypatch):
 
 
 def test_a_failing_fused_attention_falls_back_or_raises(monkeypatch, caplog):
-    """A compile that fails (no C++ compiler for inductor, say): "fallback" (rollout.hf_fused_attention=auto) logs
-    why once and decodes on with the matmuls, the same logits; True raises."""
+    """A compile that fails (no C++ compiler for inductor, say): "fallback" (rollout.hf_compile=auto on a model whose
+    step is not compiled) logs why once and decodes on with the matmuls, the same logits; True raises."""
     monkeypatch.setattr(attention, "FUSED_DECODE_MIN_PAIRS", 0)
     import slime.models.decode_step as decode_step
 
@@ -169,22 +170,122 @@ def test_a_failing_fused_attention_falls_back_or_raises(monkeypatch, caplog):
             decode(step.model, step, prompts, new, {})
 
 
-def test_fused_attention_setting_resolves_per_model_and_device():
-    """rollout.hf_fused_attention: auto is on (with the fallback) for hidden sizes from fused.MIN_HIDDEN on CPU,
-    off below it and off the CPU; true is on at any size, and refuses another device with the fix; false is off."""
+def test_compile_setting_resolves_per_model_and_device():
+    """rollout.hf_compile -> DecodeStep's (fused_attention, compiled). auto compiles the whole step (with the
+    fallback) for hidden sizes from fused.MIN_HIDDEN on CPU, and only the attention for an MLP that is not SwiGLU;
+    nothing below that size or off the CPU. step and attention are on at any size and refuse another device with
+    the fix; step also refuses an MLP it does not compile; false is off."""
     from slime.models import fused
-    from slime.rollout.hf_engine import _fused_attention
+    from slime.rollout.hf_engine import _compile
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    small, large = tiny("qwen3"), tiny("qwen3")
-    large.config.hidden_size = fused.MIN_HIDDEN
-    assert _fused_attention("auto", large, cpu) == "fallback"
-    assert _fused_attention("auto", small, cpu) is False
-    assert _fused_attention("auto", large, cuda) is False
-    assert _fused_attention(True, small, cpu) is True
-    assert _fused_attention(False, large, cpu) is False
-    with pytest.raises(ValueError, match="rollout.hf_fused_attention=auto or false"):
-        _fused_attention(True, large, cuda)
+    small, large, gelu = tiny("qwen3"), tiny("qwen3"), tiny("qwen3")
+    large.config.hidden_size = gelu.config.hidden_size = fused.MIN_HIDDEN
+    gelu.config.hidden_act = "gelu"
+    assert _compile("auto", large, cpu) == ("fallback", "fallback")
+    assert _compile("auto", gelu, cpu) == ("fallback", False)
+    assert _compile("auto", small, cpu) == (False, False)
+    assert _compile("auto", large, cuda) == (False, False)
+    assert _compile("step", small, cpu) == (False, True)
+    assert _compile("attention", small, cpu) == (True, False)
+    assert _compile(False, large, cpu) == (False, False)
+    for setting in ("step", "attention"):
+        with pytest.raises(ValueError, match="rollout.hf_compile=auto or false"):
+            _compile(setting, large, cuda)
+    with pytest.raises(ValueError, match="hidden_act is 'gelu'"):
+        _compile("step", gelu, cpu)
+
+
+def count_compiled_steps(monkeypatch) -> list[tuple[int, int]]:
+    """Wrap the graphs decode_step._step_graph makes: each call appends (rows, cached keys)."""
+    import slime.models.decode_step as decode_step
+
+    calls, make = [], decode_step._step_graph
+
+    def counted_graph(*spec):
+        graph = make(*spec)
+
+        def counted(x, cos, sin, mask, *args):
+            calls.append((x.shape[0], mask.shape[1] - 1))
+            return graph(x, cos, sin, mask, *args)
+        return counted
+
+    monkeypatch.setattr(decode_step, "_step_graph", counted_graph)
+    return calls
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("qwen3", {}),  # per-head q and k norms
+    ("qwen2", {}),  # q, k, v biases
+    ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+])
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_compiled_decode_step_gives_the_models_logits(arch, overrides, packed, monkeypatch):
+    """compiled=True: every step of 2 rows or more runs as one compiled graph (on oneDNN with the packed weights,
+    or on F.linear), the same logits as the model's forward, rows leaving the batch and the cache growing past its
+    capacity (a new buffer: other strides) on the way; the one-row steps run eagerly."""
+    if packed and not onednn.available():
+        pytest.skip("this torch build has no oneDNN")
+    calls = count_compiled_steps(monkeypatch)
+    model = tiny(arch, **overrides)
+    stepped = copy.deepcopy(model)
+    if packed:
+        monkeypatch.setattr(onednn, "MIN_MACS", 0)
+        step = DecodeStep(stepped, functools.partial(onednn.linear, fallback=torch._C._nn.linear), pack=onednn.pack,
+                          compiled=True)
+    else:
+        step = DecodeStep(stepped, compiled=True)
+    assert step._graph_inputs[3] is packed  # the graph's matmuls on oneDNN's packed weights, or on F.linear
+    prompts = [[5, 17, 33], [40, 41, 42, 43, 44, 45, 46], [9], [60, 7, 7, 12]]
+    new = torch.randint(3, VOCAB, (len(prompts), 6), generator=torch.Generator().manual_seed(1))
+    keep_after = {1: [0, 1, 3], 3: [2]}  # rows leave, and the order of those left changes
+    with torch.no_grad():
+        got, want = decode(stepped, step, prompts, new, keep_after), reference(model, prompts, new, keep_after)
+    for s, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"step {s}: {m}")
+    assert calls == [(4, 7), (4, 8), (3, 9), (3, 10)]  # then one row: eager
+
+
+def test_compiled_decode_step_compiles_once_for_any_batch():
+    """Rollouts of other row counts, prompt widths and cache capacities reuse the one graph: a second compile would
+    cost a rollout seconds each time."""
+    import torch._dynamo.utils
+
+    model = tiny("qwen3")
+    step = DecodeStep(model, compiled=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for rows, width, extra in ((4, 3, 2), (7, 5, 9), (3, 12, 1), (5, 2, 30)):
+            prompts = [torch.randint(3, VOCAB, (width,), generator=g).tolist() for _ in range(rows)]
+            new = torch.randint(3, VOCAB, (rows, 3), generator=g)
+            decode(model, step, prompts, new, {}, capacity=width + extra)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def test_a_failing_compiled_step_falls_back_or_raises(monkeypatch, caplog):
+    """A compile that fails (no C++ compiler for inductor, say): "fallback" (rollout.hf_compile=auto) logs why once
+    and decodes on eagerly, the same logits; True raises."""
+    import slime.models.decode_step as decode_step
+
+    def broken(*args):
+        raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
+
+    monkeypatch.setattr(decode_step, "_step_graph", lambda *spec: broken)
+    model = tiny("qwen3")
+    prompts, new = [[5, 17, 33], [9]], torch.tensor([[4, 8], [15, 16]])
+    with torch.no_grad():
+        want = reference(model, prompts, new, {})
+        step = DecodeStep(copy.deepcopy(model), compiled="fallback")
+        with caplog.at_level("WARNING"):
+            got = decode(step.model, step, prompts, new, {})
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        warnings = [r.getMessage() for r in caplog.records if "compiled decode step failed" in r.getMessage()]
+        assert len(warnings) == 1 and "InvalidCxxCompiler" in warnings[0] and step.compiled is False
+        step = DecodeStep(copy.deepcopy(model), compiled=True)
+        with pytest.raises(RuntimeError, match="InvalidCxxCompiler"):
+            decode(step.model, step, prompts, new, {})
 
 
 def write_fresh(g: torch.Generator, names: list[str], *models: torch.nn.Module) -> None:

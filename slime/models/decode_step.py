@@ -23,13 +23,16 @@ sliding windows, VL) decode through the model's own forward: `DecodeStep.unsuppo
 """
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Callable, Literal
+from typing import Callable, Literal, NamedTuple
 
 import torch
+import torch.fx.experimental._config
 import torch.nn.functional as F
 
 from slime.models.attention import _decode_attention, decode_attention_fused, use_fused_decode_attention
+from slime.models.onednn import _mm_nt_op
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +64,80 @@ def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     return F.rms_norm(x, norm.weight.shape, None, norm.variance_epsilon) * norm.weight
 
 
+class _LayerSpec(NamedTuple):
+    """What the compiled step needs to know of a layer besides its tensors (constants in its graph)."""
+    n_q: int
+    n_kv: int
+    head_dim: int
+    eps: float  # the input norm's
+    post_eps: float  # the post-attention norm's
+    qk_eps: float | None  # Qwen3's per-head q and k norms' (None: no such norms)
+    scaling: float
+
+
+def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return t * cos + t.roll(t.shape[-1] // 2, -1) * sin
+
+
+@functools.lru_cache(maxsize=8)
+def _step_graph(specs: tuple[_LayerSpec, ...], eps: float, onednn: bool) -> Callable:
+    """The compiled decode step of a model whose layers `specs` describe (its sizes constants of the graph).
+
+    `graph(x, cos, sin, mask, keys, values, weights)` runs all of a step's layers and its logits in one graph
+    (inductor: one C++ loop per chain of elementwise ops between the matmuls, no Python between them). x (B, hidden),
+    cos and sin (B, 1, D) as in DecodeStep.__call__; mask (B, L + 1) bool over the L cached keys and this step's;
+    keys and values: per layer the cache's whole buffers (B, Hkv, capacity, D), of which the first L positions are
+    read; weights: per layer 12 tensors or None (see DecodeStep._graph_weights), then the final norm's and the
+    head's weight and bias. Returns the logits and per layer the step's new keys and values (B, Hkv, D): the caller
+    writes them into the cache, so the graph mutates none of its inputs. Attention takes the cached keys and the
+    new one apart (no copy of the cache to append it) under one softmax. B, L and the capacity are dynamic: one
+    compile serves every batch (`_dynamic` marks them)."""
+    def linear(h, w, b):
+        return _mm_nt_op(h, w, b) if onednn else F.linear(h, w, b)
+
+    def norm(h, w, e):
+        return F.rms_norm(h, h.shape[-1:], None, e) * w
+
+    def graph(x, cos, sin, mask, keys, values, weights):
+        rows, length, new_keys, new_values = x.shape[0], mask.shape[1] - 1, [], []
+        for i, spec in enumerate(specs):
+            w_in, w_qkv, b_qkv, w_qn, w_kn, w_o, b_o, w_post, w_gu, b_gu, w_down, b_down = weights[12 * i:12 * i + 12]
+            n_q, n_kv, d = spec.n_q, spec.n_kv, spec.head_dim
+            qkv = linear(norm(x, w_in, spec.eps), w_qkv, b_qkv).view(rows, n_q + 2 * n_kv, d)
+            q, k, v = qkv[:, :n_q], qkv[:, n_q:n_q + n_kv], qkv[:, n_q + n_kv:]
+            if spec.qk_eps is not None:
+                q, k = norm(q, w_qn, spec.qk_eps), norm(k, w_kn, spec.qk_eps)
+            q, k = _rope(q, cos, sin).view(rows, n_kv, n_q // n_kv, d), _rope(k, cos, sin)
+            cached_k, cached_v = keys[i][:, :, :length], values[i][:, :, :length]
+            scores = torch.cat([(q.unsqueeze(3) * cached_k.unsqueeze(2)).sum(-1),  # (B, Hkv, G, L): the cache's
+                                (q * k.unsqueeze(2)).sum(-1, keepdim=True)], -1) * spec.scaling  # and this step's
+            p = scores.masked_fill(~mask[:, None, None], float("-inf")).softmax(-1)
+            o = (p[..., :-1].unsqueeze(-1) * cached_v.unsqueeze(2)).sum(3) + p[..., -1:] * v.unsqueeze(2)
+            x = x + linear(o.reshape(rows, n_q * d), w_o, b_o)
+            gate, up = linear(norm(x, w_post, spec.post_eps), w_gu, b_gu).chunk(2, -1)
+            x = x + linear(F.silu(gate) * up, w_down, b_down)
+            new_keys.append(k)
+            new_values.append(v)
+        return linear(norm(x, weights[-3], eps), weights[-2], weights[-1]), new_keys, new_values
+
+    return torch.compile(graph, dynamic=False, fullgraph=True)
+
+
+def _distinct_sizes():
+    """A context in which Dynamo traces each dynamic size as its own symbol: by default sizes equal at the first trace
+    share one (rows == keys + 1, say), and the first batch where they differ compiles again."""
+    return torch.fx.experimental._config.patch(use_duck_shape=False)
+
+
+def _dynamic(x, cos, sin, mask, keys, values) -> None:
+    """Mark the step graph's varying sizes dynamic: rows, keys (the mask's width) and the cache's capacity."""
+    for t in (x, cos, sin, mask, *keys, *values):
+        torch._dynamo.mark_dynamic(t, 0)
+    torch._dynamo.mark_dynamic(mask, 1)
+    for t in (*keys, *values):
+        torch._dynamo.mark_dynamic(t, 2)
+
+
 class DecodeStep:
     """`step(tokens, positions, mask, cache) -> logits` for a model `unsupported(model)` accepts."""
 
@@ -88,17 +165,24 @@ class DecodeStep:
 
     def __init__(self, model: torch.nn.Module, linear: Callable = torch._C._nn.linear,
                  pack: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 fused_attention: bool | Literal["fallback"] = False):
+                 fused_attention: bool | Literal["fallback"] = False, compiled: bool | Literal["fallback"] = False):
         """`linear(x, weight, bias)`; with `pack`, also `linear(x, weight, bias, packed=pack(weight))`.
-        `fused_attention`: attention runs compiled where `use_fused_decode_attention` says; where its compile fails
-        (no C++ compiler for inductor, say), True raises and "fallback" logs why and goes on with the matmuls."""
+        `fused_attention`: attention runs compiled where `use_fused_decode_attention` says. `compiled`: the whole
+        step runs as one compiled graph (`_step_graph`) on batches of 2 rows or more, its matmuls on oneDNN with
+        the packed weights where `pack` is given and the model is fp32, else on F.linear. Where a compile fails (no
+        C++ compiler for inductor, say), True raises and "fallback" logs why and goes on eagerly."""
         why = self.unsupported(model)
         if why is not None:
             raise ValueError(f"DecodeStep cannot run this model: {why}")
-        self.model, self.linear, self.pack, self.fused_attention = model, linear, pack, fused_attention
+        if compiled and model.config.hidden_act != "silu":
+            raise ValueError(f"DecodeStep(compiled=...) runs SwiGLU MLPs; this model's hidden_act is "
+                             f"{model.config.hidden_act!r}: pass compiled=False")
+        self.model, self.linear, self.pack = model, linear, pack
+        self.fused_attention, self.compiled = fused_attention, compiled
         self._layers: list[tuple] = []
         self._views: list[int] = []
         self._packed: dict[int, torch.Tensor] = {}  # id(weight) -> pack(weight)
+        self._graph_inputs: tuple = ()
         self._stack()
 
     def _stack(self) -> None:
@@ -115,12 +199,34 @@ class DecodeStep:
     def refresh(self) -> None:
         """With `pack`: pack the weights again (after a write into the parameters)."""
         self._views = self._pointers()
-        if self.pack is None:
-            return
-        weights = [self.model.lm_head.weight]
-        for layer, (w_qkv, _, w_gu, *_) in zip(self.model.model.layers, self._layers):
-            weights += [w_qkv, layer.self_attn.o_proj.weight, w_gu, layer.mlp.down_proj.weight]
-        self._packed = {id(w): self.pack(w) for w in weights}
+        if self.pack is not None:
+            weights = [self.model.lm_head.weight]
+            for layer, (w_qkv, _, w_gu, *_) in zip(self.model.model.layers, self._layers):
+                weights += [w_qkv, layer.self_attn.o_proj.weight, w_gu, layer.mlp.down_proj.weight]
+            self._packed = {id(w): self.pack(w) for w in weights}
+        if self.compiled:
+            self._graph_inputs = self._graph_weights()
+
+    def _graph_weights(self) -> tuple[list, tuple[_LayerSpec, ...], float, bool]:
+        """`_step_graph`'s weights, layer specs, final norm eps and kernel (oneDNN on packed weights, or F.linear)."""
+        model, onednn = self.model, self.pack is not None and self.model.lm_head.weight.dtype == torch.float32
+
+        def w(t: torch.Tensor) -> torch.Tensor:
+            return self._packed[id(t)] if onednn else t
+
+        weights, specs = [], []
+        for layer, (w_qkv, b_qkv, w_gu, b_gu, n_q, n_kv, qk_norm) in zip(model.model.layers, self._layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            weights += [layer.input_layernorm.weight, w(w_qkv), b_qkv, attn.q_norm.weight if qk_norm else None,
+                        attn.k_norm.weight if qk_norm else None, w(attn.o_proj.weight), attn.o_proj.bias,
+                        layer.post_attention_layernorm.weight, w(w_gu), b_gu, w(mlp.down_proj.weight),
+                        mlp.down_proj.bias]
+            specs.append(_LayerSpec(n_q, n_kv, attn.head_dim, layer.input_layernorm.variance_epsilon,
+                                    layer.post_attention_layernorm.variance_epsilon,
+                                    attn.q_norm.variance_epsilon if qk_norm else None, attn.scaling))
+        weights += [model.model.norm.weight, w(model.lm_head.weight), model.lm_head.bias]
+        weights = [None if t is None else t.detach() for t in weights]
+        return weights, tuple(specs), model.model.norm.variance_epsilon, onednn
 
     def packed_bytes(self) -> int:
         """Memory held by the packed copies (their weights' size: oneDNN's blocked layout may pad a little more)."""
@@ -163,6 +269,11 @@ class DecodeStep:
         cos, sin = inner.rotary_emb(x, positions[:, None])  # (B, 1, D), attention scaling applied
         half = cos.shape[-1] // 2
         sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
+        if self.compiled and b > 1 and cache.layers[0].get_seq_length() > 1 and \
+                all(hasattr(c, "buffers") for c in cache.layers):  # sizes 0 and 1 would compile again
+            logits = self._compiled(x, cos, sin, mask, cache)
+            if logits is not None:
+                return logits
         mask = mask[:, None, None] if mask is not None else None
         for layer, (w_qkv, b_qkv, w_gu, b_gu, n_q, n_kv, qk_norm), cache_layer in zip(inner.layers, self._layers,
                                                                                        cache.layers):
@@ -182,6 +293,30 @@ class DecodeStep:
             x = x + linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         x = rms_norm(x, inner.norm)
         return linear(x, self.model.lm_head.weight, self.model.lm_head.bias)
+
+    def _compiled(self, x, cos, sin, mask, cache) -> torch.Tensor | None:
+        """The step through `_step_graph`, its new keys and values written into the cache; None where the compile
+        failed and `compiled` is "fallback" (the step then runs eagerly, and every later one)."""
+        weights, specs, eps, onednn = self._graph_inputs
+        if mask is None:
+            mask = torch.ones(x.shape[0], cache.layers[0].get_seq_length() + 1, dtype=torch.bool, device=x.device)
+        buffers = [c.buffers() for c in cache.layers]
+        keys, values = [k for k, _ in buffers], [v for _, v in buffers]
+        try:
+            _dynamic(x, cos, sin, mask, keys, values)
+            with _distinct_sizes():
+                logits, new_keys, new_values = _step_graph(specs, eps, onednn)(x, cos, sin, mask, keys, values, weights)
+        except Exception as e:  # inductor raises many kinds (CppCompileError, InvalidCxxCompiler, ...)
+            if self.compiled is True:
+                raise
+            why = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            logger.warning("hf engine: the compiled decode step failed (%s: %s); decoding goes on eagerly "
+                           "(rollout.hf_compile=false skips the attempt)", type(e).__name__, why)
+            self.compiled = False
+            return None
+        for cache_layer, k, v in zip(cache.layers, new_keys, new_values):
+            cache_layer.update(k[:, :, None], v[:, :, None])
+        return logits
 
     def _attention(self, query, keys, values, mask, scaling) -> torch.Tensor:
         if not self.fused_attention or not use_fused_decode_attention(keys.shape[0], keys.shape[2]):

@@ -74,7 +74,7 @@ def make_engine(cfg, model_cfg, tokenizer, dims, *, run_dir: str | None = None) 
         from slime.rollout.hf_engine import HFEngine
 
         return HFEngine(model_cfg, tokenizer, device=dims.device, batch_size=cfg.gen_batch_size,
-                        packed_weights=cfg.hf_packed_weights, fused_attention=cfg.hf_fused_attention)
+                        packed_weights=cfg.hf_packed_weights, compiled=cfg.hf_compile)
     if cfg.engine == "sglang":
         from slime.rollout.sglang_engine import SGLangEngine
 

@@ -65,14 +65,26 @@ class PreallocatedLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        start, self.length = self.length, self.length + key_states.shape[-2]
-        if self.length > self._keys.shape[2]:
-            grown = max(self.length, 2 * self._keys.shape[2])
-            self._keys, self._values = (torch.cat([t[:, :, :start], t.new_empty((*t.shape[:2], grown - start, t.shape[3]))], 2)
-                                        for t in (self._keys, self._values))
+        start = self.length
+        self._reserve(start + key_states.shape[-2])
+        self.length = start + key_states.shape[-2]
         self._keys[:, :, start:self.length] = key_states
         self._values[:, :, start:self.length] = value_states
         return self._views()
+
+    def _reserve(self, length: int) -> None:
+        if length > self._keys.shape[2]:
+            grown = max(length, 2 * self._keys.shape[2])
+            self._keys, self._values = (torch.cat([t[:, :, :self.length],
+                                                   t.new_empty((*t.shape[:2], grown - self.length, t.shape[3]))], 2)
+                                        for t in (self._keys, self._values))
+
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers (B, Hkv, capacity, D), of which `get_seq_length()` positions are written,
+        with room for one more (DecodeStep's compiled graph reads them, then `update` writes its keys: a capacity
+        always above the length keeps the graph's view of the written part of one layout)."""
+        self._reserve(self.length + 1)
+        return self._keys, self._values
 
     def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.keys, self.values = self._keys[:, :, :self.length], self._values[:, :, :self.length]
@@ -95,18 +107,26 @@ class PreallocatedLayer(DynamicLayer):
         return kept
 
 
-def _fused_attention(setting: bool | str, model: torch.nn.Module, device: torch.device) -> bool | str:
-    """rollout.hf_fused_attention for this model and device -> DecodeStep's `fused_attention`."""
+def _compile(setting: bool | str, model: torch.nn.Module, device: torch.device) -> tuple[bool | str, bool | str]:
+    """rollout.hf_compile for this model and device -> DecodeStep's (`fused_attention`, `compiled`)."""
     if setting is False:
-        return False
+        return False, False
     if device.type != "cpu":
-        if setting is True:
-            raise ValueError(f"rollout.hf_fused_attention=true is built and tested on CPU; this engine runs on "
-                             f"{device.type}: use rollout.hf_fused_attention=auto or false")
-        return False
-    if setting is True:
-        return True
-    return "fallback" if model.config.get_text_config().hidden_size >= fused.MIN_HIDDEN else False
+        if setting != "auto":
+            raise ValueError(f"rollout.hf_compile={setting} is built and tested on CPU; this engine runs on "
+                             f"{device.type}: use rollout.hf_compile=auto or false")
+        return False, False
+    if setting == "attention":
+        return True, False
+    swiglu = getattr(model.config, "hidden_act", None) == "silu"
+    if setting == "step":
+        if not swiglu:
+            raise ValueError(f"rollout.hf_compile=step compiles SwiGLU MLPs; this model's hidden_act is "
+                             f"{model.config.hidden_act!r}: use rollout.hf_compile=attention or false")
+        return False, True
+    if model.config.get_text_config().hidden_size < fused.MIN_HIDDEN:
+        return False, False
+    return "fallback", "fallback" if swiglu else False
 
 
 def plain_linear(model: torch.nn.Module) -> None:
@@ -155,7 +175,7 @@ class SeededSampling(LogitsProcessor):
 
 class HFEngine:
     def __init__(self, model_cfg, tokenizer, *, device: torch.device, batch_size: int = 64,
-                 decode_step: bool = True, packed_weights: bool = True, fused_attention: bool | str = "auto"):
+                 decode_step: bool = True, packed_weights: bool = True, compiled: bool | str = "auto"):
         self.model, self.adapter = load_model(model_cfg, attn_implementation=GQA_SDPA, dtype=resolve_dtype(model_cfg.dtype))
         self.model.to(device).eval()
         onednn = device.type == "cpu" and resolve_cpu_linear(model_cfg.cpu_linear) == "onednn" and \
@@ -165,8 +185,12 @@ class HFEngine:
         # Text decode steps of Llama-family models skip HF's forward (slime/models/decode_step.py).
         why = DecodeStep.unsupported(self.model) if decode_step else "turned off"
         linear = functools.partial(onednn_linear, fallback=torch._C._nn.linear) if onednn else torch._C._nn.linear
-        fused_attention = _fused_attention(fused_attention, self.model, device)
+        if why and compiled not in (False, "auto"):
+            raise ValueError(f"rollout.hf_compile={compiled} compiles the engine's own decode step, which this model "
+                             f"does not get ({why}): use rollout.hf_compile=auto or false")
+        fused_attention, compiled = (False, False) if why else _compile(compiled, self.model, device)
         self._step = None if why else DecodeStep(self.model, linear, fused_attention=fused_attention,
+                                                  compiled=compiled,
                                                   pack=onednn_pack if onednn and packed_weights else None)
         if why:
             logger.info("hf engine: decode steps run the model's own forward (%s)", why)
