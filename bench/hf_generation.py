@@ -1,7 +1,8 @@
 """hf engine decoding: our loop (stopped rows leave the batch) vs HF's generate, same model and prompts; our loop
-with its decode step (slime/models/decode_step.py) vs the same loop over HF's forward; its decode attention
-compiled (rollout.hf_fused_attention) vs the batched matmuls; and, where the engine runs oneDNN
-(model.cpu_linear=auto on AMD), its decode step on packed weights vs on the plain ones.
+with its decode step (slime/models/decode_step.py) vs the same loop over HF's forward; the step compiled whole
+(rollout.hf_compile=step, auto's choice here) vs only its attention compiled (attention) vs eager (false); and,
+where the engine runs oneDNN (model.cpu_linear=auto on AMD), its eager decode step on packed weights vs on the
+plain ones.
 
     python bench/hf_generation.py [--hidden 512] [--layers 10] [--prompts 16] [--n 4] [--max-new 64] [--reps 3]
                                   [--prompt-len 0]
@@ -9,11 +10,10 @@ compiled (rollout.hf_fused_attention) vs the batched matmuls; and, where the eng
 1 thread, fp32, a random Qwen3 model, 16 prompts x 4 samples at temperature 1. Two settings: fixed
 lengths (EOS ignored: both decode rows x max_new tokens) and ragged lengths (a set of stop tokens ends
 responses early, as real responses do). Prints the median time of each, generated tokens per second and
-the ratios, measured in the same run (our engines decode once before, untimed: the compiled attention's
-compile); HF's generate gets the same sampling settings (top_k=0). Prompts are
+the ratios, measured in the same run (our engines decode once before, untimed: the compiles); HF's generate gets the same sampling settings (top_k=0). Prompts are
 4-11 tokens, or --prompt-len tokens each: ours prefills each prompt once for its n samples, HF's generate
 once per sample. Our engines sample from generators of one seed, one each, drawn on from call to call: at a
-repetition they decode the same tokens as each other (up to the compiled attention's rounding), not the
+repetition they decode the same tokens as each other (up to the compiled code's rounding), not the
 same tokens as at the last repetition.
 """
 from __future__ import annotations
@@ -56,10 +56,10 @@ def main() -> None:
                              device=torch.device("cpu"), batch_size=args.prompts * args.n)
     engine = make()
     hf_forward = make(decode_step=False)
-    matmul_attention = make(fused_attention=False)
+    attention, eager = make(compiled="attention"), make(compiled=False)
     unpacked = None
-    if engine._step is not None and engine._step.pack is not None:  # the same step on the plain weights
-        unpacked = make(packed_weights=False)
+    if engine._step is not None and engine._step.pack is not None:  # the eager step on the plain weights
+        unpacked = make(packed_weights=False, compiled=False)
     else:
         print("the engine's decode step does not pack its weights here (it runs torch's linear): no packed row")
     g = torch.Generator().manual_seed(0)
@@ -85,11 +85,11 @@ def main() -> None:
         return sum(len(x.response_ids) for group in engine.generate(prompts, params) for x in group)
 
     runs = {"ours": ours, "ours, hf forward": lambda params: ours(params, hf_forward), "hf generate": hf_generate,
-            "ours, matmul attn": lambda params: ours(params, matmul_attention)}
+            "ours, attn compiled": lambda params: ours(params, attention), "ours, eager": lambda params: ours(params, eager)}
     if unpacked is not None:
-        runs["ours, unpacked"] = lambda params: ours(params, unpacked)
+        runs["ours, eager unpacked"] = lambda params: ours(params, unpacked)
 
-    for e in (engine, hf_forward, matmul_attention, unpacked):  # warm-up (compiles, page faults); same draws after
+    for e in (engine, hf_forward, attention, eager, unpacked):  # warm-up (compiles, page faults); same draws after
         if e is not None:
             ours(SamplingParams(max_new_tokens=40, n=args.n, ignore_eos=True, seed=0), e)
     settings = {"fixed lengths": SamplingParams(max_new_tokens=args.max_new, n=args.n, ignore_eos=True, seed=0),
@@ -106,15 +106,17 @@ def main() -> None:
         print(f"{name}: {args.prompts}x{args.n} rows, <= {args.max_new} new tokens "
               f"(ours {tokens['ours']} tokens, HF {tokens['hf generate']})")
         for label in t:
-            print(f"  {label:16s} {t[label]:6.2f} s  {tokens[label] / t[label]:7.0f} tokens/s")
+            print(f"  {label:20s} {t[label]:6.2f} s  {tokens[label] / t[label]:7.0f} tokens/s")
         print(f"  ours / hf generate: {t['ours'] / t['hf generate']:.2f}x the time; "
               f"ours / ours over hf forward: {t['ours'] / t['ours, hf forward']:.2f}x"
-              + (f"; packed / unpacked weights: {t['ours'] / t['ours, unpacked']:.2f}x" if unpacked else ""))
-        if engine._step is not None and engine._step.fused_attention:
-            print(f"  compiled / matmul decode attention: {t['ours'] / t['ours, matmul attn']:.2f}x the time")
+              + (f"; eager step, packed / unpacked weights: {t['ours, eager'] / t['ours, eager unpacked']:.2f}x"
+                 if unpacked else ""))
+        if engine._step is not None and engine._step.compiled:
+            print(f"  step compiled / eager: {t['ours'] / t['ours, eager']:.2f}x the time; "
+                  f"/ attention compiled: {t['ours'] / t['ours, attn compiled']:.2f}x")
         else:
-            print("  (the decode attention is not compiled for this model: rollout.hf_fused_attention=auto needs a "
-                  "hidden size >= 256 and a working compile)")
+            print("  (the decode step is not compiled for this model: rollout.hf_compile=auto needs a hidden size "
+                  ">= 256 and a working compile)")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,9 @@ def test_int_is_accepted_for_float():
 
 @pytest.mark.parametrize("override, words", [
     ("train.lrr=1", ["unknown config key 'train.lrr'", "did you mean 'train.lr'"]),
+    ("rollout.hf_fused_attention=true", ["'rollout.hf_fused_attention' was renamed", "rollout.hf_compile",
+                                         "true -> attention"]),
+    ("rollout.hf_compile=true", ["rollout.hf_compile=True", "'step'", "'attention'"]),
     ("trainer.lr=1", ["unknown config key 'trainer'"]),
     ("train.num_steps=abc", ["train.num_steps='abc'", "integer"]),
     ("train.num_steps=1.5", ["train.num_steps", "integer"]),

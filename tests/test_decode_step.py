@@ -264,6 +264,27 @@ def test_compiled_decode_step_compiles_once_for_any_batch():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+def test_compiled_decode_step_runs_in_another_thread():
+    """One-step-off rollout decodes in a thread while the trainer trains: the compiled step runs there too, the same
+    logits as the model's forward."""
+    import threading
+
+    model = tiny("qwen3")
+    step = DecodeStep(copy.deepcopy(model), compiled=True)
+    prompts, new = [[5, 17, 33], [9], [40, 41]], torch.tensor([[4, 8, 3], [15, 16, 17], [60, 61, 62]])
+    got = []
+
+    def run():
+        with torch.no_grad():
+            got.extend(decode(step.model, step, prompts, new, {}))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    with torch.no_grad():
+        torch.testing.assert_close(got, reference(model, prompts, new, {}), rtol=1e-5, atol=1e-5)
+
+
 def test_a_failing_compiled_step_falls_back_or_raises(monkeypatch, caplog):
     """A compile that fails (no C++ compiler for inductor, say): "fallback" (rollout.hf_compile=auto) logs why once
     and decodes on eagerly, the same logits; True raises."""

@@ -225,6 +225,16 @@ def test_preallocated_cache_layer_holds_what_dynamic_layer_holds():
     assert ours._keys.shape[2] == 12  # grew once, by doubling, past 6
 
 
+@pytest.mark.parametrize("setting", ["step", "attention"])
+def test_a_compile_asked_for_a_model_without_the_decode_step_is_refused(model_path, setting):
+    """rollout.hf_compile=step or attention compiles the engine's own decode step: where the model decodes through
+    its own forward (here: turned off), the setting is refused with the fix, not dropped."""
+    with pytest.raises(ValueError, match=f"rollout.hf_compile={setting} compiles the engine's own decode step.*"
+                                         "turned off.*auto or false"):
+        HFEngine(ModelConfig(path=str(model_path), dtype="float32"), AutoTokenizer.from_pretrained(model_path),
+                 device=torch.device("cpu"), decode_step=False, compiled=setting)
+
+
 def test_rows_leaving_copy_only_the_positions_written():
     """A row leaving (and the prefill's copy to a prompt's n samples) copies the cache's written positions, not the
     buffers sized for max_new_tokens: with a long max_new_tokens and short responses, copying the whole buffers made
