@@ -10,7 +10,8 @@ step --step. Each phase's profiled self time is grouped by op:
 - matmuls: the linears and the logprob head (oneDNN's or torch's kernels);
 - attention: sdpa's kernels in the update; the decode step's batched matmuls, mask and softmax in the rollout;
 - fused chains: the compiled graphs of slime/models/fused.py (norms, rotary, SwiGLU) and their wrappers, and
-  in the rollout the compiled decode attention (rollout.hf_fused_attention) where a batch is large enough;
+  in the rollout the compiled decode step's own loops (rollout.hf_compile: its norms, rotary, attention and
+  SwiGLU; its matmuls count as matmuls);
 - copies and optimizer: copy_, cat, fill_, index ops, Adam;
 - other ops, and the time the profiler sees outside any op (Python, hooks, the profiler's own cost).
 
