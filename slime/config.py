@@ -167,13 +167,14 @@ class RolloutConfig:
                                           "the model's matmul weights, logged at start).")
     hf_compile: Literal["auto", "step", "attention", False] = field(
         "auto", "hf engine on CPU: what of a decode step torch.compile (inductor) fuses. step: the whole step, every "
-        "layer, as one compiled graph (slime/models/decode_step.py's _compiled_step): no Python and one C++ loop per "
-        "elementwise chain between the matmuls; a 64-token rollout of the 23.7M model of bench/vs_trl.py in ~0.85x "
-        "the time. attention: only the decode attention over 2048 (row, key) pairs or more (64 rows x 32 keys), "
-        "which long responses need most (a 256-token rollout in 0.89x the time). Both need a C++ compiler; the first "
-        "rollout pays the compile (step: ~15-40 s for 10 layers, growing with the depth; attention: ~2-5 s; cached "
-        "on disk). auto: step for Llama, Qwen2 and Qwen3 models with hidden size >= 256 and SwiGLU MLPs on CPU, "
-        "falling back to eager decoding with a warning where the compile fails; false: neither.")
+        "layer, as one compiled graph (slime/models/decode_step.py's _step_graph): no Python between the layers and "
+        "a few C++ loops per layer between the matmuls; a 64-token rollout of the 23.7M model of bench/vs_trl.py in "
+        "0.85x the eager step's time. attention: only the decode attention over 2048 (row, key) pairs or more (64 rows "
+        "x 32 keys), which long responses need most (a 256-token rollout in 0.89x the time). Both need a C++ "
+        "compiler; the first rollout pays the compile (step: ~25 s for that 10-layer model, ~6-9 s with inductor's "
+        "disk cache warm, more for deeper models; attention: ~2-5 s). auto: step for Llama, Qwen2 and Qwen3 models "
+        "with hidden size >= 256 and SwiGLU MLPs on CPU, falling back to eager decoding with a warning where the "
+        "compile fails; false: neither.")
     generate_fn: str | None = field(None, "'package.module:function' building each prompt's samples (multi-turn, "
                                           "tools; see docs/custom_rollouts.md); None = one completion per sample.")
     generate_fn_timeout: float = field(3600.0, "Seconds rollout.generate_fn may take for one prompt's samples (a tool "
