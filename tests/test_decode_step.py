@@ -145,31 +145,6 @@ def test_decode_step_with_fused_attention_gives_the_models_logits(monkeypatch):
     assert calls == [4] * 3 * 2 + [3] * 3 * 2  # 3 layers; steps 0-1 of 4 rows, 2-3 of 3, then one row: none
 
 
-def test_a_failing_fused_attention_falls_back_or_raises(monkeypatch, caplog):
-    """A compile that fails (no C++ compiler for inductor, say): "fallback" (rollout.hf_compile=auto on a model whose
-    step is not compiled) logs why once and decodes on with the matmuls, the same logits; True raises."""
-    monkeypatch.setattr(attention, "FUSED_DECODE_MIN_PAIRS", 0)
-    import slime.models.decode_step as decode_step
-
-    def broken(*args):
-        raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
-
-    monkeypatch.setattr(decode_step, "decode_attention_fused", broken)
-    model = tiny("qwen3")
-    prompts, new = [[5, 17, 33], [9]], torch.tensor([[4, 8], [15, 16]])
-    with torch.no_grad():
-        want = reference(model, prompts, new, {})
-        step = DecodeStep(copy.deepcopy(model), fused_attention="fallback")
-        with caplog.at_level("WARNING"):
-            got = decode(step.model, step, prompts, new, {})
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        warnings = [r.getMessage() for r in caplog.records if "compiled decode attention failed" in r.getMessage()]
-        assert len(warnings) == 1 and "InvalidCxxCompiler" in warnings[0] and step.fused_attention is False
-        step = DecodeStep(copy.deepcopy(model), fused_attention=True)
-        with pytest.raises(RuntimeError, match="InvalidCxxCompiler"):
-            decode(step.model, step, prompts, new, {})
-
-
 def test_compile_setting_resolves_per_model_and_device():
     """rollout.hf_compile -> DecodeStep's (fused_attention, compiled). auto compiles the whole step (with the
     fallback) for hidden sizes from fused.MIN_HIDDEN on CPU, and only the attention for an MLP that is not SwiGLU;
@@ -285,26 +260,33 @@ def test_compiled_decode_step_runs_in_another_thread():
         torch.testing.assert_close(got, reference(model, prompts, new, {}), rtol=1e-5, atol=1e-5)
 
 
-def test_a_failing_compiled_step_falls_back_or_raises(monkeypatch, caplog):
-    """A compile that fails (no C++ compiler for inductor, say): "fallback" (rollout.hf_compile=auto) logs why once
-    and decodes on eagerly, the same logits; True raises."""
+@pytest.mark.parametrize("what", ["step", "attention"])
+def test_a_failing_compile_falls_back_or_raises(what, monkeypatch, caplog):
+    """A compile that fails (no C++ compiler for inductor, say), of the whole step or of the attention alone:
+    "fallback" (rollout.hf_compile=auto) logs why once and decodes on eagerly, the same logits; True raises."""
     import slime.models.decode_step as decode_step
 
     def broken(*args):
         raise RuntimeError("InvalidCxxCompiler: no working C++ compiler found")
 
-    monkeypatch.setattr(decode_step, "_step_graph", lambda *spec: broken)
+    if what == "step":
+        monkeypatch.setattr(decode_step, "_step_graph", lambda *spec: broken)
+        setting, message = "compiled", "compiled decode step failed"
+    else:
+        monkeypatch.setattr(attention, "FUSED_DECODE_MIN_PAIRS", 0)
+        monkeypatch.setattr(decode_step, "decode_attention_fused", broken)
+        setting, message = "fused_attention", "compiled decode attention failed"
     model = tiny("qwen3")
     prompts, new = [[5, 17, 33], [9]], torch.tensor([[4, 8], [15, 16]])
     with torch.no_grad():
         want = reference(model, prompts, new, {})
-        step = DecodeStep(copy.deepcopy(model), compiled="fallback")
+        step = DecodeStep(copy.deepcopy(model), **{setting: "fallback"})
         with caplog.at_level("WARNING"):
             got = decode(step.model, step, prompts, new, {})
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        warnings = [r.getMessage() for r in caplog.records if "compiled decode step failed" in r.getMessage()]
-        assert len(warnings) == 1 and "InvalidCxxCompiler" in warnings[0] and step.compiled is False
-        step = DecodeStep(copy.deepcopy(model), compiled=True)
+        warnings = [r.getMessage() for r in caplog.records if message in r.getMessage()]
+        assert len(warnings) == 1 and "InvalidCxxCompiler" in warnings[0] and getattr(step, setting) is False
+        step = DecodeStep(copy.deepcopy(model), **{setting: True})
         with pytest.raises(RuntimeError, match="InvalidCxxCompiler"):
             decode(step.model, step, prompts, new, {})
 
