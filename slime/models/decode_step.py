@@ -342,7 +342,7 @@ class DecodeStep:
                 raise
             why = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
             logger.warning("hf engine: the compiled decode attention failed (%s: %s); decoding goes on with the "
-                           "batched matmuls (rollout.hf_fused_attention=false skips the attempt)",
+                           "batched matmuls (rollout.hf_compile=false skips the attempt)",
                            type(e).__name__, why)
             self.fused_attention = False
             return _decode_attention(query, keys, values, mask, scaling)
