@@ -10,11 +10,11 @@ plain ones.
 1 thread, fp32, a random Qwen3 model, 16 prompts x 4 samples at temperature 1. Two settings: fixed
 lengths (EOS ignored: both decode rows x max_new tokens) and ragged lengths (a set of stop tokens ends
 responses early, as real responses do). Prints the median time of each, generated tokens per second and
-the ratios, measured in the same run (our engines decode once before, untimed: the compiles); HF's generate gets the same sampling settings (top_k=0). Prompts are
-4-11 tokens, or --prompt-len tokens each: ours prefills each prompt once for its n samples, HF's generate
-once per sample. Our engines sample from generators of one seed, one each, drawn on from call to call: at a
-repetition they decode the same tokens as each other (up to the compiled code's rounding), not the
-same tokens as at the last repetition.
+the ratios, measured in the same run (our engines decode once before, untimed: the compiles); HF's generate
+gets the same sampling settings (top_k=0). Prompts are 4-11 tokens, or --prompt-len tokens each: ours
+prefills each prompt once for its n samples, HF's generate once per sample. Our engines sample from generators
+of one seed, one each, drawn on from call to call: at a repetition they decode the same tokens as each other (up
+to the compiled code's rounding), not the same tokens as at the last repetition.
 """
 from __future__ import annotations
 
@@ -85,7 +85,8 @@ def main() -> None:
         return sum(len(x.response_ids) for group in engine.generate(prompts, params) for x in group)
 
     runs = {"ours": ours, "ours, hf forward": lambda params: ours(params, hf_forward), "hf generate": hf_generate,
-            "ours, attn compiled": lambda params: ours(params, attention), "ours, eager": lambda params: ours(params, eager)}
+            "ours, attn compiled": lambda params: ours(params, attention),
+            "ours, eager": lambda params: ours(params, eager)}
     if unpacked is not None:
         runs["ours, eager unpacked"] = lambda params: ours(params, unpacked)
 

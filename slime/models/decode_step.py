@@ -318,12 +318,7 @@ class DecodeStep:
             with _distinct_sizes():
                 logits, new_keys, new_values = _step_graph(specs, eps, onednn)(x, cos, sin, mask, keys, values, weights)
         except Exception as e:  # inductor raises many kinds (CppCompileError, InvalidCxxCompiler, ...)
-            if self.compiled is True:
-                raise
-            why = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-            logger.warning("hf engine: the compiled decode step failed (%s: %s); decoding goes on eagerly "
-                           "(rollout.hf_compile=false skips the attempt)", type(e).__name__, why)
-            self.compiled = False
+            self.compiled = self._compile_failed(self.compiled, e, "decode step", "eagerly")
             return None
         if first:
             self._compiled_once = True
@@ -338,11 +333,17 @@ class DecodeStep:
         try:
             return decode_attention_fused(query, keys, values, mask, scaling)
         except Exception as e:  # inductor raises many kinds (CppCompileError, InvalidCxxCompiler, ...)
-            if self.fused_attention is True:
-                raise
-            why = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-            logger.warning("hf engine: the compiled decode attention failed (%s: %s); decoding goes on with the "
-                           "batched matmuls (rollout.hf_compile=false skips the attempt)",
-                           type(e).__name__, why)
-            self.fused_attention = False
+            self.fused_attention = self._compile_failed(self.fused_attention, e, "decode attention",
+                                                        "with the batched matmuls")
             return _decode_attention(query, keys, values, mask, scaling)
+
+    @staticmethod
+    def _compile_failed(setting: bool | str, error: Exception, what: str, instead: str) -> bool:
+        """A compiled call raised: with the setting True, raise on; with "fallback", say why once and turn it off
+        (returns the new setting, False)."""
+        if setting is True:
+            raise error
+        why = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+        logger.warning("hf engine: the compiled %s failed (%s: %s); decoding goes on %s (rollout.hf_compile=false "
+                       "skips the attempt)", what, type(error).__name__, why, instead)
+        return False
