@@ -373,3 +373,20 @@ def test_the_steps_rms_norm_is_bitwise_hfs(dtype):
         norm.weight.copy_(torch.randn(64, generator=g) * 0.5 + 1)
         x = (torch.randn(32, 64, generator=g) * 3).to(dtype)
         assert torch.equal(rms_norm(x, norm), norm(x))
+
+
+def test_compiled_decode_steps_of_several_models_each_get_their_own_compile_budget():
+    """Each model's step graph is its own code object to Dynamo, whose recompile limit counts per code object: with
+    one shared, a process that decoded more model shapes than the limit (8) would run the later ones uncompiled."""
+    import torch._dynamo.utils
+
+    models = [tiny("qwen3"), tiny("llama")]
+    steps = [DecodeStep(m, compiled=True) for m in models]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    prompts, new = [[5, 17, 33], [9, 4]], torch.tensor([[4, 8, 3], [15, 16, 17]])
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
+        for model, step in zip(models, steps):
+            torch.testing.assert_close(decode(model, step, prompts, new, {}), reference(model, prompts, new, {}),
+                                       rtol=1e-5, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2

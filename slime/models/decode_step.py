@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import types
 from typing import Callable, Literal, NamedTuple
 
 import torch
@@ -126,6 +127,10 @@ def _step_graph(specs: tuple[_LayerSpec, ...], eps: float, onednn: bool) -> Call
             new_values.append(v)
         return linear(norm(x, weights[-3], eps), weights[-2], weights[-1]), new_keys, new_values
 
+    # A code object of its own: Dynamo keeps its compiles, and counts them against its recompile limit (8), per code
+    # object, so with the one `graph` shared a process that decoded more than 8 model shapes would stop compiling.
+    graph = types.FunctionType(graph.__code__.replace(co_name=f"decode_step_{len(specs)}_layers"), graph.__globals__,
+                               graph.__name__, graph.__defaults__, graph.__closure__)
     return torch.compile(graph, dynamic=False, fullgraph=True)
 
 
