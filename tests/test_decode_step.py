@@ -377,7 +377,8 @@ def test_the_steps_rms_norm_is_bitwise_hfs(dtype):
 
 def test_compiled_decode_steps_of_several_models_each_get_their_own_compile_budget():
     """Each model's step graph is its own code object to Dynamo, whose recompile limit counts per code object: with
-    one shared, a process that decoded more model shapes than the limit (8) would run the later ones uncompiled."""
+    one shared, a process that decoded more model shapes than the limit (8) could not compile the later ones (here
+    the second model, with the limit at 1: Dynamo's FailOnRecompileLimitHit, checked before the fix)."""
     import torch._dynamo.utils
 
     models = [tiny("qwen3"), tiny("llama")]

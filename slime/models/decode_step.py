@@ -128,7 +128,8 @@ def _step_graph(specs: tuple[_LayerSpec, ...], eps: float, onednn: bool) -> Call
         return linear(norm(x, weights[-3], eps), weights[-2], weights[-1]), new_keys, new_values
 
     # A code object of its own: Dynamo keeps its compiles, and counts them against its recompile limit (8), per code
-    # object, so with the one `graph` shared a process that decoded more than 8 model shapes would stop compiling.
+    # object. With the one `graph` shared, the 9th model shape a process decoded hit the limit: fullgraph raises
+    # there, so `auto` decoded that model eagerly (with a warning) and `step` failed.
     graph = types.FunctionType(graph.__code__.replace(co_name=f"decode_step_{len(specs)}_layers"), graph.__globals__,
                                graph.__name__, graph.__defaults__, graph.__closure__)
     return torch.compile(graph, dynamic=False, fullgraph=True)
