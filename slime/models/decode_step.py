@@ -18,7 +18,8 @@ for Llama, Qwen2 and Qwen3:
   tables runs as one graph torch.compile makes (`_step_graph`): the matmuls as they are, everything between them
   fused into a few C++ loops per layer, attention included, and no Python between the layers. The graph reads
   the cache and returns the step's keys and values, which the cache's `update` then writes. On the 23.7M model of
-  bench/vs_trl.py a 64-token rollout takes 0.85x the eager step's time; the first step compiles (~15-40 s);
+  bench/vs_trl.py a 64-token rollout takes 0.85x the eager step's time; the first step compiles (~25 s there,
+  ~6-9 s with inductor's disk cache warm);
 - with `pack` (the hf engine on oneDNN: slime/models/onednn.py's `pack`), the matmuls read packed copies of their
   weights (the engine holds its matmul weights twice), made again by `refresh()` after every weight push and by
   `check()` after an in-place write into a parameter.
