@@ -8,14 +8,15 @@ import textwrap
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
 from data_tools.make_tiny_model import make_tiny_model, tiny_config
-from slime.models import fused
+from slime.models import fused, onednn
 from slime.models.attention import PACKED_SDPA
 from slime.models.policy import PolicyModel
-from test_compile import compare_over_lengths
+from test_compile import compare_over_lengths, forward_backward
 from test_packed_logprobs import grouped_samples
 
 
@@ -25,8 +26,18 @@ from test_packed_logprobs import grouped_samples
     ("llama", {"attention_bias": True, "mlp_bias": True}),
 ])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_fused_chains_match_eager_and_reuse_their_graphs(tmp_path, arch, overrides, checkpointing):
+def test_fused_chains_match_eager_and_reuse_their_graphs(tmp_path, arch, overrides, checkpointing, monkeypatch):
+    """The fused model's logprobs, entropies and gradients against eager, over micro-batches of three lengths, with
+    oneDNN linears whose weight gradients take `fused.transpose`, as the trainer runs them. Each fused function
+    compiles one graph for all of it, and a model of other widths reuses them (the norm two: the layers' and
+    Qwen3's per-head ones). Before, 8-11: the probe compiled them on tiny tensors whose guards the training calls
+    failed (a parameter's constant sizes, x's rank, size-1 dims), and the transpose compiled again for each grad
+    mode, requires_grad and view-ness of its input."""
     torch._dynamo.reset()  # graphs compiled by an earlier test would leave nothing to count
+    fused.compiler_works.cache_clear()
+    assert fused.compiler_works() is None
+    compiled = {f.__name__: f._torchdynamo_orig_callable.__code__
+                for f in (fused.rms_norm, fused.silu_mul, fused._rotary, fused._transpose)}
     cfg = tiny_config(arch, 256, hidden=64, layers=2, heads=4, kv_heads=2, init_std=0.1)
     for key, value in overrides.items():
         setattr(cfg, key, value)
@@ -44,9 +55,19 @@ def test_fused_chains_match_eager_and_reuse_their_graphs(tmp_path, arch, overrid
     layers = hf.config.num_hidden_layers
     per_layer = 4 + 2 * (arch == "qwen3")  # 2 norms, the MLP, the attention (+ q and k norms)
     assert fused.fuse_elementwise(fast.hf) == layers * per_layer + 1  # + the final norm
+    monkeypatch.setattr(onednn, "MIN_MACS", 0)  # the tiny model's calls are below oneDNN's threshold
+    monkeypatch.setattr(onednn, "MIN_TRANSPOSE", 0)
+    assert onednn.use_onednn_linears(fast.hf, transpose=fused.transpose) == layers * 7 + 1
     graphs = compare_over_lengths(eager, fast)  # micro-batches of three lengths, shared prompts included
-    assert graphs[0] > 0, "nothing was compiled"
     assert graphs[2] == graphs[1], f"a new micro-batch length compiled again: {graphs}"
+    graphs = {name: len(_debug_get_cache_entry_list(code)) for name, code in compiled.items()}
+    assert graphs == {"rms_norm": 1 + (arch == "qwen3"), "silu_mul": 1, "_rotary": 1, "_transpose": 1}, graphs
+    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 96, 160, 24  # another model: other widths, same graphs
+    wider = AutoModelForCausalLM.from_config(cfg, attn_implementation=PACKED_SDPA)
+    fused.fuse_elementwise(wider)
+    onednn.use_onednn_linears(wider, transpose=fused.transpose)
+    forward_backward(PolicyModel(wider), grouped_samples(seed=1))
+    assert {name: len(_debug_get_cache_entry_list(code)) for name, code in compiled.items()} == graphs
 
 
 def test_no_grad_passes_match_eager(tmp_path):
@@ -99,7 +120,7 @@ def test_a_failing_compiler_turns_auto_off_with_the_reason(tmp_path):
     script = textwrap.dedent("""
         import torch, torch._inductor.config as cfg
         from transformers import AutoModelForCausalLM
-        from slime.models import fused
+        from slime.models import fused, onednn
         cfg.cpp.cxx = ("/nonexistent/c++",)
         model = AutoModelForCausalLM.from_pretrained(%r)
         why = fused.resolve("auto", model, torch.device("cpu"))

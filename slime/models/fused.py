@@ -15,8 +15,8 @@ forward and backward, so each runs as one or two fused loops:
 (nothing process-wide changes): RMSNorm forwards, MLP forwards, and the attention forward, which is HF's own
 function with `apply_rotary_pos_emb` looked up in a namespace where it is `rotary`. The submodules are still
 called as modules, so ZeRO-3's parameter gathers and hooks see the same calls as before. The graphs are small
-and shape-generic: one compile each (grad and no-grad), reused by every layer, micro-batch length and step, and
-inductor caches them on disk for later runs.
+and shape-generic: one compile each (grad and no-grad; the norm two, for the layers' and Qwen3's per-head norms),
+reused by every layer, micro-batch length, step and model width, and inductor caches them on disk for later runs.
 """
 from __future__ import annotations
 
@@ -53,10 +53,17 @@ def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 
 @torch.compile(dynamic=True)
+def _transpose(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous()
+
+
 def transpose(t: torch.Tensor) -> torch.Tensor:
     """t.t().contiguous() for a 2-D t: inductor's copy goes tile by tile, torch's strided one row by row (a column
-    of the source at a time: 2-3x slower at (4192, 512) on CPU). For the oneDNN linears' weight gradients."""
-    return t.t().contiguous()
+    of the source at a time: 2-3x slower at (4192, 512) on CPU). For the oneDNN linears' weight gradients: no
+    gradient flows through it, so it gets a detached tensor without grad (its one graph then serves a gradient, a
+    saved activation that requires grad and a view alike; each of those was a graph of its own)."""
+    with torch.no_grad():
+        return _transpose(t.detach())
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -74,7 +81,9 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 def _norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # Without grad, a trained weight and a frozen one (the reference model's) share one graph: torch.compile guards
     # on requires_grad, and each variant counts against its limit of graphs per function.
-    weight = self.weight if torch.is_grad_enabled() else self.weight.detach()
+    # With grad, the weight goes in as a view: Dynamo takes a parameter's sizes as constants, so each model width
+    # would compile (and count against the limit) a graph of its own.
+    weight = self.weight.view(-1) if torch.is_grad_enabled() else self.weight.detach()
     return rms_norm(x, weight, self.variance_epsilon)
 
 
@@ -109,18 +118,21 @@ def unsupported(model: nn.Module) -> str | None:
     return None
 
 
+@torch.compile(dynamic=True)
+def _probe(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)) * F.silu(x)
+
+
 @functools.lru_cache(maxsize=None)
 def compiler_works() -> str | None:
-    """Compile and run the fused functions once on tiny tensors, forward and backward (the graphs are shape-generic,
-    so real batches reuse them). Returns why not where that fails (no C++ compiler for inductor, say)."""
+    """Compile and run a chain like the fused ones (a reduction and elementwise ops), forward and backward, on tiny
+    tensors. Returns why not where that fails (no C++ compiler for inductor, say). The fused functions themselves
+    compile at their first training call, so each graph has the sizes and layouts of real calls: compiled here on
+    a probe's, Dynamo's guards (a parameter's constant sizes, size-1 dims, views' bases, inductor's size ranges)
+    made the training step compile most of them again (tests/test_fused.py counts them)."""
     try:
-        x = torch.randn(2, 3, 8, requires_grad=True)
-        w = torch.ones(8, requires_grad=True)
-        q, k = torch.randn(1, 2, 3, 8, requires_grad=True), torch.randn(1, 1, 3, 8, requires_grad=True)
-        cos, sin = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
-        out = (rms_norm(x, w, 1e-6).sum() + silu_mul(x, x).sum() + sum(t.sum() for t in rotary(q, k, cos, sin))
-               + transpose(x[0]).sum())
-        out.backward()
+        x, w = torch.randn(3, 8, requires_grad=True), torch.ones(8, requires_grad=True)
+        _probe(x, w).sum().backward()
     except Exception as e:  # inductor raises many kinds (CppCompileError, InvalidCxxCompiler, BackendCompilerFailed)
         return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
     return None
