@@ -1,6 +1,7 @@
 """Property tests for the invariants stated in slime/data/packing.py."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -387,3 +388,27 @@ def test_balancing_counts_a_shared_prompt_once():
     plan = plan_micro_batches(lengths, prompts=prompts, **kw)
     assert rank_tokens(plan) == [580, 550]
     assert packing_stats(lengths, plan, cost_fn=kw["cost_fn"], prompts=prompts)["compute_imbalance"] < 1.02
+
+
+def test_balancing_keeps_a_prompts_samples_together_where_that_is_more_even(monkeypatch):
+    """Rank 0 made prompts 0 (100 tokens) and 1, rank 1 prompts 2 and 3 (20 tokens each), two samples each.
+    Balancing sample by sample prices a sample at its response and half its prompt, and swaps sample 1 (of prompt
+    0) for sample 7 (of prompt 3): both prompts then run on both ranks, and the ranks' cost is 1.17x their mean.
+    With each prompt's samples as one unit, prompt 0 stays whole on rank 0 and the rest goes to rank 1: 1.05x."""
+    import slime.data.packing as packing
+
+    lengths = [364, 120, 59, 67, 149, 101, 81, 52]
+    prompts = [(0, 100), (0, 100), (1, 20), (1, 20), (2, 20), (2, 20), (3, 20), (3, 20)]
+    cost = functools.partial(default_cost, hidden_size=64)
+    kw = dict(max_tokens=4096, dp_size=2, owners=[0, 0, 0, 0, 1, 1, 1, 1], cost_fn=cost, prompts=prompts)
+
+    def imbalance(plan):
+        return packing_stats(lengths, plan, cost_fn=cost, prompts=prompts)["compute_imbalance"]
+
+    plan = plan_micro_batches(lengths, **kw)
+    assert plan == [[[0, 1]], [[2, 3, 4, 5, 6, 7]]]
+    assert imbalance(plan) < 1.05
+    monkeypatch.setattr(packing, "PROMPTS_TOGETHER_GAIN", float("inf"))  # sample by sample only, as before
+    split = plan_micro_batches(lengths, **kw)
+    assert split == [[[0, 2, 3, 7]], [[1, 4, 5, 6]]]
+    assert imbalance(split) > 1.15
