@@ -130,7 +130,9 @@ def plan_micro_batches(
     `prompts` (see `Prompts`): micro-batches carry a shared prompt once, and are filled by those tokens
     (`micro_batch_tokens`) rather than by summed lengths. Balancing counts a shared prompt once too: each of the m
     samples (with a response) that share it pays for its response and 1/m of the prompt (`_prompts_shared`),
-    exact where they sit in one micro-batch, as packing tries to put them.
+    exact where they sit in one micro-batch, as packing tries to put them. A sample balanced away from its
+    siblings makes its new rank run the prompt again, so a plan with each prompt's samples as one unit is made too,
+    and kept where it leaves the ranks more even by over PROMPTS_TOGETHER_GAIN (it may move more samples).
 
     Steps: Karmarkar-Karp largest differencing over units (samples, or whole groups) into
     `dp_size` parts with equal unit counts, refined by swaps between the heaviest and lightest
