@@ -30,7 +30,7 @@ def test_fused_chains_match_eager_and_reuse_their_graphs(tmp_path, arch, overrid
     """The fused model's logprobs, entropies and gradients against eager, over micro-batches of three lengths, with
     oneDNN linears whose weight gradients take `fused.transpose`, as the trainer runs them. Each fused function
     compiles one graph for all of it, and a model of other widths reuses them (the norm two: the layers' and
-    Qwen3's per-head ones). Before, 8-11: the probe compiled them on tiny tensors whose guards the training calls
+    Qwen3's per-head ones). Before, 10-11: the probe compiled them on tiny tensors whose guards the training calls
     failed (a parameter's constant sizes, x's rank, size-1 dims), and the transpose compiled again for each grad
     mode, requires_grad and view-ness of its input."""
     torch._dynamo.reset()  # graphs compiled by an earlier test would leave nothing to count
