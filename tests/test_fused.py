@@ -120,7 +120,7 @@ def test_a_failing_compiler_turns_auto_off_with_the_reason(tmp_path):
     script = textwrap.dedent("""
         import torch, torch._inductor.config as cfg
         from transformers import AutoModelForCausalLM
-        from slime.models import fused, onednn
+        from slime.models import fused
         cfg.cpp.cxx = ("/nonexistent/c++",)
         model = AutoModelForCausalLM.from_pretrained(%r)
         why = fused.resolve("auto", model, torch.device("cpu"))
