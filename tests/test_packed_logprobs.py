@@ -37,7 +37,8 @@ def test_packed_equals_per_sample(model_dir):
     samples = random_samples()
     mb = build_micro_batch(samples, range(len(samples)))
     with torch.no_grad():
-        logp, _ = packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len, chunk_size=5)
+        logp, _ = packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len, chunk_size=5,
+                         target_ids=mb.target_ids)
         for s, got in zip(samples, mb.split(logp)):
             torch.testing.assert_close(got, per_sample_logprobs(alone, s), rtol=1e-5, atol=1e-5)
 
@@ -47,7 +48,8 @@ def test_packed_gradients_equal_per_sample(model_dir):
     alone = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
     samples = random_samples(seed=3)
     mb = build_micro_batch(samples, range(len(samples)))
-    logp, _ = packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len, chunk_size=4)
+    logp, _ = packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len, chunk_size=4,
+                     target_ids=mb.target_ids)
     logp.sum().backward()
     sum(per_sample_logprobs(alone, s).sum() for s in samples).backward()
     ref = dict(alone.named_parameters())
@@ -64,7 +66,7 @@ def test_unmasked_packing_would_leak(model_dir):
     with torch.no_grad():
         logits = model(input_ids=mb.input_ids[None], position_ids=mb.position_ids[None],
                        attention_mask=torch.ones_like(mb.input_ids)[None]).logits[0]
-    leaked = torch.log_softmax(logits.float(), -1)[mb.pred_index].gather(-1, mb.input_ids[mb.pred_index + 1, None])
+    leaked = torch.log_softmax(logits.float(), -1)[mb.pred_index].gather(-1, mb.target_ids[:, None])
     alone = torch.cat([per_sample_logprobs(model, s) for s in samples])
     assert (leaked.squeeze(-1) - alone).abs().max() > 1e-3
 
@@ -137,35 +139,41 @@ def test_packed_attention_refuses_tokens_outside_every_sample():
         packed_sdpa_forward(Module, q, k, v, None, cu_seq_lens_q=torch.tensor([0, 3, 8]))
 
 
-def grouped_samples(seed=0):
+def grouped_samples(seed=0, one_token_sibling=False):
     """GRPO-like: 3 prompts x 3 samples in mixed order, plus one sample with a prompt of its own and one whose
-    response is empty."""
+    response is empty; `one_token_sibling`: a later sample of a prompt has a one-token response (shared, it has
+    no segment of its own)."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(5, 250, (n,), generator=g).tolist() for n in (5, 1, 9, 4)]
     lengths = [int(n) for n in torch.randint(1, 12, (10,), generator=g)]
     order = [0, 1, 2, 0, 1, 2, 3, 0, 1, 2]
     lengths[4] = 0
+    if one_token_sibling:
+        lengths[7] = 1
     return [Sample(prompt_ids=prompts[p], response_ids=torch.randint(5, 250, (n,), generator=g).tolist())
             for p, n in zip(order, lengths)]
 
 
 def test_shared_prompt_layout():
     """Hand-checked: the second sample of a prompt carries only its response, attends to the first one's prompt,
-    continues its positions and is scored from the prompt's last position."""
+    continues its positions and is scored from the prompt's last position. A sample's last token is a target only,
+    not an input: a one-token response after a shared prompt (d) has no segment of its own."""
     a = Sample(prompt_ids=[10, 11, 12], response_ids=[20, 21])
     b = Sample(prompt_ids=[10, 11, 12], response_ids=[30, 31, 32])
     c = Sample(prompt_ids=[40], response_ids=[41])
-    mb = build_micro_batch([a, b, c], [0, 1, 2], share_prompts=True)
-    assert mb.input_ids.tolist() == [10, 11, 12, 20, 21, 30, 31, 32, 40, 41]
-    assert mb.position_ids.tolist() == [0, 1, 2, 3, 4, 3, 4, 5, 0, 1]
-    assert mb.cu_seqlens.tolist() == [0, 5, 8, 10]
+    d = Sample(prompt_ids=[10, 11, 12], response_ids=[50])
+    mb = build_micro_batch([a, b, c, d], [0, 1, 2, 3], share_prompts=True)
+    assert mb.input_ids.tolist() == [10, 11, 12, 20, 30, 31, 40]
+    assert mb.position_ids.tolist() == [0, 1, 2, 3, 3, 4, 0]
+    assert mb.cu_seqlens.tolist() == [0, 4, 6, 7]
     assert mb.prompt_prefixes.tolist() == [[0, 0], [0, 3], [0, 0]]
-    assert mb.pred_index.tolist() == [2, 3, 2, 5, 6, 8]
-    assert mb.target_ids.tolist() == [20, 21, 30, 31, 32, 41]
-    assert mb.response_lens == [2, 3, 1] and mb.seq_ids.tolist() == [0, 0, 1, 1, 1, 2]
-    plain = build_micro_batch([a, b, c], [0, 1, 2])
-    assert plain.prompt_prefixes is None and plain.input_ids.numel() == 13
-    assert plain.target_ids.tolist() == plain.input_ids[plain.pred_index + 1].tolist()
+    assert mb.pred_index.tolist() == [2, 3, 2, 4, 5, 6, 2]
+    assert mb.target_ids.tolist() == [20, 21, 30, 31, 32, 41, 50]
+    assert mb.response_lens == [2, 3, 1, 1] and mb.seq_ids.tolist() == [0, 0, 1, 1, 1, 2, 3]
+    plain = build_micro_batch([a, b, c, d], [0, 1, 2, 3])
+    assert plain.prompt_prefixes is None
+    assert plain.input_ids.tolist() == [10, 11, 12, 20, 10, 11, 12, 30, 31, 40, 10, 11, 12]
+    assert plain.pred_index.tolist() == [2, 3, 6, 7, 8, 9, 12] and plain.target_ids.tolist() == mb.target_ids.tolist()
 
 
 def test_shared_prompt_attention_equals_separate_copies(packed_path):
@@ -204,7 +212,7 @@ def test_shared_prompt_attention_equals_separate_copies(packed_path):
 def test_shared_prompts_give_the_logprobs_and_gradients_of_separate_copies(model_dir):
     model = PolicyModel(AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=PACKED_SDPA,
                                                              dtype=torch.float64))
-    samples = grouped_samples(seed=1)
+    samples = grouped_samples(seed=1, one_token_sibling=True)
     results = []
     for share in (False, True):
         mb = build_micro_batch(samples, range(len(samples)), share_prompts=share)

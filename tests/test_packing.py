@@ -324,7 +324,8 @@ def _grpo_batch(seed: int, prompts: int = 12, n: int = 8, empty_every: int = 0):
 @pytest.mark.parametrize("seed", range(20))
 def test_micro_batch_tokens_are_the_tokens_build_micro_batch_lays_out(seed):
     """The planner's count of a micro-batch with shared prompts against the builder's row, for random subsets
-    (siblings together and apart, empty responses, which keep their own prompt copy)."""
+    (siblings together and apart, empty responses, which keep their own prompt copy): the row has one token less
+    per sample with a response (its last token is a target only)."""
     from slime.data.batch import build_micro_batch
     from slime.data.packing import _Bin, micro_batch_tokens
 
@@ -333,7 +334,8 @@ def test_micro_batch_tokens_are_the_tokens_build_micro_batch_lays_out(seed):
     for _ in range(10):
         idx = rng.sample(range(len(samples)), rng.randint(1, len(samples)))
         built = build_micro_batch(samples, sorted(idx), share_prompts=True)  # plans list a micro-batch in order
-        assert micro_batch_tokens(idx, lengths, prompts) == built.input_ids.numel()
+        targets_only = sum(1 for i in idx if samples[i].response_ids)
+        assert micro_batch_tokens(idx, lengths, prompts) - targets_only == built.input_ids.numel()
         assert micro_batch_tokens(idx, lengths) == sum(lengths[i] for i in idx)
         b = _Bin()  # the planner's running count, sample by sample in any order
         for i in idx:

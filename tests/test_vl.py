@@ -75,7 +75,7 @@ def packed(model_dir):
 
 def run(policy, mb, chunk=5):
     return policy(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len, chunk_size=chunk,
-                  **mb.extra)
+                  target_ids=mb.target_ids, **mb.extra)
 
 
 def test_packed_image_text_batch_equals_each_sample_alone(vl_model):

@@ -1,7 +1,9 @@
 """Turn a list of samples into one packed micro-batch (no padding) and back.
 
 Layout: the samples' prompt+response tokens are concatenated into one row of T tokens with
-position ids reset per sample and `cu_seqlens` marking borders. The padded baseline
+position ids reset per sample and `cu_seqlens` marking borders. A response's last token is a target only: no
+later token reads its hidden state, so the row leaves it out (a forward and backward of one token per sample
+less; 1.5% of the tokens of bench/vs_trl.py's 64-token responses). The padded baseline
 (`build_padded_micro_batch`) instead right-pads each sample to the longest into a (B, L) batch;
 causal attention never looks right, so real tokens never see the padding and no mask is needed.
 Per-token training values live on the N response tokens, in sample order; `pred_index[j]` is the
@@ -13,11 +15,12 @@ Shared prompts (`share_prompts=True`, packed only): the n samples of one prompt 
 micro-batch carry that prompt once. The first lays out prompt + response; each later one only its
 response, as a segment of its own whose `prompt_prefixes` entry names the first one's prompt span, which
 it attends to before its own tokens (packed_sdpa does this), with positions continuing after the prompt.
-Its first response token is predicted from the prompt's last position. Every logprob and gradient is that
-of the unshared layout; the prompt's forward and backward run once instead of n times (GRPO with n
-samples of a long prompt spends most of its tokens on prompt copies).
+Its first response token is predicted from the prompt's last position (a one-token response has no segment:
+that is all it needs). Every logprob and gradient is that of the unshared layout; the prompt's forward and
+backward run once instead of n times (GRPO with n samples of a long prompt spends most of its tokens on prompt
+copies).
 
-An empty micro-batch (`build_micro_batch(samples, [])`) is one dummy token pair with no loss (and zeros
+An empty micro-batch (`build_micro_batch(samples, [])`) is one dummy token with no loss (and zeros
 in the per-token fields that `samples` carry, so loss code runs unchanged): a rank
 with fewer micro-batches than its peers runs it so that every rank calls the model equally often
 (ZeRO-3 gathers parameters inside every call).
@@ -54,7 +57,7 @@ class MicroBatch:
     before its own tokens ((0, 0): none)."""
     token_mask: torch.Tensor | None = None
     """(T,) bool over the flattened input_ids: True on the samples' own tokens, False on padding (sequence
-    parallel's pad segment, the padded layout's row ends) and on a dummy batch's token pair; None: all True.
+    parallel's pad segment, the padded layout's row ends) and on a dummy batch's token; None: all True.
     Per-input-token terms (a MoE router's aux loss and balance metrics) count only the True ones."""
 
     @property
@@ -108,20 +111,22 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positio
                              "response token")
         pos = positions(s) if positions is not None else torch.arange(p + r)
         key = tuple(s.prompt_ids) if share_prompts else None
+        fed = s.response_ids[:-1]  # the last token is only a target: no later token reads its hidden state
         if key in first and r:  # the response alone, after the prompt's one copy
             shared = first[key]
-            input_ids.extend(s.response_ids)
-            position_ids.append(pos[..., p:])
-            cu.append(start + r)
-            prefixes.append((shared, shared + p))
             pred.append(shared + p - 1)
-            pred.extend(range(start, start + r - 1))
+            if fed:  # (a one-token response is scored from the prompt alone: no segment of its own)
+                input_ids.extend(fed)
+                position_ids.append(pos[..., p:p + len(fed)])
+                cu.append(start + len(fed))
+                prefixes.append((shared, shared + p))
+                pred.extend(range(start, start + len(fed)))
         else:
             if key is not None:
                 first.setdefault(key, start)
-            input_ids.extend(s.prompt_ids + s.response_ids)
-            position_ids.append(pos)
-            cu.append(start + p + r)
+            input_ids.extend(s.prompt_ids + fed)
+            position_ids.append(pos[..., :p + len(fed)])
+            cu.append(start + p + len(fed))
             prefixes.append((0, 0))
             pred.extend(range(start + p - 1, start + p + r - 1))
         seq.extend([s_pos] * r)
@@ -150,7 +155,7 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positio
     if images:  # image features go to the PROMPT's placeholders; a generated placeholder token is just text
         mask = [torch.cat([torch.tensor(s.prompt_ids) == s.mm.token_id if s.mm is not None
                            else torch.zeros(len(s.prompt_ids), dtype=torch.bool),
-                           torch.zeros(len(s.response_ids), dtype=torch.bool)]) for s in rows]
+                           torch.zeros(len(s.response_ids[:-1]), dtype=torch.bool)]) for s in rows]
         mask.append(torch.zeros(pad, dtype=torch.bool))
         extra = {"pixel_values": torch.cat([m.pixel_values for m in images]),
                  "image_grid_thw": torch.cat([m.image_grid_thw for m in images]), "image_mask": torch.cat(mask)}
@@ -182,7 +187,7 @@ def build_padded_micro_batch(samples: Sequence[Sample], indices: Sequence[int], 
     pos = torch.zeros(*packed.position_ids.shape[:-1], len(rows), width, dtype=torch.long)
     image_mask = torch.zeros(len(rows), width, dtype=torch.bool)
     lengths = packed.cu_seqlens.diff()
-    token_mask = (torch.arange(width) < lengths[:, None]).flatten() & bool(indices)  # a dummy's pair: none
+    token_mask = (torch.arange(width) < lengths[:, None]).flatten() & bool(indices)  # a dummy's token: none
     pred, starts = [], packed.cu_seqlens.tolist()
     for row, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
         ids[row, :end - start] = packed.input_ids[start:end]

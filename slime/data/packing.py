@@ -38,9 +38,10 @@ that share it (slime/data/batch.py, share_prompts), or None for a sample that ke
 
 
 def micro_batch_tokens(indices: Sequence[int], lengths: Sequence[int], prompts: Prompts | None = None) -> int:
-    """Tokens of a micro-batch as build_micro_batch lays it out from its indices in order (as plans list them):
-    with `prompts`, the samples of one prompt carry it once (its first sample has it; a sample with an empty
-    response keeps its own copy)."""
+    """Tokens of a micro-batch's samples as build_micro_batch lays them out from its indices in order (as plans
+    list them): with `prompts`, the samples of one prompt carry it once (its first sample has it; a sample with an
+    empty response keeps its own copy). The row it builds is one token shorter per sample with a response (a
+    last token is a target only), so plans count a token more per sample than the model runs."""
     return sum(lengths[i] for i in indices) - sum(prompts[i][1] for i in _prompt_left_out(indices, lengths, prompts))
 
 

@@ -110,13 +110,14 @@ class PolicyModel(nn.Module):
         return self.hf.config
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None,
-                pred_index: torch.Tensor, *, max_len: int, temperature: float = 1.0, chunk_size: int = 1024,
-                target_ids: torch.Tensor | None = None, prompt_prefixes: torch.Tensor | None = None,
+                pred_index: torch.Tensor, *, max_len: int, target_ids: torch.Tensor, temperature: float = 1.0,
+                chunk_size: int = 1024, prompt_prefixes: torch.Tensor | None = None,
                 token_mask: torch.Tensor | None = None,
                 **extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
         """input_ids (T,) packed or (B, L) right-padded; position_ids of the same shape, or with a leading
         axis of rope rows (mrope); pred_index (N,) positions of the flattened tokens whose hidden states
-        score target_ids (N,) (default: the next token of each); prompt_prefixes: shared prompts and token_mask:
+        score target_ids (N,) (each sample's last token is a target only, not an input: slime/data/batch.py);
+        prompt_prefixes: shared prompts and token_mask:
         the samples' own tokens, not padding (slime/data/batch.py); `extra`: the adapter's extra inputs (images).
 
         Returns logprobs (N,) and entropies (N,) of the targets at `temperature` (and, for a mixture of
@@ -138,8 +139,7 @@ class PolicyModel(nn.Module):
             hidden, logits = hidden
             real = token_mask.view(input_ids.shape)[..., start:end].flatten() if token_mask is not None else None
             router = self.adapter.router_stats(self.hf, logits, real) if self.head == "logprobs" else None
-        mine = pred_index
-        targets = target_ids if target_ids is not None else input_ids.flatten()[pred_index + 1]
+        mine, targets = pred_index, target_ids
         if self.sp is not None:  # the scored positions of this shard (a target may lie in the next shard)
             here = (pred_index >= start) & (pred_index < end)
             mine, targets = pred_index[here], targets[here]

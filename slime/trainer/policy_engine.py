@@ -207,7 +207,7 @@ class PolicyEngine:
             # DeepSpeed averages gradients over every rank; each sp peer back-propagates only through its own
             # shard of the (identical) micro-batch loss, so the shares add up over sp and average over dp.
             self.engine.backward(loss * self.dims.dp * self.dims.sp)
-            # a dummy's token pair is not counted, as in the plan's real_token_fraction
+            # a dummy's token is not counted, as in the plan's real_token_fraction
             metrics["train_tokens"] = torch.tensor(0.0 if mb.is_dummy else float(mb.num_tokens), device=loss.device)
             metrics["real_tokens"] = torch.tensor(float(sum(batch.samples[i].total_len for i in idx)), device=loss.device)
             for key, value in metrics.items():  # on the device: no host sync per micro-batch
