@@ -117,8 +117,8 @@ class PolicyModel(nn.Module):
         """input_ids (T,) packed or (B, L) right-padded; position_ids of the same shape, or with a leading
         axis of rope rows (mrope); pred_index (N,) positions of the flattened tokens whose hidden states
         score target_ids (N,) (each sample's last token is a target only, not an input: slime/data/batch.py);
-        prompt_prefixes: shared prompts and token_mask:
-        the samples' own tokens, not padding (slime/data/batch.py); `extra`: the adapter's extra inputs (images).
+        prompt_prefixes: shared prompts and token_mask: the samples' own tokens, not padding (slime/data/batch.py);
+        `extra`: the adapter's extra inputs (images).
 
         Returns logprobs (N,) and entropies (N,) of the targets at `temperature` (and, for a mixture of
         experts, the router's aux loss and balance sums of this rank's tokens), or values (N,) of the
