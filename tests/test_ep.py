@@ -10,10 +10,13 @@ from transformers import AutoModelForCausalLM
 from conftest import REPO, assert_params_close, run_ranks, stable_adam_ds_config
 from data_tools.make_tiny_model import make_tiny_model
 from dist.actor_checks import fixed_batch
+from one_rank import OneRank
 from slime.data.batch import build_micro_batch, build_padded_micro_batch
 from slime.models.adapters import read_checkpoint_shapes
 from slime.models.attention import PACKED_SDPA
 from slime.models.policy import PolicyModel
+from slime.trainer.layout import Layout, distribute
+from slime.trainer.losses import router_terms
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +64,13 @@ def test_router_terms_count_only_real_tokens(moe_models):
         return stats
 
     plain = router(build_micro_batch(samples, idx))
-    assert plain["tokens"] == sum(samples[i].total_len - 1 for i in idx)  # a last token is a target only
+    assert plain["tokens"] == sum(samples[i].total_len - 1 for i in idx) == sum(samples[i].row_len for i in idx)
+    # The step's aux loss is each micro-batch's aux weighted by its share of the rows' tokens: one micro-batch
+    # that holds the whole step has all of it.
+    mini = distribute([samples[i] for i in idx], OneRank(), Layout(packing=True, max_tokens=4096,
+                                                                   micro_batch_size=1)).mini_batches[0]
+    assert mini.micro == [[0, 1, 2]] and mini.num_processed == plain["tokens"]
+    torch.testing.assert_close(router_terms(plain, num_processed=mini.num_processed)[0], plain["aux"], rtol=0, atol=0)
     padded = build_padded_micro_batch(samples, idx)
     sp_pad = build_micro_batch(samples, idx, pad_to=16)
     assert sp_pad.num_tokens % 16 == 0 and sp_pad.num_tokens > plain["tokens"]

@@ -140,9 +140,9 @@ def test_packed_attention_refuses_tokens_outside_every_sample():
 
 
 def grouped_samples(seed=0, one_token_sibling=False):
-    """GRPO-like: 3 prompts x 3 samples in mixed order, plus one sample with a prompt of its own and one whose
-    response is empty; `one_token_sibling`: a later sample of a prompt has a one-token response (shared, it has
-    no segment of its own)."""
+    """GRPO-like: 3 prompts x 3 samples in mixed order, plus one sample with a prompt of its own; a later sample of a
+    prompt has an empty response, and with `one_token_sibling` another a one-token one (shared, neither has a
+    segment of its own)."""
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(5, 250, (n,), generator=g).tolist() for n in (5, 1, 9, 4)]
     lengths = [int(n) for n in torch.randint(1, 12, (10,), generator=g)]
@@ -157,22 +157,25 @@ def grouped_samples(seed=0, one_token_sibling=False):
 def test_shared_prompt_layout():
     """Hand-checked: the second sample of a prompt carries only its response, attends to the first one's prompt,
     continues its positions and is scored from the prompt's last position. A sample's last token is a target only,
-    not an input: a one-token response after a shared prompt (d) has no segment of its own."""
+    not an input: a one-token response after a shared prompt (d) has no segment of its own, nor an empty one (e)."""
     a = Sample(prompt_ids=[10, 11, 12], response_ids=[20, 21])
     b = Sample(prompt_ids=[10, 11, 12], response_ids=[30, 31, 32])
     c = Sample(prompt_ids=[40], response_ids=[41])
     d = Sample(prompt_ids=[10, 11, 12], response_ids=[50])
-    mb = build_micro_batch([a, b, c, d], [0, 1, 2, 3], share_prompts=True)
+    e = Sample(prompt_ids=[10, 11, 12], response_ids=[])
+    mb = build_micro_batch([a, b, c, d, e], [0, 1, 2, 3, 4], share_prompts=True)
     assert mb.input_ids.tolist() == [10, 11, 12, 20, 30, 31, 40]
     assert mb.position_ids.tolist() == [0, 1, 2, 3, 3, 4, 0]
     assert mb.cu_seqlens.tolist() == [0, 4, 6, 7]
     assert mb.prompt_prefixes.tolist() == [[0, 0], [0, 3], [0, 0]]
     assert mb.pred_index.tolist() == [2, 3, 2, 4, 5, 6, 2]
     assert mb.target_ids.tolist() == [20, 21, 30, 31, 32, 41, 50]
-    assert mb.response_lens == [2, 3, 1, 1] and mb.seq_ids.tolist() == [0, 0, 1, 1, 1, 2, 3]
-    plain = build_micro_batch([a, b, c, d], [0, 1, 2, 3])
+    assert mb.response_lens == [2, 3, 1, 1, 0] and mb.seq_ids.tolist() == [0, 0, 1, 1, 1, 2, 3]
+    assert mb.input_ids.numel() == sum(s.row_len for s in (a, b, c, d, e)) - 3 * 3  # b, d, e: the prompt once
+    plain = build_micro_batch([a, b, c, d, e], [0, 1, 2, 3, 4])
     assert plain.prompt_prefixes is None
-    assert plain.input_ids.tolist() == [10, 11, 12, 20, 10, 11, 12, 30, 31, 40, 10, 11, 12]
+    assert plain.input_ids.tolist() == [10, 11, 12, 20, 10, 11, 12, 30, 31, 40, 10, 11, 12, 10, 11, 12]
+    assert plain.input_ids.numel() == sum(s.row_len for s in (a, b, c, d, e))
     assert plain.pred_index.tolist() == [2, 3, 6, 7, 8, 9, 12] and plain.target_ids.tolist() == mb.target_ids.tolist()
 
 
@@ -184,9 +187,14 @@ def test_shared_prompt_attention_equals_separate_copies(packed_path):
     class Module:
         training = False
 
-    samples = grouped_samples()
+    samples, seen = [], set()  # those with a segment of their own: a prompt's first, and responses of 2+ tokens
+    for s in grouped_samples():
+        if tuple(s.prompt_ids) not in seen or len(s.response_ids) > 1:
+            samples.append(s)
+        seen.add(tuple(s.prompt_ids))
     shared = build_micro_batch(samples, range(len(samples)), share_prompts=True)
     plain = build_micro_batch(samples, range(len(samples)))
+    assert len(shared.cu_seqlens) == len(samples) + 1
     copy_of = []  # each unshared token's position in the shared row
     for k, s in enumerate(samples):
         (start, end), (ps, pe) = shared.cu_seqlens[k:k + 2].tolist(), shared.prompt_prefixes[k].tolist()

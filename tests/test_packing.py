@@ -304,8 +304,8 @@ def test_extra_cost_counts_in_the_balance():
 
 
 def _grpo_batch(seed: int, prompts: int = 12, n: int = 8, empty_every: int = 0):
-    """A GRPO-like batch: n samples per prompt, long prompts, short responses (some empty when empty_every);
-    -> (Samples, lengths, Prompts)."""
+    """A GRPO-like batch: n samples per prompt, long prompts, short responses (with empty_every, every
+    empty_every-th empty and the one after it a single token); -> (Samples, their row lengths, Prompts)."""
     from slime.data.sample import Sample
 
     rng = random.Random(seed)
@@ -313,34 +313,51 @@ def _grpo_batch(seed: int, prompts: int = 12, n: int = 8, empty_every: int = 0):
     for g in range(prompts):
         prompt = [rng.randint(5, 250) for _ in range(rng.randint(100, 400))]
         for k in range(n):
-            r = 0 if empty_every and (g * n + k) % empty_every == 0 else rng.randint(1, 120)
+            short = empty_every and (g * n + k) % empty_every
+            r = short if short in (0, 1) else rng.randint(1, 120)
             samples.append(Sample(prompt_ids=prompt, response_ids=[rng.randint(5, 250) for _ in range(r)],
                                   group_id=g))
     rng.shuffle(samples)
-    lengths = [s.total_len for s in samples]
+    lengths = [s.row_len for s in samples]
     return samples, lengths, [(tuple(s.prompt_ids), len(s.prompt_ids)) for s in samples]
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_micro_batch_tokens_are_the_tokens_build_micro_batch_lays_out(seed):
-    """The planner's count of a micro-batch with shared prompts against the builder's row, for random subsets
-    (siblings together and apart, empty responses, which keep their own prompt copy): the row has one token less
-    per sample with a response (its last token is a target only)."""
+    """The planner's count of a micro-batch with shared prompts against the builder's row, exactly, for random
+    subsets in any order (siblings together and apart, responses of none, one and more tokens)."""
     from slime.data.batch import build_micro_batch
     from slime.data.packing import _Bin, micro_batch_tokens
 
     samples, lengths, prompts = _grpo_batch(seed, prompts=4, n=6, empty_every=5)
+    assert {0, 1} <= {len(s.response_ids) for s in samples}
     rng = random.Random(seed)
     for _ in range(10):
         idx = rng.sample(range(len(samples)), rng.randint(1, len(samples)))
-        built = build_micro_batch(samples, sorted(idx), share_prompts=True)  # plans list a micro-batch in order
-        targets_only = sum(1 for i in idx if samples[i].response_ids)
-        assert micro_batch_tokens(idx, lengths, prompts) - targets_only == built.input_ids.numel()
-        assert micro_batch_tokens(idx, lengths) == sum(lengths[i] for i in idx)
+        for order in (idx, sorted(idx)):
+            built = build_micro_batch(samples, order, share_prompts=True)
+            assert micro_batch_tokens(order, lengths, prompts) == built.input_ids.numel()
+        assert micro_batch_tokens(idx, lengths) == sum(lengths[i] for i in idx) == \
+            build_micro_batch(samples, idx).input_ids.numel()
         b = _Bin()  # the planner's running count, sample by sample in any order
         for i in idx:
             b.add(i, lengths, prompts)
             assert b.tokens == micro_batch_tokens(b.items, lengths, prompts)
+
+
+def test_a_sample_one_token_over_the_budget_fits_its_row():
+    """A sample's row leaves out its response's last token (a target only): a sample of max_tokens + 1 tokens fills
+    a micro-batch of max_tokens exactly; one token more does not fit, and the error says so."""
+    from one_rank import OneRank
+    from slime.data.sample import Sample
+    from slime.trainer.layout import Layout, distribute
+
+    layout = Layout(packing=True, max_tokens=8, micro_batch_size=1, budget_key="train.max_tokens_per_gpu")
+    samples = [Sample(prompt_ids=[1, 2, 3], response_ids=[4, 5, 6, 7, 8, 9])]
+    mini = distribute(samples, OneRank(), layout).mini_batches[0]
+    assert mini.micro == [[0]] and mini.num_processed == layout.build(samples, [0]).input_ids.numel() == 8
+    with pytest.raises(ValueError, match=r"a sample of 9 tokens .* train.max_tokens_per_gpu=8 = 8 tokens"):
+        distribute([Sample(prompt_ids=[1, 2, 3], response_ids=[4, 5, 6, 7, 8, 9, 10])], OneRank(), layout)
 
 
 @pytest.mark.parametrize("seed", range(10))

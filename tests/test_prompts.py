@@ -148,6 +148,14 @@ def test_sft_labels_are_text(tmp_path, tok):
     prompts, report = load_prompts(DataConfig(path=str(long), max_skipped_frac=0.5), tok, label_required=True,
                                    label_is_text=True, max_sample_len=(20, "parallel.sp x train.max_tokens_per_gpu"))
     assert [p.label for p in prompts] == ["2"] and dict(report.skipped) == {"label_too_long": 1}
+    # The limit is the micro-batch row's: prompt + label (the EOS after it is a target only, Sample.row_len).
+    fit = write_jsonl(tmp_path / "fit.jsonl", [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4" * 10}])
+    kept = load_prompts(DataConfig(path=str(fit)), tok, label_required=True, label_is_text=True)[0][1]
+    n = len(kept.prompt_ids) + len(tok(kept.label, add_special_tokens=False).input_ids)
+    for limit, count in ((n, 2), (n - 1, 1)):
+        prompts, report = load_prompts(DataConfig(path=str(fit), max_skipped_frac=0.5), tok, label_required=True,
+                                       label_is_text=True, max_sample_len=(limit, "train.max_tokens_per_gpu"))
+        assert len(prompts) == count and report.skipped["label_too_long"] == 2 - count
 
 
 @pytest.mark.parametrize("row, message", [

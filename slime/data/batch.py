@@ -15,8 +15,9 @@ Shared prompts (`share_prompts=True`, packed only): the n samples of one prompt 
 micro-batch carry that prompt once. The first lays out prompt + response; each later one only its
 response, as a segment of its own whose `prompt_prefixes` entry names the first one's prompt span, which
 it attends to before its own tokens (packed_sdpa does this), with positions continuing after the prompt.
-Its first response token is predicted from the prompt's last position (a one-token response has no segment:
-that is all it needs). Every logprob and gradient is that of the unshared layout; the prompt's forward and
+Its first response token is predicted from the prompt's last position (a response of one token or none has no
+segment: that is all it needs). So each sample adds `Sample.row_len` tokens to a row, less its prompt where a
+sibling carries it: what packing plans count (slime/data/packing.py, micro_batch_tokens). Every logprob and gradient is that of the unshared layout; the prompt's forward and
 backward run once instead of n times (GRPO with n samples of a long prompt spends most of its tokens on prompt
 copies).
 
@@ -112,10 +113,11 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positio
         pos = positions(s) if positions is not None else torch.arange(p + r)
         key = tuple(s.prompt_ids) if share_prompts else None
         fed = s.response_ids[:-1]  # the last token is only a target: no later token reads its hidden state
-        if key in first and r:  # the response alone, after the prompt's one copy
+        if key in first:  # the response alone, after the prompt's one copy
             shared = first[key]
-            pred.append(shared + p - 1)
-            if fed:  # (a one-token response is scored from the prompt alone: no segment of its own)
+            if r:
+                pred.append(shared + p - 1)
+            if fed:  # (a response of one token or none needs no segment of its own)
                 input_ids.extend(fed)
                 position_ids.append(pos[..., p:p + len(fed)])
                 cu.append(start + len(fed))

@@ -38,21 +38,19 @@ that share it (slime/data/batch.py, share_prompts), or None for a sample that ke
 
 
 def micro_batch_tokens(indices: Sequence[int], lengths: Sequence[int], prompts: Prompts | None = None) -> int:
-    """Tokens of a micro-batch's samples as build_micro_batch lays them out from its indices in order (as plans
-    list them): with `prompts`, the samples of one prompt carry it once (its first sample has it; a sample with an
-    empty response keeps its own copy). The row it builds is one token shorter per sample with a response (a
-    last token is a target only), so plans count a token more per sample than the model runs."""
-    return sum(lengths[i] for i in indices) - sum(prompts[i][1] for i in _prompt_left_out(indices, lengths, prompts))
+    """Tokens of a micro-batch's samples as build_micro_batch lays them out from its indices, `lengths` being
+    their `Sample.row_len`: with `prompts`, the samples of one prompt carry it once (the first of them has it)."""
+    return sum(lengths[i] for i in indices) - sum(prompts[i][1] for i in _prompt_left_out(indices, prompts))
 
 
-def _prompt_left_out(indices: Sequence[int], lengths: Sequence[int], prompts: Prompts | None) -> list[int]:
+def _prompt_left_out(indices: Sequence[int], prompts: Prompts | None) -> list[int]:
     """The samples of a micro-batch laid out without their prompt, which an earlier sample of theirs carries."""
     if prompts is None:
         return []
     left_out, seen = [], set()
-    for i in sorted(indices):
+    for i in indices:
         shared = prompts[i]
-        if shared is not None and shared[0] in seen and lengths[i] > shared[1]:
+        if shared is not None and shared[0] in seen:
             left_out.append(i)
         elif shared is not None:
             seen.add(shared[0])
@@ -60,37 +58,24 @@ def _prompt_left_out(indices: Sequence[int], lengths: Sequence[int], prompts: Pr
 
 
 class _Bin:
-    """A micro-batch being filled, its tokens kept as `micro_batch_tokens` counts them. Per prompt key:
-    [first sample (by index), whether it has a response, response tokens, samples without a response]; the
-    prompt's tokens in the bin are responses + P * (empty ones) + P if the first one has a response."""
+    """A micro-batch being filled, its tokens kept as `micro_batch_tokens` counts them: a sample adds its length,
+    less its prompt where the bin holds a sibling already."""
 
     def __init__(self) -> None:
         self.items: list[int] = []
         self.tokens = 0
-        self.keys: dict[Hashable, list] = {}
-
-    def _change(self, i: int, lengths: Sequence[int], prompts: Prompts) -> tuple[int, list | None]:
-        """(tokens added by sample i, the key's new state) without adding it."""
-        if prompts[i] is None:
-            return lengths[i], None
-        key, p = prompts[i]
-        r = lengths[i] - p
-        if key not in self.keys:
-            return lengths[i], [i, r > 0, r, int(r == 0)]
-        first, first_has, responses, empty = self.keys[key]
-        new = [*((i, r > 0) if i < first else (first, first_has)), responses + r, empty + (r == 0)]
-        before = responses + p * empty + p * first_has
-        return new[2] + p * new[3] + p * new[1] - before, new
+        self.keys: set[Hashable] = set()
 
     def added(self, i: int, lengths: Sequence[int], prompts: Prompts) -> int:
-        return self._change(i, lengths, prompts)[0]
+        """Tokens sample i would add."""
+        shared = prompts[i]
+        return lengths[i] - (shared[1] if shared is not None and shared[0] in self.keys else 0)
 
     def add(self, i: int, lengths: Sequence[int], prompts: Prompts) -> None:
-        tokens, state = self._change(i, lengths, prompts)
+        self.tokens += self.added(i, lengths, prompts)
         self.items.append(i)
-        self.tokens += tokens
-        if state is not None:
-            self.keys[prompts[i][0]] = state
+        if prompts[i] is not None:
+            self.keys.add(prompts[i][0])
 
 
 def default_cost(length: int, hidden_size: int = 4096) -> float:
@@ -130,7 +115,7 @@ def plan_micro_batches(
 
     `prompts` (see `Prompts`): micro-batches carry a shared prompt once, and are filled by those tokens
     (`micro_batch_tokens`) rather than by summed lengths. Balancing counts a shared prompt once too: each of the m
-    samples (with a response) that share it pays for its response and 1/m of the prompt (`_prompts_shared`),
+    samples that share it pays for its response and 1/m of the prompt (`_prompts_shared`),
     exact where they sit in one micro-batch, as packing tries to put them. A sample balanced away from its
     siblings makes its new rank run the prompt again, so a plan with each prompt's samples as one unit is made too,
     and kept where it leaves the ranks more even by over PROMPTS_TOGETHER_GAIN (it may move more samples).
@@ -167,7 +152,7 @@ def plan_micro_batches(
             raise ValueError(f"extra_cost has {len(extra_cost)} entries for {len(lengths)} samples")
         sample_cost = [c + float(e) for c, e in zip(sample_cost, extra_cost)]
     if prompts is not None:
-        sample_cost = _prompts_shared(sample_cost, lengths, prompts, cost_fn)
+        sample_cost = _prompts_shared(sample_cost, prompts, cost_fn)
     args = (lengths, sample_cost, max_tokens, dp_size, min_micro_batches)
     if groups is None:
         singles = [[i] for i in range(len(lengths))]
@@ -244,23 +229,22 @@ def _micro_batch_cost(mb: Sequence[int], lengths: Sequence[int], cost_fn: Callab
                       prompts: Prompts | None, extra_cost: Sequence[float] | None = None) -> float:
     """A packed micro-batch's cost, each shared prompt in it paid once."""
     cost = sum(cost_fn(lengths[i]) for i in mb) - sum(cost_fn(prompts[i][1])
-                                                      for i in _prompt_left_out(mb, lengths, prompts))
+                                                      for i in _prompt_left_out(mb, prompts))
     return cost + (sum(extra_cost[i] for i in mb) if extra_cost is not None else 0.0)
 
 
-def _prompts_shared(sample_cost: Sequence[float], lengths: Sequence[int], prompts: Prompts,
-                    cost_fn: Callable[[int], float]) -> list[float]:
-    """Per-sample costs with each shared prompt paid once: the m samples with a response that share a prompt of P
-    tokens each give back (m - 1) / m of cost_fn(P). With cost_fn = default_cost that is exact: a response of r
-    tokens after a shared prompt costs 12 h r + 2 r P + r^2 (its tokens, and their attention to the prompt and to
-    each other), which is cost_fn(P + r) - cost_fn(P)."""
+def _prompts_shared(sample_cost: Sequence[float], prompts: Prompts, cost_fn: Callable[[int], float]) -> list[float]:
+    """Per-sample costs with each shared prompt paid once: the m samples that share a prompt of P tokens each give
+    back (m - 1) / m of cost_fn(P). With cost_fn = default_cost that is exact: a response of r tokens after a shared
+    prompt costs 12 h r + 2 r P + r^2 (its tokens, and their attention to the prompt and to each other), which is
+    cost_fn(P + r) - cost_fn(P)."""
     sharing: dict[Hashable, int] = {}
-    for i, shared in enumerate(prompts):
-        if shared is not None and lengths[i] > shared[1]:
+    for shared in prompts:
+        if shared is not None:
             sharing[shared[0]] = sharing.get(shared[0], 0) + 1
     out = list(sample_cost)
     for i, shared in enumerate(prompts):
-        if shared is not None and lengths[i] > shared[1] and sharing[shared[0]] > 1:
+        if shared is not None and sharing[shared[0]] > 1:
             m = sharing[shared[0]]
             out[i] -= float(cost_fn(shared[1])) * (m - 1) / m
     return out

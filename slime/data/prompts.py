@@ -206,7 +206,8 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
     without the label a reward needs (`label_required`), or image-text rows with a bad image (or placeholders
     that do not match the images) are skipped, logged with file:line and counted by reason, and more than
     data.max_skipped_frac of them is an error. SFT (`label_is_text`): a label must be text, and a row whose
-    prompt + label + EOS passes `max_sample_len` = (tokens, the settings that make it) is skipped the same way."""
+    prompt + label passes `max_sample_len` = (tokens, the settings that make it) is skipped the same way (the EOS
+    after the label is a target only: no micro-batch row holds it)."""
     path = path or cfg.path
     base_dir = Path(path).resolve().parent
     prompts, report, logged = [], LoadReport(), 0
@@ -254,9 +255,10 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
                                  f"a {type(label).__name__} ({str(label)[:60]}); give one string")
             if label_is_text and max_sample_len is not None and label is not None:
                 limit, key = max_sample_len
-                n = len(ids) + len(tokenizer(str(label), add_special_tokens=False).input_ids) + 1  # + EOS
+                # prompt + label: its row in a micro-batch (the EOS after the label is a target only, Sample.row_len)
+                n = len(ids) + len(tokenizer(str(label), add_special_tokens=False).input_ids)
                 if n > limit:
-                    raise SkippedRow("label_too_long", f"prompt + label + EOS is {n} tokens, more than a micro-batch "
+                    raise SkippedRow("label_too_long", f"prompt + label is {n} tokens, more than a micro-batch "
                                                        f"holds ({key} = {limit})")
         except (ImageError, SkippedRow) as e:
             report.skipped[e.reason] += 1

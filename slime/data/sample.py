@@ -59,6 +59,12 @@ class Sample:
         return len(self.prompt_ids) + len(self.response_ids)
 
     @property
+    def row_len(self) -> int:
+        """Tokens the sample puts in a micro-batch row on its own (slime/data/batch.py): its prompt and its response
+        less the last token, which is only a target (no later token reads its hidden state)."""
+        return len(self.prompt_ids) + max(len(self.response_ids) - 1, 0)
+
+    @property
     def loss_mask(self) -> torch.Tensor:
         """(R,) float32: 1 where a response token carries loss."""
         if self.response_mask is None:

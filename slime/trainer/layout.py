@@ -1,9 +1,9 @@
 """From this rank's rollout samples to the micro-batches it runs.
 
-Each dp rank keeps only the samples it trains on. Balancing needs only every sample's length, so
-ranks all-gather (length, loss-token count) pairs, every rank computes the same deterministic plan
-(packing.plan_micro_batches, starting from where each sample is), and the samples whose planned
-rank differs from the rank that generated them move once, point to point
+Each dp rank keeps only the samples it trains on. Balancing needs only every sample's length (`Sample.row_len`:
+the tokens it puts in a micro-batch row), so ranks all-gather (length, loss-token count) pairs, every rank
+computes the same deterministic plan (packing.plan_micro_batches, starting from where each sample is), and the
+samples whose planned rank differs from the rank that generated them move once, point to point
 (ParallelDims.exchange_objects). Whole samples never pass through an all-gather.
 
 Layouts: packed micro-batches under a token budget (balanced over dp by compute), or the padded
@@ -62,8 +62,8 @@ class Layout:
             return
         n = max(lengths)
         need_sp = -(-n // self.per_gpu)
-        raise ValueError(f"a sample of {n} tokens does not fit a micro-batch of parallel.sp={self.sp} x "
-                         f"{self.budget_key}={self.per_gpu} = {self.max_tokens} tokens: raise {self.budget_key} to "
+        raise ValueError(f"a sample of {n} tokens (its prompt and response less the last token, a target only) does "
+                         f"not fit a micro-batch of parallel.sp={self.sp} x {self.budget_key}={self.per_gpu} = {self.max_tokens} tokens: raise {self.budget_key} to "
                          f"{-(-n // self.sp)}, or parallel.sp to {need_sp} (sequence parallelism cuts a sample over "
                          "sp GPUs), or lower rollout.max_response_len")
 
@@ -122,8 +122,8 @@ class MiniBatch:
     modes (a sample with none, such as an all-observation turn, adds nothing to the loss and is not counted,
     as verl's seq_mask)."""
     num_processed: int
-    """Tokens of the mini-batch over every rank (prompt and response): weights per-token-of-input terms
-    such as a MoE router's aux loss."""
+    """Tokens of the mini-batch's rows over every rank (each sample's `row_len`): weights per-token-of-input terms
+    such as a MoE router's aux loss (its models keep their own prompt copies)."""
     stats: dict
     """Packing figures of the whole plan (the same on every rank)."""
 
@@ -152,7 +152,7 @@ def distribute(local: list[Sample], dims: ParallelDims, layout: Layout, *, num_m
     N samples and M mini-batches, whatever dp is (so dp does not change what an optimizer step sees); a rank
     short of samples in a mini-batch runs dummy micro-batches.
     """
-    meta = dims.all_gather_objects([(s.total_len, s.num_loss_tokens, s.num_patches, layout.prompt_key(s))
+    meta = dims.all_gather_objects([(s.row_len, s.num_loss_tokens, s.num_patches, layout.prompt_key(s))
                                     for s in local])
     offset = sum(len(m) for m in meta[:dims.dp_rank])
     for i, s in enumerate(local):

@@ -53,7 +53,7 @@ def main() -> None:
     calls = []
     actor.engine.module.hf.model.visual.register_forward_hook(lambda *a: calls.append(1))
     mini = MiniBatch(micro=[[0, 1], [2]], num_loss_tokens=sum(len(s.response_ids) for s in samples),
-                     num_seqs=len(samples), num_processed=sum(s.total_len for s in samples), stats={})
+                     num_seqs=len(samples), num_processed=sum(s.row_len for s in samples), stats={})
     batch = RankBatch(samples=local, num_samples=len(samples), lengths_by_rank=[], mini_batches=[mini], moved=0)
     sums = actor.forward_backward(batch, mini, functools.partial(actor_loss, cfg.algo))
     loss = dims.all_reduce_tensors({"loss": sums["loss"]})["loss"]
