@@ -17,9 +17,9 @@ response, as a segment of its own whose `prompt_prefixes` entry names the first 
 it attends to before its own tokens (packed_sdpa does this), with positions continuing after the prompt.
 Its first response token is predicted from the prompt's last position (a response of one token or none has no
 segment: that is all it needs). So each sample adds `Sample.row_len` tokens to a row, less its prompt where a
-sibling carries it: what packing plans count (slime/data/packing.py, micro_batch_tokens). Every logprob and gradient is that of the unshared layout; the prompt's forward and
-backward run once instead of n times (GRPO with n samples of a long prompt spends most of its tokens on prompt
-copies).
+sibling carries it: what packing plans count (slime/data/packing.py, micro_batch_tokens). Every logprob and
+gradient is that of the unshared layout; the prompt's forward and backward run once instead of n times (GRPO with
+n samples of a long prompt spends most of its tokens on prompt copies).
 
 An empty micro-batch (`build_micro_batch(samples, [])`) is one dummy token with no loss (and zeros
 in the per-token fields that `samples` carry, so loss code runs unchanged): a rank

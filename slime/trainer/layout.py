@@ -63,9 +63,10 @@ class Layout:
         n = max(lengths)
         need_sp = -(-n // self.per_gpu)
         raise ValueError(f"a sample of {n} tokens (its prompt and response less the last token, a target only) does "
-                         f"not fit a micro-batch of parallel.sp={self.sp} x {self.budget_key}={self.per_gpu} = {self.max_tokens} tokens: raise {self.budget_key} to "
-                         f"{-(-n // self.sp)}, or parallel.sp to {need_sp} (sequence parallelism cuts a sample over "
-                         "sp GPUs), or lower rollout.max_response_len")
+                         f"not fit a micro-batch of parallel.sp={self.sp} x {self.budget_key}={self.per_gpu} = "
+                         f"{self.max_tokens} tokens: raise {self.budget_key} to {-(-n // self.sp)}, or parallel.sp to "
+                         f"{need_sp} (sequence parallelism cuts a sample over sp GPUs), or lower "
+                         "rollout.max_response_len")
 
     def prompt_key(self, s: Sample) -> tuple[bytes, int] | None:
         """What packing needs of a sample's prompt to count it once per micro-batch, where this layout shares
