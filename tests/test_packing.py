@@ -225,6 +225,12 @@ def test_allow_empty_plans_what_too_few_samples_cannot():
     # the padded layout: contiguous shares rounded down, the shorter rank's micro-batches end with a dummy
     assert padded_fixed_batches([3, 4, 5], micro_batch_size=1, dp_size=2, allow_empty=True) == [[[0], []],
                                                                                                 [[1], [2]]]
+    # ... unless the ranks hold shares of those sizes already: then nothing moves
+    for owners, plan in (([0], [[[0]], [[]]]), ([1], [[[]], [[0]]]), ([0, 0, 1], [[[0], [1]], [[2], []]]),
+                         ([0, 1, 1], [[[0], []], [[1], [2]]]), ([0, 0, 0], [[[0], []], [[1], [2]]])):
+        got = padded_fixed_batches([3, 4, 5][:len(owners)], micro_batch_size=1, dp_size=2, allow_empty=True,
+                                   owners=owners)
+        assert got == plan, owners
     lengths = [3, 4, 5]
     stats = packing_stats(lengths, padded_fixed_batches(lengths, micro_batch_size=1, dp_size=2, allow_empty=True),
                           padded=True, cost_fn=float)

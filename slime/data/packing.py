@@ -480,13 +480,15 @@ def restore_order(plan: Plan, values: Sequence[T]) -> list[T]:
 
 
 def padded_fixed_batches(lengths: Sequence[int], *, micro_batch_size: int, dp_size: int,
-                         allow_empty: bool = False) -> Plan:
+                         allow_empty: bool = False, owners: Sequence[int] | None = None) -> Plan:
     """Baseline layout: contiguous equal chunks per rank, `micro_batch_size` samples per
     micro-batch in original order, each sample padded to the longest in its micro-batch.
 
     `allow_empty`: a count not divisible by dp_size gives rank r the contiguous share
     [r n / dp, (r + 1) n / dp) (rounded down), and ranks with fewer micro-batches get empty ones
-    at the end (dummy calls); without it such a count is an error."""
+    at the end (dummy calls); without it such a count is an error. `owners`: the rank that holds each
+    sample now, rank after rank (as layout.distribute gathers them); where the ranks hold shares of those
+    sizes already, in any order, every rank keeps its own (a lone sample stays where it was generated)."""
     n = len(lengths)
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}.")
@@ -496,9 +498,13 @@ def padded_fixed_batches(lengths: Sequence[int], *, micro_batch_size: int, dp_si
         raise ValueError(
             f"{n} samples do not split evenly over {dp_size} data-parallel ranks; make the "
             f"rollout batch size a multiple of the data-parallel size.")
+    bounds = [r * n // dp_size for r in range(dp_size + 1)]
+    if owners is not None and list(owners) == sorted(owners):
+        held = [list(owners).count(r) for r in range(dp_size)]
+        if sorted(held) == sorted(b - a for a, b in zip(bounds[:-1], bounds[1:])):
+            bounds = [sum(held[:r]) for r in range(dp_size + 1)]
     plan = []
-    for r in range(dp_size):
-        first, last = r * n // dp_size, (r + 1) * n // dp_size
+    for first, last in zip(bounds[:-1], bounds[1:]):
         plan.append([list(range(s, min(s + micro_batch_size, last)))
                      for s in range(first, last, micro_batch_size)])
     num_mb = max(1, max(len(rank) for rank in plan))

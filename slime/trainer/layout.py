@@ -87,7 +87,8 @@ class Layout:
             return plan_micro_batches(lengths, max_tokens=self.max_tokens, dp_size=dp, owners=owners,
                                       cost_fn=self.cost_fn, extra_cost=extra, allow_empty=True,
                                       prompts=prompts if self.share_prompts else None)
-        return padded_fixed_batches(lengths, micro_batch_size=self.micro_batch_size, dp_size=dp, allow_empty=True)
+        return padded_fixed_batches(lengths, micro_batch_size=self.micro_batch_size, dp_size=dp, allow_empty=True,
+                                    owners=owners)
 
     def pack_in_place(self, lengths_by_rank: Sequence[Sequence[int]],
                       prompts_by_rank: Sequence[Prompts] | None = None) -> Plan:
