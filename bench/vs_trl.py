@@ -22,7 +22,7 @@ ranks of 1 thread. Printed: the step times, the ratio ours/TRL against the issue
 the same run (the faster of torch's F.linear and oneDNN): generation 2 N T_gen, old-logprob forward 2 N T,
 forward+backward 6 N T (N parameters without embeddings, T tokens), with each run's efficiency = floor / step
 time (target >= 0.8 on the ~25M model). On a shared machine the peak moves with load from minute to minute (seen
-here: 117-151 GFLOP/s on one VM within an hour), so the peak is also measured between runs, and each run's
+here: 117-155 GFLOP/s on one VM within an hour), so the peak is also measured between runs, and each run's
 efficiency is printed twice: against the best peak of the whole invocation (never flattering), and against the
 better of the peaks measured just before and just after it (the machine as the run found it).
 """

@@ -319,7 +319,7 @@ def _grpo_batch(seed: int, prompts: int = 12, n: int = 8, empty_every: int = 0):
     for g in range(prompts):
         prompt = [rng.randint(5, 250) for _ in range(rng.randint(100, 400))]
         for k in range(n):
-            short = empty_every and (g * n + k) % empty_every
+            short = (g * n + k) % empty_every if empty_every else None
             r = short if short in (0, 1) else rng.randint(1, 120)
             samples.append(Sample(prompt_ids=prompt, response_ids=[rng.randint(5, 250) for _ in range(r)],
                                   group_id=g))
