@@ -171,7 +171,7 @@ def test_shared_prompt_layout():
     assert mb.pred_index.tolist() == [2, 3, 2, 4, 5, 6, 2]
     assert mb.target_ids.tolist() == [20, 21, 30, 31, 32, 41, 50]
     assert mb.response_lens == [2, 3, 1, 1, 0] and mb.seq_ids.tolist() == [0, 0, 1, 1, 1, 2, 3]
-    assert mb.input_ids.numel() == sum(s.row_len for s in (a, b, c, d, e)) - 3 * 3  # b, d, e: the prompt once
+    assert mb.input_ids.numel() == sum(s.row_len for s in (a, b, c, d, e)) - 3 * 3  # b, d, e: no prompt copy
     plain = build_micro_batch([a, b, c, d, e], [0, 1, 2, 3, 4])
     assert plain.prompt_prefixes is None
     assert plain.input_ids.tolist() == [10, 11, 12, 20, 10, 11, 12, 30, 31, 40, 10, 11, 12, 10, 11, 12]
