@@ -78,6 +78,7 @@ def shared_prompt_rows(args) -> None:
 def small_grpo_balance_rows(batches: int = 200) -> None:
     cost = functools.partial(default_cost, hidden_size=1024)
     imbalance = {"whole lengths": [], "shared prompts": []}
+    moved = {"whole lengths": [], "shared prompts": []}
     for seed in range(batches):
         rng = random.Random(seed)
         dp = rng.choice([2, 4])
@@ -93,11 +94,13 @@ def small_grpo_balance_rows(batches: int = 200) -> None:
             plan = plan_micro_batches(lengths, max_tokens=4096, dp_size=dp, cost_fn=cost, owners=owners,
                                       prompts=given)
             imbalance[name].append(packing_stats(lengths, plan, cost_fn=cost, prompts=prompts)["compute_imbalance"])
+            dest = {i: r for r, mbs in enumerate(plan) for mb in mbs for i in mb}
+            moved[name].append(sum(dest[i] != owners[i] for i in range(len(lengths))) / len(lengths))
     old, new = imbalance["whole lengths"], imbalance["shared prompts"]
     print(f"\n{batches} random GRPO batches, max/mean rank cost with each prompt counted once:")
     for name, v in imbalance.items():
         print(f"  balanced by {name:<15} mean {statistics.mean(v):.3f}  p90 {sorted(v)[int(0.9 * len(v))]:.3f}  "
-              f"max {max(v):.3f}")
+              f"max {max(v):.3f}  samples moved {statistics.mean(moved[name]):.1%}")
     print(f"  shared prompts better in {sum(a < b - 1e-3 for a, b in zip(new, old))}, "
           f"worse in {sum(a > b + 1e-3 for a, b in zip(new, old))}")
 

@@ -437,3 +437,15 @@ def test_balancing_keeps_a_prompts_samples_together_where_that_is_more_even(monk
     split = plan_micro_batches(lengths, **kw)
     assert split == [[[0, 2, 3, 7]], [[1, 4, 5, 6]]]
     assert imbalance(split) > 1.15
+
+
+def test_whole_prompts_are_balanced_from_where_they_are():
+    """The case above with the ranks' roles swapped: rank 1 made prompts 0 and 1. Keeping prompts whole, balancing
+    from where they are moves prompt 1 (two samples) to rank 0; balancing them from scratch would put prompt 0 on
+    rank 0, as above, and move all eight."""
+    lengths = [364, 120, 59, 67, 149, 101, 81, 52]
+    prompts = [(0, 100), (0, 100), (1, 20), (1, 20), (2, 20), (2, 20), (3, 20), (3, 20)]
+    owners = [1, 1, 1, 1, 0, 0, 0, 0]
+    plan = plan_micro_batches(lengths, max_tokens=4096, dp_size=2, owners=owners, prompts=prompts,
+                              cost_fn=functools.partial(default_cost, hidden_size=64))
+    assert plan == [[[2, 3, 4, 5, 6, 7]], [[0, 1]]]
