@@ -157,7 +157,7 @@ def build_micro_batch(samples: Sequence[Sample], indices: Sequence[int], positio
     if images:  # image features go to the PROMPT's placeholders; a generated placeholder token is just text
         mask = [torch.cat([torch.tensor(s.prompt_ids) == s.mm.token_id if s.mm is not None
                            else torch.zeros(len(s.prompt_ids), dtype=torch.bool),
-                           torch.zeros(len(s.response_ids[:-1]), dtype=torch.bool)]) for s in rows]
+                           torch.zeros(s.row_len - len(s.prompt_ids), dtype=torch.bool)]) for s in rows]
         mask.append(torch.zeros(pad, dtype=torch.bool))
         extra = {"pixel_values": torch.cat([m.pixel_values for m in images]),
                  "image_grid_thw": torch.cat([m.image_grid_thw for m in images]), "image_mask": torch.cat(mask)}
