@@ -415,6 +415,11 @@ def test_balancing_counts_a_shared_prompt_once():
     assert packing_stats(lengths, plan, cost_fn=kw["cost_fn"], prompts=prompts)["compute_imbalance"] < 1.02
 
 
+# Four prompts of two samples each: prompt 0 of 100 tokens, the others of 20.
+WHOLE_PROMPTS_CASE = ([364, 120, 59, 67, 149, 101, 81, 52],
+                      [(0, 100), (0, 100), (1, 20), (1, 20), (2, 20), (2, 20), (3, 20), (3, 20)])
+
+
 def test_balancing_keeps_a_prompts_samples_together_where_that_is_more_even(monkeypatch):
     """Rank 0 made prompts 0 (100 tokens) and 1, rank 1 prompts 2 and 3 (20 tokens each), two samples each.
     Balancing sample by sample prices a sample at its response and half its prompt, and swaps sample 1 (of prompt
@@ -422,8 +427,7 @@ def test_balancing_keeps_a_prompts_samples_together_where_that_is_more_even(monk
     With each prompt's samples as one unit, prompt 0 stays whole on rank 0 and the rest goes to rank 1: 1.05x."""
     import slime.data.packing as packing
 
-    lengths = [364, 120, 59, 67, 149, 101, 81, 52]
-    prompts = [(0, 100), (0, 100), (1, 20), (1, 20), (2, 20), (2, 20), (3, 20), (3, 20)]
+    lengths, prompts = WHOLE_PROMPTS_CASE
     cost = functools.partial(default_cost, hidden_size=64)
     kw = dict(max_tokens=4096, dp_size=2, owners=[0, 0, 0, 0, 1, 1, 1, 1], cost_fn=cost, prompts=prompts)
 
@@ -443,8 +447,7 @@ def test_whole_prompts_are_balanced_from_where_they_are():
     """The case above with the ranks' roles swapped: rank 1 made prompts 0 and 1. Keeping prompts whole, balancing
     from where they are moves prompt 1 (two samples) to rank 0; balancing them from scratch would put prompt 0 on
     rank 0, as above, and move all eight."""
-    lengths = [364, 120, 59, 67, 149, 101, 81, 52]
-    prompts = [(0, 100), (0, 100), (1, 20), (1, 20), (2, 20), (2, 20), (3, 20), (3, 20)]
+    lengths, prompts = WHOLE_PROMPTS_CASE
     owners = [1, 1, 1, 1, 0, 0, 0, 0]
     plan = plan_micro_batches(lengths, max_tokens=4096, dp_size=2, owners=owners, prompts=prompts,
                               cost_fn=functools.partial(default_cost, hidden_size=64))

@@ -220,9 +220,10 @@ def _prompts_together_if_more_even(plan: Plan, sample_cost: Sequence[float], ext
         return plan  # too few prompts to go around, or no prompt shared: nothing to keep together
     together = list(units.values())
     weights = [sum(sample_cost[i] for i in u) for u in together]
+    # From scratch; with owners, first from where most of each prompt's samples are (the lowest rank on a tie).
     starts = [None]
-    if owners is not None:  # where most of each prompt's samples are (the lowest such rank on a tie)
-        starts.insert(0, [max(range(dp_size), key=lambda r: (sum(owners[i] == r for i in u), -r)) for u in together])
+    if owners is not None:
+        starts = [[max(range(dp_size), key=lambda r: (sum(owners[i] == r for i in u), -r)) for u in together], None]
     candidates = [plan] + [_pack_per_rank(together, weights, *args, equal_count=False, start=start, prompts=prompts)
                            for start in starts]
 
