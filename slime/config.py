@@ -441,6 +441,8 @@ class LogConfig:
     wandb_project: str = field("slime", "W&B project name.")
     wandb_mode: Literal["online", "offline"] = field("offline", "offline works without network.")
     tensorboard: bool = field(False, "Also write TensorBoard event files.")
+    plot: bool = field(True, "At the end, plot metrics.jsonl into metrics.png beside it (matplotlib, ~1 s on CPU); "
+                       "false skips it (python -m slime.utils.plot makes it later).")
 
 
 @dataclasses.dataclass

@@ -490,7 +490,7 @@ def launch(tiny_model, task_dir, run_dir, *overrides, config="examples/cpu_tiny_
     run_ranks([str(REPO / "run.py"), "--config", str(REPO / config), f"model.path={tiny_model}",
                f"data.path={task_dir / 'train.jsonl'}", f"log.run_dir={run_dir}", "rollout.batch_size=4",
                "rollout.n_samples_per_prompt=4", "rollout.max_response_len=10", "train.max_tokens_per_gpu=96",
-               "eval.path=null", "checkpoint.export_hf=false", *overrides])
+               "eval.path=null", "checkpoint.export_hf=false", "log.plot=false", *overrides])
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -11,7 +11,7 @@ def launch(tiny_model, task_dir, run_dir, *overrides):
                       f"model.path={tiny_model}", f"data.path={task_dir / 'train.jsonl'}",
                       f"log.run_dir={run_dir}", "rollout.reward.fn=e2e_rewards:digit_fraction",
                       "rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=6",
-                      "train.lr=5e-3", "train.max_tokens_per_gpu=64", "eval.path=null", *overrides])
+                      "train.lr=5e-3", "train.max_tokens_per_gpu=64", "eval.path=null", "log.plot=false", *overrides])
 
 
 def read_metrics(run_dir):
@@ -20,7 +20,7 @@ def read_metrics(run_dir):
 
 def test_two_rank_grpo_run_writes_metrics_checkpoint_and_export(tiny_model, task_dir, tmp_path):
     run_dir = tmp_path / "run"
-    proc = launch(tiny_model, task_dir, run_dir, "train.num_steps=2")
+    proc = launch(tiny_model, task_dir, run_dir, "train.num_steps=2", "log.plot=true")
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for key in ("rollout/reward_mean", "rollout/reward_std", "rollout/response_len", "train/pg_clipfrac",
@@ -31,6 +31,7 @@ def test_two_rank_grpo_run_writes_metrics_checkpoint_and_export(tiny_model, task
     assert "step 2/2" in proc.stdout
     assert (run_dir / "checkpoints/step_2").is_dir()
     assert (run_dir / "hf/config.json").is_file()
+    assert (run_dir / "metrics.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_old_logprobs_from_the_update_forward_match_the_recomputed_ones(tiny_model, task_dir, tmp_path):
@@ -41,6 +42,7 @@ def test_old_logprobs_from_the_update_forward_match_the_recomputed_ones(tiny_mod
         launch(tiny_model, task_dir, tmp_path / mode, "train.num_steps=2", "checkpoint.export_hf=false",
                f"algo.old_logprobs={mode}")
         rows[mode] = read_metrics(tmp_path / mode)
+    assert not (tmp_path / mode / "metrics.png").exists()  # log.plot=false, as launch() sets it
     a, b = rows["recompute"], rows["train_forward"]
     # the mismatch metric: from the scoring pass, or from the update's forward (the same weights)
     assert b[0]["rollout/train_logprob_abs_diff"] == b[0]["train/train_rollout_logprob_abs_diff"]

@@ -78,7 +78,7 @@ def run_loop(tiny_model, task_dir, run_dir, *overrides):
                f"data.path={task_dir / 'train.jsonl'}", f"log.run_dir={run_dir}", "eval.path=null",
                "rollout.reward.fn=e2e_rewards:digit_fraction", "rollout.batch_size=4", "rollout.n_samples_per_prompt=4",
                "rollout.max_response_len=6", "train.lr=5e-3", "train.max_tokens_per_gpu=32", "train.num_steps=3",
-               "checkpoint.save_final=false", "checkpoint.export_hf=false", *overrides])
+               "checkpoint.save_final=false", "checkpoint.export_hf=false", "log.plot=false", *overrides])
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

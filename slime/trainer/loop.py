@@ -345,7 +345,7 @@ def run(cfg: Config) -> dict:
         actor.export_hf(str(run_dir / "hf"), *savers, bucket_mb=bucket_mb, step=final_step)
     log.close()
     if dims.is_main and (run_dir / "metrics.jsonl").is_file():
-        plot = plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")
+        plot = plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png") if cfg.log.plot else "off (log.plot)"
         logger.info("metrics: %s, plot: %s", run_dir / "metrics.jsonl", plot)
     if engine is not None:
         engine.shutdown()

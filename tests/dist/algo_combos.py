@@ -17,7 +17,7 @@ from slime.distributed.parallel_dims import leave
 BASE = ["rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=6",
         "rollout.reward.fn=e2e_rewards:digit_fraction", "train.num_steps=2", "train.lr=5e-3",
         "train.max_tokens_per_gpu=64", "checkpoint.save_final=false", "checkpoint.export_hf=false",
-        "checkpoint.resume=false"]
+        "checkpoint.resume=false", "log.plot=false"]
 
 
 def main() -> None:
