@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
 from pathlib import Path
 
 from slime.config import describe, load_config
+from slime.utils.startup import long_lived_imports
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,18 +39,10 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"dry run: {e}")
         return
 
-    # torch, transformers and DeepSpeed import ~500k objects that live as long as the process. The collector would
-    # walk them at each full collection it makes during the imports and the set-up (9 of them, 1.2 s of every
-    # start on the CI machine); frozen, it looks only at what the run allocates. (The few cycles the imports
-    # leave, a few hundred objects, are kept.)
-    gc.disable()
-    try:
+    with long_lived_imports():  # no full collections during the imports; their objects frozen after
         from slime.distributed.parallel_dims import leave
         from slime.trainer.loop import run
         from slime.utils.logging import setup_logging
-    finally:
-        gc.freeze()
-        gc.enable()
 
     setup_logging()
     run(cfg)

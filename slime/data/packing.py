@@ -513,8 +513,9 @@ def padded_fixed_batches(lengths: Sequence[int], *, micro_batch_size: int, dp_si
             f"{n} samples do not split evenly over {dp_size} data-parallel ranks; make the "
             f"rollout batch size a multiple of the data-parallel size.")
     bounds = [r * n // dp_size for r in range(dp_size + 1)]
-    if owners is not None and list(owners) == sorted(owners):
-        held = [list(owners).count(r) for r in range(dp_size)]
+    owners = None if owners is None else list(owners)
+    if owners is not None and owners == sorted(owners):
+        held = [owners.count(r) for r in range(dp_size)]
         if sorted(held) == sorted(b - a for a, b in zip(bounds[:-1], bounds[1:])):
             bounds = [sum(held[:r]) for r in range(dp_size + 1)]
     plan = []

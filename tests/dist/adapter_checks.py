@@ -10,14 +10,17 @@ import json
 import sys
 from pathlib import Path
 
-import torch
+from slime.utils.startup import long_lived_imports
 
-from dist.actor_checks import fixed_batch, gather_by_index, local_share
-from slime.config import load_config
-from slime.distributed.parallel_dims import ParallelDims, leave
-from slime.rollout.hf_engine import HFEngine
-from slime.trainer.layout import distribute
-from slime.trainer.policy_engine import PolicyEngine
+with long_lived_imports():  # no full collections during the imports; their objects frozen after
+    import torch
+
+    from dist.actor_checks import fixed_batch, gather_by_index, local_share
+    from slime.config import load_config
+    from slime.distributed.parallel_dims import ParallelDims, leave
+    from slime.rollout.hf_engine import HFEngine
+    from slime.trainer.layout import distribute
+    from slime.trainer.policy_engine import PolicyEngine
 
 
 def main() -> None:

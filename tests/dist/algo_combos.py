@@ -9,10 +9,13 @@ import json
 import sys
 from pathlib import Path
 
-from slime.config import load_config
-from slime.trainer.loop import run
-from slime.utils.logging import setup_logging
-from slime.distributed.parallel_dims import leave
+from slime.utils.startup import long_lived_imports
+
+with long_lived_imports():  # no full collections during the imports; their objects frozen after
+    from slime.config import load_config
+    from slime.trainer.loop import run
+    from slime.utils.logging import setup_logging
+    from slime.distributed.parallel_dims import leave
 
 BASE = ["rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=6",
         "rollout.reward.fn=e2e_rewards:digit_fraction", "train.num_steps=2", "train.lr=5e-3",

@@ -7,11 +7,14 @@ import json
 import sys
 from pathlib import Path
 
-from slime.config import load_config
-from slime.distributed.parallel_dims import ParallelDims, leave
-from slime.trainer.checkpoint import save_checkpoint, verify
-from slime.trainer.loop import checkpoint_identity
-from slime.trainer.policy_engine import PolicyEngine
+from slime.utils.startup import long_lived_imports
+
+with long_lived_imports():  # no full collections during the imports; their objects frozen after
+    from slime.config import load_config
+    from slime.distributed.parallel_dims import ParallelDims, leave
+    from slime.trainer.checkpoint import save_checkpoint, verify
+    from slime.trainer.loop import checkpoint_identity
+    from slime.trainer.policy_engine import PolicyEngine
 
 
 def main() -> None:

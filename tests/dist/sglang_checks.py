@@ -13,15 +13,18 @@ import json
 import sys
 from pathlib import Path
 
-from dist.actor_checks import fixed_batch, local_share
-from slime.config import load_config
-from slime.distributed.parallel_dims import ParallelDims, leave
-from slime.models.loading import load_tokenizer
-from slime.rollout.engine import SamplingParams, make_engine
-from slime.rollout.hf_engine import HFEngine
-from slime.trainer.layout import distribute
-from slime.trainer.losses import actor_loss
-from slime.trainer.policy_engine import PolicyEngine
+from slime.utils.startup import long_lived_imports
+
+with long_lived_imports():  # no full collections during the imports; their objects frozen after
+    from dist.actor_checks import fixed_batch, local_share
+    from slime.config import load_config
+    from slime.distributed.parallel_dims import ParallelDims, leave
+    from slime.models.loading import load_tokenizer
+    from slime.rollout.engine import SamplingParams, make_engine
+    from slime.rollout.hf_engine import HFEngine
+    from slime.trainer.layout import distribute
+    from slime.trainer.losses import actor_loss
+    from slime.trainer.policy_engine import PolicyEngine
 
 PROMPTS = ["12+7=", "what is 3*4?", "hello", "9-5"]
 

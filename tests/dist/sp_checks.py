@@ -11,16 +11,19 @@ import functools
 import sys
 from pathlib import Path
 
-import torch
-from deepspeed.utils import safe_get_full_grad
+from slime.utils.startup import long_lived_imports
 
-from dist.actor_checks import gather_by_index, local_share
-from slime.config import load_config
-from slime.data.sample import Sample, as_token_tensor
-from slime.distributed.parallel_dims import ParallelDims, leave
-from slime.trainer.layout import distribute
-from slime.trainer.losses import actor_loss
-from slime.trainer.policy_engine import PolicyEngine
+with long_lived_imports():  # no full collections during the imports; their objects frozen after
+    import torch
+    from deepspeed.utils import safe_get_full_grad
+
+    from dist.actor_checks import gather_by_index, local_share
+    from slime.config import load_config
+    from slime.data.sample import Sample, as_token_tensor
+    from slime.distributed.parallel_dims import ParallelDims, leave
+    from slime.trainer.layout import distribute
+    from slime.trainer.losses import actor_loss
+    from slime.trainer.policy_engine import PolicyEngine
 
 LENGTHS = [(7, 10), (3, 9), (12, 17), (5, 4), (9, 12), (4, 37), (6, 9)]  # (prompt, response); 41 > the budget of 32
 

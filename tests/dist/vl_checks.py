@@ -13,16 +13,19 @@ import json
 import sys
 from pathlib import Path
 
-import torch
-from deepspeed.utils import safe_get_full_grad
+from slime.utils.startup import long_lived_imports
 
-from slime.config import load_config
-from slime.distributed.parallel_dims import ParallelDims, leave
-from dist.actor_checks import gather_by_index
-from slime.trainer.layout import MiniBatch, RankBatch, distribute
-from slime.trainer.losses import actor_loss
-from slime.trainer.policy_engine import PolicyEngine
-from test_vl import vl_samples
+with long_lived_imports():  # no full collections during the imports; their objects frozen after
+    import torch
+    from deepspeed.utils import safe_get_full_grad
+
+    from slime.config import load_config
+    from slime.distributed.parallel_dims import ParallelDims, leave
+    from dist.actor_checks import gather_by_index
+    from slime.trainer.layout import MiniBatch, RankBatch, distribute
+    from slime.trainer.losses import actor_loss
+    from slime.trainer.policy_engine import PolicyEngine
+    from test_vl import vl_samples
 
 
 def sequence_parallel(model_dir: str, out: Path) -> None:
