@@ -1,0 +1,36 @@
+"""slime.utils.startup.long_lived_imports: no full collection while the trainer's modules import, and their objects
+frozen after. Run in a fresh interpreter each (a freeze in pytest's own process would outlive the test)."""
+import subprocess
+import sys
+
+from conftest import REPO
+
+CHECK = """
+import gc, sys
+full = []
+gc.callbacks.append(lambda phase, info: full.append(1) if phase == "start" and info["generation"] == 2 else None)
+{wrap}
+    import slime.trainer.loop
+print(len(full), gc.get_freeze_count(), gc.isenabled())
+"""
+
+
+def imports(wrap: str) -> tuple[int, int, bool]:
+    code = CHECK.format(wrap=wrap)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    full, frozen, enabled = out.split()[-3:]
+    return int(full), int(frozen), enabled == "True"
+
+
+def test_the_trainer_imports_without_a_full_collection_and_its_objects_are_frozen():
+    full, frozen, enabled = imports("from slime.utils.startup import long_lived_imports\nwith long_lived_imports():")
+    assert full == 0 and frozen > 100_000 and enabled
+    full, frozen, enabled = imports("if True:")  # the same imports without it: what it saves
+    assert full > 0 and frozen == 0 and enabled
+
+
+def test_the_collector_is_back_on_when_an_import_fails():
+    code = ("import gc\nfrom slime.utils.startup import long_lived_imports\ntry:\n    with long_lived_imports():\n"
+            "        import no_such_module_here\nexcept ImportError:\n    print(gc.isenabled())")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert out.split()[-1] == "True"
