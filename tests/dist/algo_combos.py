@@ -11,7 +11,7 @@ from pathlib import Path
 
 from slime.utils.startup import long_lived_imports
 
-with long_lived_imports():  # no full collections during the imports; their objects frozen after
+with long_lived_imports():
     from slime.config import load_config
     from slime.trainer.loop import run
     from slime.utils.logging import setup_logging

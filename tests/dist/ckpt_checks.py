@@ -9,7 +9,7 @@ from pathlib import Path
 
 from slime.utils.startup import long_lived_imports
 
-with long_lived_imports():  # no full collections during the imports; their objects frozen after
+with long_lived_imports():
     from slime.config import load_config
     from slime.distributed.parallel_dims import ParallelDims, leave
     from slime.trainer.checkpoint import save_checkpoint, verify

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from slime.utils.startup import long_lived_imports
 
-with long_lived_imports():  # no full collections during the imports; their objects frozen after
+with long_lived_imports():
     import torch
 
     from dist.actor_checks import fixed_batch, gather_by_index, local_share

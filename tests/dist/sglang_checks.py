@@ -15,7 +15,7 @@ from pathlib import Path
 
 from slime.utils.startup import long_lived_imports
 
-with long_lived_imports():  # no full collections during the imports; their objects frozen after
+with long_lived_imports():
     from dist.actor_checks import fixed_batch, local_share
     from slime.config import load_config
     from slime.distributed.parallel_dims import ParallelDims, leave

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from slime.utils.startup import long_lived_imports
 
-with long_lived_imports():  # no full collections during the imports; their objects frozen after
+with long_lived_imports():
     import torch
     from deepspeed.utils import safe_get_full_grad
 
