@@ -1,8 +1,8 @@
 """hf engine decoding: our loop (stopped rows leave the batch) vs HF's generate, same model and prompts; our loop
 with its decode step (slime/models/decode_step.py) vs the same loop over HF's forward; the step compiled whole
-(rollout.hf_compile=step, auto's choice here) vs only its attention compiled (attention) vs eager (false); and,
-where the engine runs oneDNN (model.cpu_linear=auto on AMD), its eager decode step on packed weights vs on the
-plain ones.
+(rollout.hf_compile=step, auto's choice here) vs only its attention compiled (attention) vs eager (false); and
+its decode step, compiled and eager, on packed weights (rollout.hf_packed_weights: oneDNN's layout where the engine
+runs oneDNN, model.cpu_linear=auto on AMD; transposed copies on MKL) vs on the plain ones.
 
     python bench/hf_generation.py [--hidden 512] [--layers 10] [--prompts 16] [--n 4] [--max-new 64] [--reps 3]
                                   [--prompt-len 0]
@@ -57,11 +57,12 @@ def main() -> None:
     engine = make()
     hf_forward = make(decode_step=False)
     attention, eager = make(compiled="attention"), make(compiled=False)
-    unpacked = None
-    if engine._step is not None and engine._step.pack is not None:  # the eager step on the plain weights
-        unpacked = make(packed_weights=False, compiled=False)
+    unpacked = eager_unpacked = None
+    if engine._step is not None and engine._step.pack is not None:  # the step on the plain weights
+        unpacked, eager_unpacked = make(packed_weights=False), make(packed_weights=False, compiled=False)
+        print(f"packed weights: {engine._step.pack}")
     else:
-        print("the engine's decode step does not pack its weights here (it runs torch's linear): no packed row")
+        print("the engine's decode step does not pack its weights here: no unpacked rows")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 250, (args.prompt_len or int(torch.randint(4, 12, (1,), generator=g)),),
                              generator=g).tolist() for _ in range(args.prompts)]
@@ -88,9 +89,10 @@ def main() -> None:
             "ours, attn compiled": lambda params: ours(params, attention),
             "ours, eager": lambda params: ours(params, eager)}
     if unpacked is not None:
-        runs["ours, eager unpacked"] = lambda params: ours(params, unpacked)
+        runs["ours, unpacked"] = lambda params: ours(params, unpacked)
+        runs["ours, eager unpacked"] = lambda params: ours(params, eager_unpacked)
 
-    for e in (engine, hf_forward, attention, eager, unpacked):  # warm-up (compiles, page faults); same draws after
+    for e in (engine, hf_forward, attention, eager, unpacked, eager_unpacked):  # warm-up (compiles, page faults); same draws after
         if e is not None:
             ours(SamplingParams(max_new_tokens=40, n=args.n, ignore_eos=True, seed=0), e)
     settings = {"fixed lengths": SamplingParams(max_new_tokens=args.max_new, n=args.n, ignore_eos=True, seed=0),
@@ -110,8 +112,8 @@ def main() -> None:
             print(f"  {label:20s} {t[label]:6.2f} s  {tokens[label] / t[label]:7.0f} tokens/s")
         print(f"  ours / hf generate: {t['ours'] / t['hf generate']:.2f}x the time; "
               f"ours / ours over hf forward: {t['ours'] / t['ours, hf forward']:.2f}x"
-              + (f"; eager step, packed / unpacked weights: {t['ours, eager'] / t['ours, eager unpacked']:.2f}x"
-                 if unpacked else ""))
+              + (f"; packed / unpacked weights: {t['ours'] / t['ours, unpacked']:.2f}x, eager step "
+                 f"{t['ours, eager'] / t['ours, eager unpacked']:.2f}x" if unpacked else ""))
         if engine._step is not None and engine._step.compiled:
             print(f"  step compiled / eager: {t['ours'] / t['ours, eager']:.2f}x the time; "
                   f"/ attention compiled: {t['ours'] / t['ours, attn compiled']:.2f}x")

@@ -161,10 +161,13 @@ class RolloutConfig:
     ignore_eos: bool = field(False, "Generate exactly max_response_len tokens: no stop token ends a response "
                                     "(benchmarks at fixed lengths; SGLang's ignore_eos).")
     gen_batch_size: int = field(64, "hf engine: sequences generated per forward batch.")
-    hf_packed_weights: bool = field(True, "hf engine on oneDNN (model.cpu_linear, auto on AMD CPUs): its decode "
-                                          "steps read a copy of the matmul weights in oneDNN's blocked layout, "
-                                          "4-20% faster rollouts here; false saves that copy's memory (the size of "
-                                          "the model's matmul weights, logged at start).")
+    hf_packed_weights: bool = field(True, "hf engine on CPU: its decode steps read a copy of the matmul weights "
+                                          "laid out for the kernel: on oneDNN (model.cpu_linear, auto on AMD CPUs) "
+                                          "in its blocked layout, 4-20% faster rollouts there; on MKL (fp32) "
+                                          "transposed, which MKL multiplies faster at a decode step's few rows "
+                                          "(0.83x the rollout time of bench/vs_trl.py's 23.7M model on an Intel "
+                                          "Xeon). false saves that copy's memory (the size of the model's matmul "
+                                          "weights, logged at start).")
     hf_compile: Literal["auto", "step", "attention", False] = field(
         "auto", "hf engine on CPU: what of a decode step torch.compile (inductor) fuses. step: the whole step, every "
         "layer, as one compiled graph (slime/models/decode_step.py's _step_graph): no Python between the layers and "

@@ -62,11 +62,15 @@ def reference(model, prompts, new, keep_after) -> list[torch.Tensor]:
     return out
 
 
-def packed_step(model: torch.nn.Module, monkeypatch) -> DecodeStep:
-    """The hf engine's step on oneDNN with packed weights, every call on oneDNN (the tiny model's matmuls are
-    below MIN_MACS, where the packed weights would not be read)."""
+def packed_step(model: torch.nn.Module, pack: str, monkeypatch, **kwargs) -> DecodeStep:
+    """The hf engine's step with packed weights: on oneDNN (every call on oneDNN: the tiny model's matmuls are
+    below MIN_MACS, where the packed weights would not be read), or transposed copies on torch's mm."""
+    if pack == "transposed":
+        return DecodeStep(model, pack=pack, **kwargs)
+    if not onednn.available():
+        pytest.skip("this torch build has no oneDNN")
     monkeypatch.setattr(onednn, "MIN_MACS", 0)
-    return DecodeStep(model, functools.partial(onednn.linear, fallback=torch._C._nn.linear), pack=onednn.pack)
+    return DecodeStep(model, functools.partial(onednn.linear, fallback=torch._C._nn.linear), pack=pack, **kwargs)
 
 
 needs_onednn = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
@@ -77,16 +81,15 @@ needs_onednn = pytest.mark.skipif(not onednn.available(), reason="this torch bui
     ("qwen2", {}),  # q, k, v biases
     ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
 ])
-@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
-def test_decode_step_gives_the_models_logits(arch, overrides, packed, monkeypatch):
-    """Plain, and with the weights packed for oneDNN (the hf engine on oneDNN): rows leaving the batch run the
-    packed weights at any row count."""
-    if packed and not onednn.available():
-        pytest.skip("this torch build has no oneDNN")
+@pytest.mark.parametrize("pack", [None, "onednn", "transposed"], ids=["plain", "onednn", "transposed"])
+def test_decode_step_gives_the_models_logits(arch, overrides, pack, monkeypatch):
+    """Plain, and with the weights packed for oneDNN (the hf engine on oneDNN) or transposed (on MKL): rows leaving
+    the batch run the packed weights at any row count."""
     model = tiny(arch, **overrides)
     assert DecodeStep.unsupported(model) is None
     stepped = copy.deepcopy(model)
-    step = packed_step(stepped, monkeypatch) if packed else DecodeStep(stepped)
+    step = packed_step(stepped, pack, monkeypatch) if pack else DecodeStep(stepped)
+    assert len(step._packed) == (0 if pack is None else 1 + 4 * len(model.model.layers))
     prompts = [[5, 17, 33], [40, 41, 42, 43, 44, 45, 46], [9], [60, 7, 7, 12]]
     new = torch.randint(3, VOCAB, (len(prompts), 6), generator=torch.Generator().manual_seed(1))
     keep_after = {1: [0, 1, 3], 3: [2, 0]}  # rows leave, and the order of those left changes
@@ -194,23 +197,20 @@ def count_compiled_steps(monkeypatch) -> list[tuple[int, int]]:
     ("qwen2", {}),  # q, k, v biases
     ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
 ])
-@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
-def test_compiled_decode_step_gives_the_models_logits(arch, overrides, packed, monkeypatch):
+@pytest.mark.parametrize("pack", [None, "onednn", "transposed"], ids=["plain", "onednn", "transposed"])
+def test_compiled_decode_step_gives_the_models_logits(arch, overrides, pack, monkeypatch):
     """compiled=True: every step of 2 rows or more runs as one compiled graph (on oneDNN with the packed weights,
-    or on F.linear), the same logits as the model's forward, rows leaving the batch and the cache growing past its
-    capacity (a new buffer: other strides) on the way; the one-row steps run eagerly."""
-    if packed and not onednn.available():
-        pytest.skip("this torch build has no oneDNN")
+    on mm with the transposed ones, or on F.linear), the same logits as the model's forward, rows leaving the batch
+    and the cache growing past its capacity (a new buffer: other strides) on the way; the one-row steps run
+    eagerly."""
     calls = count_compiled_steps(monkeypatch)
     model = tiny(arch, **overrides)
     stepped = copy.deepcopy(model)
-    if packed:
-        monkeypatch.setattr(onednn, "MIN_MACS", 0)
-        step = DecodeStep(stepped, functools.partial(onednn.linear, fallback=torch._C._nn.linear), pack=onednn.pack,
-                          compiled=True)
-    else:
-        step = DecodeStep(stepped, compiled=True)
-    assert step._graph_inputs[3] is packed  # the graph's matmuls on oneDNN's packed weights, or on F.linear
+    step = packed_step(stepped, pack, monkeypatch, compiled=True) if pack else DecodeStep(stepped, compiled=True)
+    weights, _, _, kernel = step._graph_inputs
+    assert kernel == (pack or "linear")  # the graph's matmuls on the packed weights, or on F.linear
+    packed = {id(t) for t in step._packed.values()}
+    assert sum(id(w) in packed for w in weights) == (0 if pack is None else 1 + 4 * len(model.model.layers))
     prompts = [[5, 17, 33], [40, 41, 42, 43, 44, 45, 46], [9], [60, 7, 7, 12]]
     new = torch.randint(3, VOCAB, (len(prompts), 6), generator=torch.Generator().manual_seed(1))
     keep_after = {1: [0, 1, 3], 3: [2]}  # rows leave, and the order of those left changes
@@ -320,14 +320,14 @@ def test_a_weight_written_into_the_parameters_reaches_the_stacked_matmuls():
                                    rtol=1e-5, atol=1e-5)
 
 
-@needs_onednn
-def test_packed_weights_follow_writes_into_the_parameters(monkeypatch):
+@pytest.mark.parametrize("pack", ["onednn", "transposed"])
+def test_packed_weights_follow_writes_into_the_parameters(pack, monkeypatch):
     """The packed weights are copies. check() packs again after an in-place write into a parameter (its version
     counter moved); a write through .data (as HFEngine.update_weights writes) is not seen until refresh(): the
-    step runs the old weight until then, shown here so that the test can fail."""
+    step runs the old weight until then, shown here so that the test can fail (and that the packs are read)."""
     model = tiny("qwen3")
     stepped = copy.deepcopy(model)
-    step = packed_step(stepped, monkeypatch)
+    step = packed_step(stepped, pack, monkeypatch)
     prompts, new = [[5, 17, 33], [9]], torch.tensor([[4, 8], [15, 16]])
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():

@@ -20,9 +20,14 @@ for Llama, Qwen2 and Qwen3:
   the cache and returns the step's keys and values, which the cache's `update` then writes. On the 23.7M model of
   bench/vs_trl.py a 64-token rollout takes 0.85x the eager step's time; the first step compiles (~25 s there,
   ~6-9 s with inductor's disk cache warm);
-- with `pack` (the hf engine on oneDNN: slime/models/onednn.py's `pack`), the matmuls read packed copies of their
-  weights (the engine holds its matmul weights twice), made again by `refresh()` after every weight push and by
-  `check()` after an in-place write into a parameter.
+- with `pack`, the matmuls read copies of their weights laid out for the kernel (the engine holds its matmul
+  weights twice), made again by `refresh()` after every weight push and by `check()` after an in-place write into
+  a parameter: "onednn" (the hf engine on oneDNN) in oneDNN's blocked layout (slime/models/onednn.py's `pack`);
+  "transposed" (the hf engine on MKL's fp32 sgemm) as weight.T contiguous, so that each matmul is x @ W with
+  both operands row-major. MKL's sgemm runs the transposed-weight (x @ W.T) form of a decode step's 64-row
+  matmuls well below its peak: 1 thread on an AVX-512 Xeon, the 23.7M model's layer shapes, weights streaming
+  from memory, 94-100 GFLOP/s as x @ W.T and 127-139 GFLOP/s as x @ W (at 448 rows and more the two are within
+  5%; `python bench/cpu_matmul.py --decode`).
 
 `python bench/hf_generation.py` measures it against the same loop over HF's forward. Other families (MoE,
 sliding windows, VL) decode through the model's own forward: `DecodeStep.unsupported(model)` says why.
@@ -40,7 +45,7 @@ import torch.fx.experimental._config
 import torch.nn.functional as F
 
 from slime.models.attention import _decode_attention, decode_attention_fused, use_fused_decode_attention
-from slime.models.onednn import _mm_nt_op
+from slime.models.onednn import _mm_nt_op, pack as onednn_pack
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,21 @@ def _stack_as_views(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch
     return stacked[0], stacked[1]
 
 
+PACKS = ("onednn", "transposed")
+
+
+def transposed(weight: torch.Tensor) -> torch.Tensor:
+    """The "transposed" pack: weight (out, in) as a contiguous (in, out) copy."""
+    return weight.detach().t().contiguous()
+
+
+def mm_transposed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias from `packed` = transposed(weight): x (..., in) -> (..., out), a fresh tensor."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.mm(flat, packed) if bias is None else torch.addmm(bias, flat, packed)
+    return out.view(*x.shape[:-1], packed.shape[1])
+
+
 def rms_norm(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     """HF's RMSNorm layer `norm` applied to x: normalised in fp32, rounded to x's dtype, then times the weight
     (F.rms_norm with the weight would round once, not twice: an ulp off HF's in bf16)."""
@@ -88,7 +108,8 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 @functools.lru_cache(maxsize=8)
-def _step_graph(specs: tuple[_LayerSpec, ...], eps: float, onednn: bool) -> Callable:
+def _step_graph(specs: tuple[_LayerSpec, ...], eps: float,
+                kernel: Literal["linear", "onednn", "transposed"]) -> Callable:
     """The compiled decode step of a model whose layers `specs` describe (its sizes constants of the graph).
 
     `graph(x, cos, sin, mask, keys, values, weights)` runs all of a step's layers and its logits in one graph
@@ -96,12 +117,15 @@ def _step_graph(specs: tuple[_LayerSpec, ...], eps: float, onednn: bool) -> Call
     cos and sin (B, 1, D) as in DecodeStep.__call__; mask (B, L + 1) bool over the L cached keys and this step's;
     keys and values: per layer the cache's whole buffers (B, Hkv, capacity, D), of which the first L positions are
     read; weights: per layer 12 tensors or None (see DecodeStep._graph_weights), then the final norm's and the
-    head's weight and bias. Returns the logits and per layer the step's new keys and values (B, Hkv, D): the caller
+    head's weight and bias, the matmul weights as `kernel` reads them (F.linear: the weights themselves; onednn and
+    transposed: their packs). Returns the logits and per layer the step's new keys and values (B, Hkv, D): the caller
     writes them into the cache, so the graph mutates none of its inputs. Attention takes the cached keys and the
     new one apart (no copy of the cache to append it) under one softmax. B, L and the capacity are dynamic: one
     compile serves every batch (`_dynamic` marks them)."""
     def linear(h, w, b):
-        return _mm_nt_op(h, w, b) if onednn else F.linear(h, w, b)
+        if kernel == "onednn":
+            return _mm_nt_op(h, w, b)
+        return mm_transposed(h, w, b) if kernel == "transposed" else F.linear(h, w, b)
 
     def norm(h, w, e):
         return F.rms_norm(h, h.shape[-1:], None, e) * w
@@ -177,16 +201,20 @@ class DecodeStep:
         return None
 
     def __init__(self, model: torch.nn.Module, linear: Callable = torch._C._nn.linear,
-                 pack: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 pack: Literal["onednn", "transposed"] | None = None,
                  fused_attention: bool | Literal["fallback"] = False, compiled: bool | Literal["fallback"] = False):
-        """`linear(x, weight, bias)`; with `pack`, also `linear(x, weight, bias, packed=pack(weight))`.
-        `fused_attention`: attention runs compiled where `use_fused_decode_attention` says. `compiled`: the whole
-        step runs as one compiled graph (`_step_graph`) on batches of 2 rows or more, its matmuls on oneDNN with
-        the packed weights where `pack` is given and the model is fp32, else on F.linear. Where a compile fails (no
-        C++ compiler for inductor, say), True raises and "fallback" logs why and goes on eagerly."""
+        """`linear(x, weight, bias)` for the matmuls; with `pack` they read packed copies of the weights: "onednn"
+        calls `linear(x, weight, bias, packed=onednn.pack(weight))` (slime/models/onednn.py's `linear` takes it),
+        "transposed" `mm_transposed(x, transposed(weight), bias)`. `fused_attention`: attention runs compiled where
+        `use_fused_decode_attention` says. `compiled`: the whole step runs as one compiled graph (`_step_graph`)
+        on batches of 2 rows or more, its matmuls on the packed weights where `pack` is given and the model is fp32,
+        else on F.linear. Where a compile fails (no C++ compiler for inductor, say), True raises and "fallback" logs
+        why and goes on eagerly."""
         why = self.unsupported(model)
         if why is not None:
             raise ValueError(f"DecodeStep cannot run this model: {why}")
+        if pack not in (None, *PACKS):
+            raise ValueError(f"DecodeStep(pack={pack!r}): pack is one of {PACKS} or None")
         if compiled and model.config.hidden_act != "silu":
             raise ValueError(f"DecodeStep(compiled=...) runs SwiGLU MLPs; this model's hidden_act is "
                              f"{model.config.hidden_act!r}: pass compiled=False")
@@ -217,16 +245,19 @@ class DecodeStep:
             weights = [self.model.lm_head.weight]
             for layer, (w_qkv, _, w_gu, *_) in zip(self.model.model.layers, self._layers):
                 weights += [w_qkv, layer.self_attn.o_proj.weight, w_gu, layer.mlp.down_proj.weight]
-            self._packed = {id(w): self.pack(w) for w in weights}
+            pack = onednn_pack if self.pack == "onednn" else transposed
+            self._packed = {id(w): pack(w) for w in weights}
         if self.compiled:
             self._graph_inputs = self._graph_weights()
 
-    def _graph_weights(self) -> tuple[list, tuple[_LayerSpec, ...], float, bool]:
-        """`_step_graph`'s weights, layer specs, final norm eps and kernel (oneDNN on packed weights, or F.linear)."""
-        model, onednn = self.model, self.pack is not None and self.model.lm_head.weight.dtype == torch.float32
+    def _graph_weights(self) -> tuple[list, tuple[_LayerSpec, ...], float, str]:
+        """`_step_graph`'s weights, layer specs, final norm eps and kernel (`pack`'s on the packed weights where the
+        model is fp32, else F.linear's)."""
+        model = self.model
+        kernel = self.pack if self.pack is not None and model.lm_head.weight.dtype == torch.float32 else "linear"
 
         def w(t: torch.Tensor) -> torch.Tensor:
-            return self._packed[id(t)] if onednn else t
+            return t if kernel == "linear" else self._packed[id(t)]
 
         weights, specs = [], []
         for layer, (w_qkv, b_qkv, w_gu, b_gu, n_q, n_kv, qk_norm) in zip(model.model.layers, self._layers):
@@ -239,8 +270,8 @@ class DecodeStep:
                                     layer.post_attention_layernorm.variance_epsilon,
                                     attn.q_norm.variance_epsilon if qk_norm else None, attn.scaling))
         weights += [model.model.norm.weight, w(model.lm_head.weight), model.lm_head.bias]
-        weights = [None if t is None else t.detach() for t in weights]
-        return weights, tuple(specs), model.model.norm.variance_epsilon, onednn
+        weights = [t.detach() if t is not None and t.requires_grad else t for t in weights]  # the packs as they are
+        return weights, tuple(specs), model.model.norm.variance_epsilon, kernel
 
     def packed_bytes(self) -> int:
         """Memory held by the packed copies (their weights' size: oneDNN's blocked layout may pad a little more)."""
@@ -249,6 +280,8 @@ class DecodeStep:
     def _linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.pack is None:
             return self.linear(x, weight, bias)
+        if self.pack == "transposed":
+            return mm_transposed(x, self._packed[id(weight)], bias)
         return self.linear(x, weight, bias, packed=self._packed[id(weight)])
 
     def _pointers(self) -> list[int]:
@@ -311,7 +344,7 @@ class DecodeStep:
     def _compiled(self, x, cos, sin, mask, cache) -> torch.Tensor | None:
         """The step through `_step_graph`, its new keys and values written into the cache; None where the compile
         failed and `compiled` is "fallback" (the step then runs eagerly, and every later one)."""
-        weights, specs, eps, onednn = self._graph_inputs
+        weights, specs, eps, kernel = self._graph_inputs
         if mask is None:
             mask = torch.ones(x.shape[0], cache.layers[0].get_seq_length() + 1, dtype=torch.bool, device=x.device)
         buffers = [c.buffers() for c in cache.layers]
@@ -323,7 +356,7 @@ class DecodeStep:
         try:
             _dynamic(x, cos, sin, mask, keys, values)
             with _distinct_sizes():
-                logits, new_keys, new_values = _step_graph(specs, eps, onednn)(x, cos, sin, mask, keys, values, weights)
+                logits, new_keys, new_values = _step_graph(specs, eps, kernel)(x, cos, sin, mask, keys, values, weights)
         except Exception as e:  # inductor raises many kinds (CppCompileError, InvalidCxxCompiler, ...)
             self.compiled = self._compile_failed(self.compiled, e, "decode step", "eagerly")
             return None

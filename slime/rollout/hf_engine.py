@@ -30,7 +30,7 @@ from slime.models import fused
 from slime.models.attention import GQA_SDPA
 from slime.models.decode_step import DecodeStep
 from slime.models.loading import load_model, resolve_dtype
-from slime.models.onednn import linear as onednn_linear, pack as onednn_pack, resolve_cpu_linear, use_onednn_linears
+from slime.models.onednn import linear as onednn_linear, resolve_cpu_linear, use_onednn_linears
 from slime.multimodal.processor import MultimodalInputs, check_contexts
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
 
@@ -191,12 +191,13 @@ class HFEngine:
         fused_attention, compiled = (False, False) if why else _compile(compiled, self.model, device)
         self._step = None if why else DecodeStep(self.model, linear, fused_attention=fused_attention,
                                                   compiled=compiled,
-                                                  pack=onednn_pack if onednn and packed_weights else None)
+                                                  pack=self._pack(onednn, packed_weights, device))
         if why:
             logger.info("hf engine: decode steps run the model's own forward (%s)", why)
         elif self._step.pack is not None:
-            logger.info("hf engine: decode steps read packed copies of the matmul weights (~%.0f MB more memory; "
-                        "rollout.hf_packed_weights=false saves it)", self._step.packed_bytes() / 2 ** 20)
+            logger.info("hf engine: decode steps read %s copies of the matmul weights (~%.0f MB more memory; "
+                        "rollout.hf_packed_weights=false saves it)", "packed" if onednn else "transposed",
+                        self._step.packed_bytes() / 2 ** 20)
         self.device, self.batch_size = device, batch_size
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
@@ -215,6 +216,15 @@ class HFEngine:
         self._version = 0
         self._calls: set[_Call] = set()  # the generate() calls running (one-step-off rollout: in another thread)
         self._calls_lock = threading.Lock()
+
+    def _pack(self, onednn: bool, packed_weights: bool, device: torch.device) -> str | None:
+        """DecodeStep's `pack`: on CPU with rollout.hf_packed_weights, oneDNN's blocked layout where the engine runs
+        oneDNN, else (MKL's sgemm) transposed copies for an fp32 model."""
+        if not packed_weights or device.type != "cpu":
+            return None
+        if onednn:
+            return "onednn"
+        return "transposed" if self.model.lm_head.weight.dtype == torch.float32 else None
 
     @property
     def weight_version(self) -> int:
@@ -415,7 +425,7 @@ class HFEngine:
         if missing:
             raise RuntimeError(f"weight update {version} left {len(missing)} tensors stale, e.g. {sorted(missing)[:3]}")
         if self._step is not None:
-            self._step.refresh()  # its packed weights (oneDNN) are copies
+            self._step.refresh()  # its packed weights are copies
         self._version = version
 
     def sleep(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
