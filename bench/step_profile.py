@@ -1,6 +1,6 @@
 """Where a GRPO step's time goes, op by op, against its FLOP floor.
 
-    python bench/step_profile.py [--size medium] [--step 3] [override ...]
+    python bench/step_profile.py [--size medium] [--step 3] [--top 0] [override ...]
 
 bench/vs_trl.py's job for us (one process, 1 thread, fp32, a random Qwen3 model, 16 prompts x 4 samples x 64
 new tokens, ZeRO-3 unless an override says otherwise, e.g. train.ds_config=ds_configs/zero2.json), run in this
@@ -19,7 +19,8 @@ Printed per phase with its floor from the 1-thread matmul peak measured here (as
 2 N T_gen, update 6 N T, N the parameters without embeddings) and two efficiencies: floor / the phase's time
 without the profiler, and floor / its matmuls alone, i.e. the most it could reach if everything but the matmuls
 took no time. The last lines say how much time a step may spend outside its matmuls for floor / step time to
-reach bench/vs_trl.py's target, against what it spends now.
+reach bench/vs_trl.py's target, against what it spends now. --top N also lists each phase's N ops of most self
+time outside the matmuls, with their calls and group.
 """
 from __future__ import annotations
 
@@ -50,19 +51,23 @@ def group_of(name: str) -> str:
     return next((g for g, belongs in GROUPS.items() if belongs(name)), "other ops")
 
 
-def grouped(prof, wall: float) -> dict[str, float]:
-    """Seconds of self time per group; "outside ops": the profiled wall time no op accounts for."""
-    out = dict.fromkeys([*GROUPS, "other ops"], 0.0)
+def grouped(prof, wall: float) -> tuple[dict[str, float], list[tuple[str, int, float]]]:
+    """Seconds of self time per group ("outside ops": the profiled wall time no op accounts for), and every op
+    outside the matmuls as (name, calls, seconds), most time first."""
+    out, ops = dict.fromkeys([*GROUPS, "other ops"], 0.0), []
     for e in prof.key_averages():
         out[group_of(e.key)] += e.self_cpu_time_total / 1e6
+        if group_of(e.key) != "matmuls":
+            ops.append((e.key, e.count, e.self_cpu_time_total / 1e6))
     out["outside ops"] = max(0.0, wall - sum(out.values()))
-    return out
+    return out, sorted(ops, key=lambda op: -op[2])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="medium", choices=sorted(vs_trl.SIZES))
     ap.add_argument("--step", type=int, default=3, help="the step whose rollout and update are profiled (>= 2)")
+    ap.add_argument("--top", type=int, default=0, help="list each phase's N slowest ops outside the matmuls")
     ap.add_argument("overrides", nargs="*", help="config overrides added to bench/vs_trl.py's")
     args = ap.parse_args()
     if args.step < 2:
@@ -129,7 +134,7 @@ def main() -> None:
           f"GFLOP/s; step {args.step}: {tokens['gen']} generated tokens, {tokens['all']} in the update's batch")
     plain, matmuls = {}, {}
     for phase in ("rollout", "update"):
-        wall, groups = seen[phase]
+        wall, (groups, ops) = seen[phase]
         plain[phase] = statistics.median(walls[phase]) if walls[phase] else wall
         matmuls[phase] = groups["matmuls"]
         print(f"  {phase}: {plain[phase]:.2f} s without the profiler ({wall:.2f} s with it), floor "
@@ -137,6 +142,8 @@ def main() -> None:
               f"{groups['matmuls']:.2f} s, efficiency {floors[phase] / groups['matmuls']:.2f} if nothing else took time")
         for g, t in groups.items():
             print(f"    {g:22s} {t:6.2f} s  {100 * t / wall:5.1f}%")
+        for name, count, t in ops[:args.top]:
+            print(f"      {name[:60]:60s} {count:6d} calls {t:6.3f} s  ({group_of(name)})")
     floor, step = sum(floors.values()), sum(plain.values())
     budget = floor / vs_trl.TARGET_EFFICIENCY - sum(matmuls.values())
     print(f"  rollout + update: {step:.2f} s, floor {floor:.2f} s, efficiency {floor / step:.2f} (target >= "

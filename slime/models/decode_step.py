@@ -239,14 +239,22 @@ class DecodeStep:
         self.refresh()
 
     def refresh(self) -> None:
-        """With `pack`: pack the weights again (after a write into the parameters)."""
+        """With `pack`: pack the weights again (after a write into the parameters). Transposed copies are written
+        over in place where they are there already (no second set of copies while the new ones are made)."""
         self._views = self._pointers()
         if self.pack is not None:
             weights = [self.model.lm_head.weight]
             for layer, (w_qkv, _, w_gu, *_) in zip(self.model.model.layers, self._layers):
                 weights += [w_qkv, layer.self_attn.o_proj.weight, w_gu, layer.mlp.down_proj.weight]
-            pack = onednn_pack if self.pack == "onednn" else transposed
-            self._packed = {id(w): pack(w) for w in weights}
+            old, self._packed = self._packed, {}
+            for w in weights:
+                if self.pack == "onednn":
+                    self._packed[id(w)] = onednn_pack(w)
+                elif (p := old.pop(id(w), None)) is not None and p.shape == w.shape[::-1] and p.dtype == w.dtype \
+                        and p.device == w.device:
+                    self._packed[id(w)] = p.copy_(w.detach().t())
+                else:
+                    self._packed[id(w)] = transposed(w)
         if self.compiled:
             self._graph_inputs = self._graph_weights()
 
