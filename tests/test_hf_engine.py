@@ -281,14 +281,18 @@ def test_decode_attention_equals_sdpa(padded):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
-def test_a_weight_push_reaches_the_packed_weights_of_the_decode_step(model_path, tmp_path, monkeypatch):
-    """On oneDNN the decode step multiplies with packed copies of the weights: after update_weights it generates
-    what the model's own forward (on the weights themselves) generates from the pushed weights, not the old ones."""
+@pytest.mark.parametrize("cpu_linear,pack", [("onednn", "onednn"), ("torch", "transposed")])
+def test_a_weight_push_reaches_the_packed_weights_of_the_decode_step(model_path, tmp_path, monkeypatch, cpu_linear,
+                                                                     pack):
+    """The decode step multiplies with packed copies of the weights (oneDNN's layout on oneDNN, transposed on MKL):
+    after update_weights it generates what the model's own forward (on the weights themselves) generates from the
+    pushed weights, not the old ones."""
+    if cpu_linear == "onednn" and not onednn.available():
+        pytest.skip("this torch build has no oneDNN")
     monkeypatch.setattr(onednn, "MIN_MACS", 0)  # the tiny model's matmuls on oneDNN too
-    engine = HFEngine(ModelConfig(path=str(model_path), dtype="float32", cpu_linear="onednn"),
+    engine = HFEngine(ModelConfig(path=str(model_path), dtype="float32", cpu_linear=cpu_linear),
                       AutoTokenizer.from_pretrained(model_path), device=torch.device("cpu"))
-    assert engine._step is not None and engine._step.pack is not None
+    assert engine._step is not None and engine._step.pack == pack
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     before = [g.response_ids for (g,) in engine.generate(PROMPTS, params)]
     other = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "other", arch="qwen3", seed=2))
@@ -298,14 +302,18 @@ def test_a_weight_push_reaches_the_packed_weights_of_the_decode_step(model_path,
     assert got == want.tolist() and got != before
 
 
-@pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
-def test_rollout_hf_packed_weights_false_keeps_no_packed_copies(model_path, monkeypatch):
+@pytest.mark.parametrize("cpu_linear,pack", [("onednn", "onednn"), ("torch", "transposed")])
+def test_rollout_hf_packed_weights_false_keeps_no_packed_copies(model_path, monkeypatch, cpu_linear, pack):
     """rollout.hf_packed_weights=false (through make_engine, as the trainer builds it): the decode step multiplies
-    with the weights themselves, and generates what the packed one does."""
+    with the weights themselves, and generates what the packed one does. Packed: in oneDNN's layout where the
+    engine runs oneDNN, transposed where it runs torch's linear (MKL)."""
+    if cpu_linear == "onednn" and not onednn.available():
+        pytest.skip("this torch build has no oneDNN")
     monkeypatch.setattr(onednn, "MIN_MACS", 0)
-    model = ModelConfig(path=str(model_path), dtype="float32", cpu_linear="onednn")
+    model = ModelConfig(path=str(model_path), dtype="float32", cpu_linear=cpu_linear)
     tok, dims = AutoTokenizer.from_pretrained(model_path), types.SimpleNamespace(device=torch.device("cpu"))
     engines = {flag: make_engine(RolloutConfig(hf_packed_weights=flag), model, tok, dims) for flag in (True, False)}
+    assert engines[True]._step.pack == pack
     assert engines[True]._step._packed and engines[True]._step.packed_bytes() > 0
     assert engines[False]._step.pack is None and not engines[False]._step._packed
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
