@@ -92,7 +92,8 @@ def main() -> None:
         runs["ours, unpacked"] = lambda params: ours(params, unpacked)
         runs["ours, eager unpacked"] = lambda params: ours(params, eager_unpacked)
 
-    for e in (engine, hf_forward, attention, eager, unpacked, eager_unpacked):  # warm-up (compiles, page faults); same draws after
+    # warm-up (compiles, page faults); same draws after
+    for e in (engine, hf_forward, attention, eager, unpacked, eager_unpacked):
         if e is not None:
             ours(SamplingParams(max_new_tokens=40, n=args.n, ignore_eos=True, seed=0), e)
     settings = {"fixed lengths": SamplingParams(max_new_tokens=args.max_new, n=args.n, ignore_eos=True, seed=0),

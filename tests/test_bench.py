@@ -42,7 +42,13 @@ def test_step_profile_groups_ops_as_its_doc_says():
         F.scaled_dot_product_attention(q, q, q)
         x.clone()
         x.exp()
-    groups = step_profile.grouped(prof, wall=10.0)
+    groups, ops = step_profile.grouped(prof, wall=10.0)
     assert all(groups[g] > 0 for g in ("matmuls", "attention", "copies and optimizer", "other ops"))
     assert groups["fused chains"] == 0
     assert sum(groups.values()) == pytest.approx(10.0)  # what no op accounts for is "outside ops"
+    # --top's list: every op but the matmuls, slowest first, their times those of the groups
+    names = [name for name, _, _ in ops]
+    assert "aten::exp" in names and "aten::clone" in names and not any(step_profile.group_of(n) == "matmuls"
+                                                                         for n in names)
+    assert [t for _, _, t in ops] == sorted((t for _, _, t in ops), reverse=True)
+    assert sum(t for _, _, t in ops) == pytest.approx(sum(groups.values()) - groups["matmuls"] - groups["outside ops"])
