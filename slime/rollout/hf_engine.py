@@ -195,7 +195,7 @@ class HFEngine:
         if why:
             logger.info("hf engine: decode steps run the model's own forward (%s)", why)
         elif self._step.pack is not None:
-            logger.info("hf engine: decode steps read %s copies of the matmul weights (~%.0f MB more memory; "
+            logger.info("hf engine: decode steps read %s copies of the matmul weights (~%.1f MB more memory; "
                         "rollout.hf_packed_weights=false saves it)", "packed" if onednn else "transposed",
                         self._step.packed_bytes() / 2 ** 20)
         self.device, self.batch_size = device, batch_size
