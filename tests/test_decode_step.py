@@ -73,9 +73,6 @@ def packed_step(model: torch.nn.Module, pack: str, monkeypatch, **kwargs) -> Dec
     return DecodeStep(model, functools.partial(onednn.linear, fallback=torch._C._nn.linear), pack=pack, **kwargs)
 
 
-needs_onednn = pytest.mark.skipif(not onednn.available(), reason="this torch build has no oneDNN")
-
-
 @pytest.mark.parametrize("arch,overrides", [
     ("qwen3", {}),  # per-head q and k norms
     ("qwen2", {}),  # q, k, v biases
@@ -345,6 +342,11 @@ def test_packed_weights_follow_writes_into_the_parameters(pack, monkeypatch):
         assert not torch.allclose(decode(stepped, step, prompts, new, {})[0], want[0], atol=1e-3)
         step.refresh()
         torch.testing.assert_close(decode(stepped, step, prompts, new, {}), want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_unknown_pack_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"pack='mkl'\): pack is one of \('onednn', 'transposed'\) or None"):
+        DecodeStep(tiny("qwen3"), pack="mkl")
 
 
 @pytest.mark.parametrize("arch,overrides,why", [
