@@ -246,15 +246,14 @@ class DecodeStep:
             weights = [self.model.lm_head.weight]
             for layer, (w_qkv, _, w_gu, *_) in zip(self.model.model.layers, self._layers):
                 weights += [w_qkv, layer.self_attn.o_proj.weight, w_gu, layer.mlp.down_proj.weight]
-            old, self._packed = self._packed, {}
-            for w in weights:
-                if self.pack == "onednn":
-                    self._packed[id(w)] = onednn_pack(w)
-                elif (p := old.pop(id(w), None)) is not None and p.shape == w.shape[::-1] and p.dtype == w.dtype \
-                        and p.device == w.device:
-                    self._packed[id(w)] = p.copy_(w.detach().t())
-                else:
-                    self._packed[id(w)] = transposed(w)
+            if self.pack == "onednn":
+                self._packed = {id(w): onednn_pack(w) for w in weights}
+            else:
+                old, self._packed = self._packed, {}
+                for w in weights:
+                    p = old.get(id(w))
+                    fits = p is not None and (p.shape, p.dtype, p.device) == (w.shape[::-1], w.dtype, w.device)
+                    self._packed[id(w)] = p.copy_(w.detach().t()) if fits else transposed(w)
         if self.compiled:
             self._graph_inputs = self._graph_weights()
 

@@ -196,7 +196,7 @@ class HFEngine:
             logger.info("hf engine: decode steps run the model's own forward (%s)", why)
         elif self._step.pack is not None:
             logger.info("hf engine: decode steps read %s copies of the matmul weights (~%.1f MB more memory; "
-                        "rollout.hf_packed_weights=false saves it)", "packed" if onednn else "transposed",
+                        "rollout.hf_packed_weights=false saves it)", self._step.pack,
                         self._step.packed_bytes() / 2 ** 20)
         self.device, self.batch_size = device, batch_size
         self.pad_id = tokenizer.pad_token_id
