@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from data_tools.make_tiny_model import tiny_config
 from slime.models import attention, onednn
 from slime.models.attention import GQA_SDPA, _decode_attention, decode_attention_fused
-from slime.models.decode_step import DecodeStep
+from slime.models.decode_step import DecodeStep, cached_attention
 from slime.rollout.hf_engine import PreallocatedLayer
 
 VOCAB = 97
@@ -117,6 +117,28 @@ def test_fused_decode_attention_is_the_matmuls_and_sdpa(dtype, tol, keys):
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
     torch.testing.assert_close(decode_attention_fused(q, k, v, None, None),  # no mask, the default scale
                                _decode_attention(q, k, v, None, None), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("keys", [1, 7, 40])
+def test_cached_attention_is_sdpa_over_the_cache_and_the_new_key(keys):
+    """The compiled step's attention, eagerly: this step's key and value kept apart from the cache's (a strided view
+    of a larger buffer) give sdpa's output over the cache with them appended; GQA, rows whose first keys are
+    padding, one row that sees only its new key."""
+    g = torch.Generator().manual_seed(keys)
+    b, heads, kv_heads, d = 3, 4, 2, 16
+    cache_k, cache_v = (torch.randn(b, kv_heads, keys + 5, d, generator=g) for _ in range(2))
+    k, v = (torch.randn(b, kv_heads, d, generator=g) for _ in range(2))
+    q = torch.randn(b, heads, d, generator=g)
+    mask = torch.ones(b, keys + 1, dtype=torch.bool)
+    mask[1, :keys // 2] = False
+    mask[2, :keys] = False
+    got = cached_attention(q.view(b, kv_heads, heads // kv_heads, d), k, v, cache_k[:, :, :keys],
+                           cache_v[:, :, :keys], mask, 0.3)
+    all_k, all_v = (torch.cat([c[:, :, :keys], new[:, :, None]], 2) for c, new in ((cache_k, k), (cache_v, v)))
+    want = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], all_k, all_v, attn_mask=mask[:, None, None],
+                                                            scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(got.reshape(b, heads, d), want[:, :, 0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[2].reshape(heads, d), v[2].repeat_interleave(heads // kv_heads, 0))
 
 
 def test_decode_step_with_fused_attention_gives_the_models_logits(monkeypatch):

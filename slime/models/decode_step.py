@@ -107,6 +107,19 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return t * cos + t.roll(t.shape[-1] // 2, -1) * sin
 
 
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor,
+                     mask: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The compiled decode step's attention: q (B, Hkv, G, D), one query per row with the G query heads of each KV
+    head; this step's key and value k, v (B, Hkv, D); the cache's L keys and values (B, Hkv, L, D); mask (B, L + 1)
+    -> (B, Hkv, G, D). The cache's and this step's scores go under one softmax without appending k and v to the
+    cache first (no copy of it). Sums of products, which inductor turns into loops (`bench/decode_attention.py`
+    times them against a plain read of the cache, the bound)."""
+    scores = torch.cat([(q.unsqueeze(3) * cached_k.unsqueeze(2)).sum(-1),  # (B, Hkv, G, L): the cache's
+                        (q * k.unsqueeze(2)).sum(-1, keepdim=True)], -1) * scaling  # and this step's
+    p = scores.masked_fill(~mask[:, None, None], float("-inf")).softmax(-1)
+    return (p[..., :-1].unsqueeze(-1) * cached_v.unsqueeze(2)).sum(3) + p[..., -1:] * v.unsqueeze(2)
+
+
 @functools.lru_cache(maxsize=8)
 def _step_graph(specs: tuple[_LayerSpec, ...], eps: float,
                 kernel: Literal["linear", "onednn", "transposed"]) -> Callable:
@@ -118,10 +131,9 @@ def _step_graph(specs: tuple[_LayerSpec, ...], eps: float,
     keys and values: per layer the cache's whole buffers (B, Hkv, capacity, D), of which the first L positions are
     read; weights: per layer 12 tensors or None (see DecodeStep._graph_weights), then the final norm's and the
     head's weight and bias, the matmul weights as `kernel` reads them (F.linear: the weights themselves; onednn and
-    transposed: their packs). Returns the logits and per layer the step's new keys and values (B, Hkv, D): the caller
-    writes them into the cache, so the graph mutates none of its inputs. Attention takes the cached keys and the
-    new one apart (no copy of the cache to append it) under one softmax. B, L and the capacity are dynamic: one
-    compile serves every batch (`_dynamic` marks them)."""
+    transposed: their packs); attention is `cached_attention`. Returns the logits and per layer the step's new keys
+    and values (B, Hkv, D): the caller writes them into the cache, so the graph mutates none of its inputs. B, L and
+    the capacity are dynamic: one compile serves every batch (`_dynamic` marks them)."""
     def linear(h, w, b):
         if kernel == "onednn":
             return _mm_nt_op(h, w, b)
@@ -140,11 +152,7 @@ def _step_graph(specs: tuple[_LayerSpec, ...], eps: float,
             if spec.qk_eps is not None:
                 q, k = norm(q, w_qn, spec.qk_eps), norm(k, w_kn, spec.qk_eps)
             q, k = _rope(q, cos, sin).view(rows, n_kv, n_q // n_kv, d), _rope(k, cos, sin)
-            cached_k, cached_v = keys[i][:, :, :length], values[i][:, :, :length]
-            scores = torch.cat([(q.unsqueeze(3) * cached_k.unsqueeze(2)).sum(-1),  # (B, Hkv, G, L): the cache's
-                                (q * k.unsqueeze(2)).sum(-1, keepdim=True)], -1) * spec.scaling  # and this step's
-            p = scores.masked_fill(~mask[:, None, None], float("-inf")).softmax(-1)
-            o = (p[..., :-1].unsqueeze(-1) * cached_v.unsqueeze(2)).sum(3) + p[..., -1:] * v.unsqueeze(2)
+            o = cached_attention(q, k, v, keys[i][:, :, :length], values[i][:, :, :length], mask, spec.scaling)
             x = x + linear(o.reshape(rows, n_q * d), w_o, b_o)
             gate, up = linear(norm(x, w_post, spec.post_eps), w_gu, b_gu).chunk(2, -1)
             x = x + linear(F.silu(gate) * up, w_down, b_down)
