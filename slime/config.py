@@ -199,6 +199,9 @@ class RolloutConfig:
     def __post_init__(self):
         if self.over_sample_factor < 1:
             raise ValueError("rollout.over_sample_factor must be >= 1")
+        if not self.sync_bucket_mb > 0:
+            raise ValueError(f"rollout.sync_bucket_mb={self.sync_bucket_mb} must be > 0 (MB per bucket of the weight "
+                             "push)")
         if self.batch_size < 1 or self.n_samples_per_prompt < 1:
             raise ValueError("rollout.batch_size and rollout.n_samples_per_prompt must be >= 1")
         if not 0 < self.top_p <= 1:
@@ -233,6 +236,16 @@ class CriticConfig:
     value_clip: float = field(0.2, "Clip range of the value update around the old values.")
     value_loss_coef: float = field(0.5, "Weight of the value loss.")
     warmup_steps: int = field(0, "Steps in which only the critic trains.")
+
+    def __post_init__(self):
+        if not 0 <= self.lr < float("inf"):
+            raise ValueError(f"algo.critic.lr={self.lr} must be a finite number >= 0")
+        if not 0 < self.value_clip < float("inf"):
+            raise ValueError(f"algo.critic.value_clip={self.value_clip} must be > 0 (the clip range of the value "
+                             "update around the old values) and finite")
+        if not 0 <= self.value_loss_coef < float("inf") or self.warmup_steps < 0:
+            raise ValueError(f"algo.critic.value_loss_coef={self.value_loss_coef} and algo.critic.warmup_steps="
+                             f"{self.warmup_steps} must be >= 0 (and the coefficient finite)")
 
 
 @dataclasses.dataclass
@@ -396,14 +409,21 @@ class TrainConfig:
             raise ValueError("train.max_skipped_steps must be >= 1 and train.dist_timeout_minutes > 0")
         if self.max_tokens_per_gpu < 1:
             raise ValueError("train.max_tokens_per_gpu must be >= 1")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"train.micro_batch_size={self.micro_batch_size} must be >= 1 (samples per micro-batch "
+                             "when train.packing is off)")
+        if self.logprob_max_tokens_per_gpu < 0:
+            raise ValueError(f"train.logprob_max_tokens_per_gpu={self.logprob_max_tokens_per_gpu} must be >= 0 "
+                             "(0 = 2 x train.max_tokens_per_gpu)")
         if self.num_mini_batches < 1:
             raise ValueError("train.num_mini_batches must be >= 1")
         if self.logits_chunk_size < 1:
             raise ValueError(f"train.logits_chunk_size={self.logits_chunk_size} must be >= 1 (tokens per chunk)")
-        if not (self.lr >= 0 and self.min_lr >= 0 and self.weight_decay >= 0 and self.grad_clip >= 0) \
+        if not all(0 <= x < float("inf") for x in (self.lr, self.min_lr, self.weight_decay, self.grad_clip)) \
                 or self.warmup_steps < 0:
             raise ValueError(f"train.lr={self.lr}, train.min_lr={self.min_lr}, train.weight_decay={self.weight_decay}, "
-                             f"train.grad_clip={self.grad_clip} and train.warmup_steps={self.warmup_steps} must be >= 0")
+                             f"train.grad_clip={self.grad_clip} and train.warmup_steps={self.warmup_steps} must be >= 0 "
+                             "(and finite)")
         if self.lr_schedule == "cosine" and self.min_lr > self.lr:  # a constant schedule never reads min_lr
             raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}: the schedule would climb to it "
                              "instead of decaying; min_lr is the floor the cosine decays to (<= train.lr)")

@@ -58,6 +58,14 @@ def test_int_is_accepted_for_float():
     ("train.betas=[0.9]", ["train.betas=[0.9]", "two numbers in [0, 1)"]),
     ("train.betas=[1.5,0.999]", ["train.betas=[1.5, 0.999]"]),
     ("algo.kl_coef=-1", ["algo.kl_coef=-1.0 must be >= 0"]),
+    ("train.lr=.inf", ["train.lr=inf", "finite"]),
+    ("train.micro_batch_size=0", ["train.micro_batch_size=0", ">= 1"]),
+    ("train.logprob_max_tokens_per_gpu=-5", ["train.logprob_max_tokens_per_gpu=-5", ">= 0"]),
+    ("rollout.sync_bucket_mb=0", ["rollout.sync_bucket_mb=0", "> 0"]),
+    ("algo.critic.lr=-1", ["algo.critic.lr=-1.0", ">= 0"]),
+    ("algo.critic.value_clip=-1", ["algo.critic.value_clip=-1.0", "> 0"]),
+    ("algo.critic.value_loss_coef=-1", ["algo.critic.value_loss_coef=-1.0"]),
+    ("algo.critic.warmup_steps=-5", ["algo.critic.warmup_steps=-5"]),
 ])
 def test_bad_config_names_key(override, words):
     with pytest.raises((ValueError, TypeError)) as err:
