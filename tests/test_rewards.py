@@ -248,6 +248,27 @@ def test_bad_specs(spec, kwargs, match):
         make_reward_fn(spec, **kwargs)
 
 
+@pytest.mark.parametrize("spec,match", [
+    ("exact_mach", r"rollout.reward.fn: unknown reward spec 'exact_mach' \(did you mean 'exact_match'\?\)"),
+    ("no_such_module_xyz:f", r"rollout.reward.fn: reward spec 'no_such_module_xyz:f': no module 'no_such_module_xyz'"),
+    ("no_such_pkg_xyz.sub:f", "no module 'no_such_pkg_xyz.sub'"),
+    (":f", "'package.module:function'"),
+    ({"math": 1.0, "oops": 1.0}, "unknown reward spec 'oops'"),
+])
+def test_a_spec_that_cannot_load_is_refused_before_the_run_loads_anything(spec, match):
+    """check_reward_spec (called before the models load) names the key and the fix; it imports no user module."""
+    with pytest.raises(ValueError, match=match):
+        rewards.check_reward_spec(spec)
+
+
+@pytest.mark.parametrize("spec", ["math", "reward_fns_for_test:rank_in_group", "reward_fns_for_test:missing",
+                                  "http://127.0.0.1:1/score", "model:/no/such/dir", {"math": 1.0, "format": 0.1}])
+def test_a_spec_that_may_load_passes_the_early_check(spec):
+    """What only loading can tell (a missing function in a module that exists, a reward model's files) is left to
+    the load, with its own message (test_bad_specs)."""
+    rewards.check_reward_spec(spec)
+
+
 @pytest.mark.parametrize("fn_name,granularity,match", [
     ("returns_string", "sample", "returns_string returned str"),
     ("dict_without_reward", "sample", "dict_without_reward returned a dict without a 'reward'"),

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import difflib
 import importlib
+import importlib.util
 import inspect
 import logging
 import math
@@ -469,6 +471,29 @@ def make_reward_fn(spec: str | dict[str, float], *, granularity: str = "sample",
     """Build the reward callable for a run's reward spec (see the module docstring). `batched` (batch_size,
     max_retries, retry_backoff) configures reward servers and models."""
     return RewardFn(spec, granularity=granularity, max_concurrency=max_concurrency, timeout=timeout, **batched)
+
+
+def check_reward_spec(spec: str | dict, key: str = "rollout.reward.fn") -> None:
+    """Refuse a spec that cannot load, before anything slow runs (models load before the reward function): an
+    unknown name (with the built-in it is closest to), or a user function whose module is not importable. Imports
+    no user module (a module's own import errors show when the run loads it) and loads no model."""
+    for name in ([spec] if isinstance(spec, str) else list(spec) if isinstance(spec, dict) else []):
+        if not isinstance(name, str) or is_remote(name) or is_reward_model(name) or name in BUILTIN_REWARDS:
+            continue  # a bad entry type is the RewardFn's to explain
+        if ":" not in name:
+            close = difflib.get_close_matches(name, list(BUILTIN_REWARDS), n=1)
+            raise ValueError(f"{key}: unknown reward spec {name!r}"
+                             + (f" (did you mean {close[0]!r}?)" if close else "") + f"; {_SPEC_HELP}")
+        module_name, _, attr = name.partition(":")
+        try:
+            found = bool(module_name and attr) and importlib.util.find_spec(module_name) is not None
+        except (ImportError, ValueError):  # a parent package that is missing, or a relative name
+            found = False
+        if not found:
+            raise ValueError(f"{key}: reward spec {name!r}: "
+                             + (f"no module {module_name!r} is importable (is its directory on PYTHONPATH?)"
+                                if module_name and attr else "give it as 'package.module:function'")
+                             + f"; {_SPEC_HELP}")
 
 
 def reward_fn_from_config(cfg) -> RewardFn:

@@ -26,7 +26,7 @@ from slime.distributed.parallel_dims import ParallelDims
 from slime.models.export import exported_step
 from slime.models.loading import check_stop_ids, load_processor, load_tokenizer, warn_past_context
 from slime.rollout.engine import make_engine
-from slime.rollout.rewards import needs_label, reward_fn_from_config
+from slime.rollout.rewards import check_reward_spec, needs_label, reward_fn_from_config
 from slime.rollout.rollout import RolloutAhead, collect_rollout
 from slime.trainer.advantages import compute_advantages
 from slime.trainer.checkpoint import load_checkpoint, save_checkpoint
@@ -150,6 +150,7 @@ def run(cfg: Config) -> dict:
     seed_everything(cfg.train.seed + dims.rank)  # per-rank sampling streams, reproducible
     run_dir, sft = Path(cfg.log.run_dir), cfg.algo.policy_loss == "sft"
     check_run_dir(cfg, run_dir)
+    check_reward_spec(cfg.rollout.reward.fn)  # before the models load: a typo found in seconds, not minutes
     stop = StopRequest.install()
     ckpt_dir = run_dir / "checkpoints"
     tokenizer = load_tokenizer(cfg.model)
