@@ -161,8 +161,9 @@ class PolicyEngine:
 
     def forward(self, mb: MicroBatch):
         """(logprobs (N,), entropies (N,)) for the policy roles, values (N,) for the critic."""
-        if mb.input_ids.numel() and int(mb.input_ids.max()) >= self.vocab_size:  # else an IndexError deep in torch
-            raise ValueError(f"token id {int(mb.input_ids.max())} of the samples at positions {mb.indices} on this "
+        top = max((int(t.max()) for t in (mb.input_ids, mb.target_ids) if t is not None and t.numel()), default=0)
+        if top >= self.vocab_size:  # else an IndexError deep in torch (a response's last token is only a target)
+            raise ValueError(f"token id {top} of the samples at positions {mb.indices} on this "
                              f"rank is outside the model's vocabulary [0, {self.vocab_size}): ids from another "
                              "tokenizer (a rollout.generate_fn, a custom reward's rewrite, data of another model?)")
         mb = mb.to(self.dims.device)

@@ -1,6 +1,7 @@
 """Run on 2 ranks by tests/test_faults.py: a loss that turns NaN or inf (or NaN pi_old in one sample) skips the
 optimizer step on every rank together (weights unchanged, counted), and train.max_skipped_steps skips in a row
-stop the run.
+stop the run; a token id outside the vocabulary is refused, naming the samples, even where it is only a
+scored target.
 
     torchrun --standalone --nproc_per_node 2 tests/dist/fault_checks.py MODEL_DIR OUT_DIR
 """
@@ -60,8 +61,18 @@ def main() -> None:
         actor.train_step(batch, functools.partial(poisoned, cfg.algo, 0))
     except RuntimeError as e:
         error = str(e)
+    # A response whose last token is outside the vocabulary: that token is only a target, in no input row
+    sample = batch.samples[0]
+    response = sample.response_ids
+    sample.response_ids = [*response[:-1], actor.vocab_size]
+    vocab_error = None
+    try:
+        actor.score(batch)
+    except ValueError as e:
+        vocab_error = str(e)
+    sample.response_ids = response
     if dims.is_main:
-        (out / "result.json").write_text(json.dumps({
+        (out / "result.json").write_text(json.dumps({"vocab_error": vocab_error,
             "skipped": skipped["train/skipped_steps"], "grad_norm": skipped["train/grad_norm"],
             "unchanged": unchanged, "good_skipped": good["train/skipped_steps"], "moved": moved, "error": error,
             "nan_input_skipped": nan_input["train/skipped_steps"], "nan_input_unchanged": nan_input_unchanged}))
