@@ -198,6 +198,20 @@ def test_kill_9_of_the_whole_job_then_rerun_is_exact(model, task_dir, straight, 
     assert_same_run(run_dir, straight)  # metrics.jsonl holds each step once
 
 
+def test_a_run_of_skipped_steps_counts_on_across_a_resume(model, task_dir, tmp_path):
+    """train.max_skipped_steps counts skips in a row across a resume, as in a run never stopped: a skip at step 2,
+    checkpointed, then one at step 3 of the resumed run are 2 in a row (tests/dist/nan_norm_run.py makes them)."""
+    run_dir = tmp_path / "run"
+    args = [str(REPO / "tests/dist/nan_norm_run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"),
+            *job_overrides(model, task_dir, run_dir), "train.max_skipped_steps=2", "checkpoint.interval=1"]
+    run_ranks([*args, "train.num_steps=2"], nproc=1, env={"SLIME_TEST_NAN_NORM_AT": "2"})
+    assert [r["train/skipped_steps"] for r in read_metrics(run_dir)] == [0.0, 1.0]
+    proc = run_ranks([*args, "train.num_steps=4"], nproc=1, env={"SLIME_TEST_NAN_NORM_AT": "1"}, check=False)
+    assert proc.returncode != 0, proc.stdout[-2000:]  # the resumed run's first step is the run's step 3
+    assert "2 consecutive optimizer steps of the actor had a non-finite" in proc.stdout + proc.stderr
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
+
+
 def test_resume_refuses_another_model_or_zero_stage_or_no_resume_and_applies_a_changed_lr(model, task_dir, tmp_path):
     from data_tools.make_tiny_model import make_tiny_model
 
