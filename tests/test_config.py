@@ -273,6 +273,20 @@ def test_an_unwritable_run_dir_or_a_missing_logger_is_said_before_anything_loads
         check_run_dir(load_config(None, BASE + ["log.tensorboard=true"]), tmp_path / "run")
 
 
+def test_a_fresh_start_refuses_a_run_dir_with_another_runs_checkpoints(tmp_path):
+    """checkpoint.resume=false in a directory whose metrics are gone but whose checkpoints are not: refused (the
+    first save would prune them as if left by this run); an empty checkpoints folder, or resume=true, is fine."""
+    from slime.trainer.loop import check_run_dir
+
+    fresh = load_config(None, BASE + ["checkpoint.resume=false"])
+    (tmp_path / "checkpoints").mkdir()
+    check_run_dir(fresh, tmp_path)
+    (tmp_path / "checkpoints" / "step_2").mkdir()
+    with pytest.raises(ValueError, match=r"already holds a run \(.*checkpoints/step_2\).*checkpoint.resume=true"):
+        check_run_dir(fresh, tmp_path)
+    check_run_dir(load_config(None, BASE + ["checkpoint.resume=true"]), tmp_path)
+
+
 def test_gspo_with_ppo_sized_clips_is_warned_about(caplog):
     with caplog.at_level("WARNING", logger="slime.config"):
         load_config(None, ["model.path=m", "data.path=d.jsonl", "algo.policy_loss=gspo"])

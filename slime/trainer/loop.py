@@ -133,8 +133,10 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
             raise ValueError(f"log.{logger_name}=true but {logger_name} is not installed: pip install {logger_name}, "
                              f"or set log.{logger_name}=false")
     metrics = run_dir / "metrics.jsonl"
-    if not cfg.checkpoint.resume and metrics.is_file() and metrics.stat().st_size:
-        raise ValueError(f"log.run_dir={run_dir} already holds a run ({metrics}); with checkpoint.resume=false it "
+    saved = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
+    held = metrics if metrics.is_file() and metrics.stat().st_size else saved[0] if saved else None
+    if not cfg.checkpoint.resume and held is not None:  # checkpoints alone too: the first save would prune them
+        raise ValueError(f"log.run_dir={run_dir} already holds a run ({held}); with checkpoint.resume=false it "
                          "would be mixed with this one. Use a new log.run_dir, delete the old one, or set "
                          "checkpoint.resume=true to continue it")
 
