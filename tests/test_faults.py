@@ -212,6 +212,23 @@ def test_a_run_of_skipped_steps_counts_on_across_a_resume(model, task_dir, tmp_p
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
 
 
+def test_the_micro_batch_plan_fits_a_critic_that_cannot_share_prompts(model, task_dir, tmp_path):
+    """A MoE critic under a dense actor keeps each sample's prompt (no shared prompts): the training plan counts
+    them, so the critic's micro-batches stay within train.max_tokens_per_gpu (planned with the actor's shared
+    prompts, they reached 204-240 tokens of a 128 budget)."""
+    from data_tools.make_tiny_model import make_tiny_model
+
+    critic = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", seed=0)
+    out = tmp_path / "tokens.json"
+    run_ranks([str(REPO / "tests/dist/micro_batch_tokens_run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"),
+               *job_overrides(model, task_dir, tmp_path / "run"), "train.num_steps=2", "algo.advantage_estimator=gae",
+               f"algo.critic.path={critic}", "train.max_tokens_per_gpu=128", "rollout.max_response_len=8"],
+              nproc=1, env={"SLIME_TEST_TOKENS_OUT": str(out)})
+    largest = json.loads(out.read_text())
+    assert set(largest) == {"actor", "critic"} and max(largest.values()) <= 128, largest
+    assert largest["critic"] > 64, largest  # the budget is in play: micro-batches are not trivially small
+
+
 def test_resume_refuses_another_model_or_zero_stage_or_no_resume_and_applies_a_changed_lr(model, task_dir, tmp_path):
     from data_tools.make_tiny_model import make_tiny_model
 

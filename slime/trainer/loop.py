@@ -230,6 +230,10 @@ def run(cfg: Config) -> dict:
     ahead = RolloutAhead(engine, data, cfg.rollout, tokenizer, reward_fn, dims, seed=cfg.train.seed) \
         if cfg.rollout.one_step_off and not sft else None
     pending_eval: list[int] = []
+    # The micro-batch plan must fit every trained model's rows: a critic that cannot share prompts (a MoE critic
+    # under a dense actor) lays each sample's prompt out again, beyond a budget planned with shared prompts.
+    plan_layout = critic.train_layout if critic is not None and actor.share_prompts and not critic.share_prompts \
+        else actor.train_layout
 
     def checkpoint(done: int) -> Path:
         data_state = ahead.data_state if ahead is not None and ahead.in_flight else data.state_dict()
@@ -276,7 +280,7 @@ def run(cfg: Config) -> dict:
 
                 t1 = time.time()
                 phase.now = "balancing"
-                batch = distribute(local, dims, actor.train_layout, num_mini_batches=cfg.train.num_mini_batches)
+                batch = distribute(local, dims, plan_layout, num_mini_batches=cfg.train.num_mini_batches)
                 metrics["train/moved_sample_frac"] = batch.moved / batch.num_samples
                 phase.now = "scoring (old/reference logprobs, values, advantages)"
                 if not sft:
