@@ -303,6 +303,35 @@ def test_a_weight_push_reaches_the_packed_weights_of_the_decode_step(model_path,
 
 
 @pytest.mark.parametrize("cpu_linear,pack", [("onednn", "onednn"), ("torch", "transposed")])
+def test_a_push_that_fails_part_way_leaves_the_decode_step_on_the_weights_it_wrote(model_path, tmp_path, monkeypatch,
+                                                                                  cpu_linear, pack):
+    """A push that raises after writing some parameters (a name the model lacks, at the end): the packed copies
+    follow the weights written, so decoding stays the model's own forward on them (the error is the caller's)."""
+    if cpu_linear == "onednn" and not onednn.available():
+        pytest.skip("this torch build has no oneDNN")
+    monkeypatch.setattr(onednn, "MIN_MACS", 0)
+    engine = HFEngine(ModelConfig(path=str(model_path), dtype="float32", cpu_linear=cpu_linear),
+                      AutoTokenizer.from_pretrained(model_path), device=torch.device("cpu"))
+    assert engine._step is not None and engine._step.pack == pack
+    other = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "other", arch="qwen3", seed=2))
+    bogus = ("model.no_such.weight", torch.zeros(1))
+    with pytest.raises(KeyError, match="model.no_such.weight"):
+        engine.update_weights([[(n, p.detach()) for n, p in other.named_parameters()], [bogus]], version=1)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    got = [g.response_ids for (g,) in engine.generate(PROMPTS, params)]
+    want, _ = hf_generate(engine, PROMPTS, params)
+    assert got == want.tolist() and engine.weight_version == 0
+
+
+@pytest.mark.parametrize("cpu_linear", ["onednn", "torch"])
+def test_a_bf16_engine_keeps_no_packed_copies(model_path, cpu_linear):
+    """The packed kernels are fp32's: a bf16 model decodes on its weights, so no copies are kept (they went unread)."""
+    engine = HFEngine(ModelConfig(path=str(model_path), dtype="bfloat16", cpu_linear=cpu_linear),
+                      AutoTokenizer.from_pretrained(model_path), device=torch.device("cpu"))
+    assert engine._step is not None and engine._step.pack is None and engine._step.packed_bytes() == 0
+
+
+@pytest.mark.parametrize("cpu_linear,pack", [("onednn", "onednn"), ("torch", "transposed")])
 def test_rollout_hf_packed_weights_false_keeps_no_packed_copies(model_path, monkeypatch, cpu_linear, pack):
     """rollout.hf_packed_weights=false (through make_engine, as the trainer builds it): the decode step multiplies
     with the weights themselves, and generates what the packed one does. Packed: in oneDNN's layout where the

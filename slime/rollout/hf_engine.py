@@ -218,13 +218,12 @@ class HFEngine:
         self._calls_lock = threading.Lock()
 
     def _pack(self, onednn: bool, packed_weights: bool, device: torch.device) -> str | None:
-        """DecodeStep's `pack`: on CPU with rollout.hf_packed_weights, oneDNN's blocked layout where the engine runs
-        oneDNN, else (MKL's sgemm) transposed copies for an fp32 model."""
-        if not packed_weights or device.type != "cpu":
+        """DecodeStep's `pack`: on CPU with rollout.hf_packed_weights, for an fp32 model (the packed kernels' dtype;
+        other dtypes decode on the plain weights, and copies would go unread), oneDNN's blocked layout where the engine
+        runs oneDNN, else (MKL's sgemm) transposed copies."""
+        if not packed_weights or device.type != "cpu" or self.model.lm_head.weight.dtype != torch.float32:
             return None
-        if onednn:
-            return "onednn"
-        return "transposed" if self.model.lm_head.weight.dtype == torch.float32 else None
+        return "onednn" if onednn else "transposed"
 
     @property
     def weight_version(self) -> int:
@@ -409,23 +408,25 @@ class HFEngine:
     def update_weights(self, buckets: Iterable[NamedTensors], version: int) -> None:
         """Load checkpoint-named tensors (as SGLang would) into the in-memory parameters."""
         seen = set()
-        for bucket in buckets:
-            for name, tensor in bucket:
-                if name not in self._load_plan:
-                    raise KeyError(f"weight '{name}' from the trainer has no counterpart in the hf engine's model")
-                target, positions = self._load_plan[name]
-                param = self._params[target].data
-                tensor = tensor.to(param.device, param.dtype)
-                if positions is None:
-                    param.copy_(tensor)
-                else:
-                    param.view(-1)[positions.to(param.device)] = tensor.reshape(-1)
-                seen.add(name)
+        try:
+            for bucket in buckets:
+                for name, tensor in bucket:
+                    if name not in self._load_plan:
+                        raise KeyError(f"weight '{name}' from the trainer has no counterpart in the hf engine's model")
+                    target, positions = self._load_plan[name]
+                    param = self._params[target].data
+                    tensor = tensor.to(param.device, param.dtype)
+                    if positions is None:
+                        param.copy_(tensor)
+                    else:
+                        param.view(-1)[positions.to(param.device)] = tensor.reshape(-1)
+                    seen.add(name)
+        finally:  # a push that fails part-way has written some parameters: the step's copies follow them too
+            if self._step is not None and seen:
+                self._step.refresh()  # its packed weights are copies
         missing = set(self._load_plan) - seen
         if missing:
             raise RuntimeError(f"weight update {version} left {len(missing)} tensors stale, e.g. {sorted(missing)[:3]}")
-        if self._step is not None:
-            self._step.refresh()  # its packed weights are copies
         self._version = version
 
     def sleep(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
