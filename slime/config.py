@@ -422,8 +422,8 @@ class TrainConfig:
         if not all(0 <= x < float("inf") for x in (self.lr, self.min_lr, self.weight_decay, self.grad_clip)) \
                 or self.warmup_steps < 0:
             raise ValueError(f"train.lr={self.lr}, train.min_lr={self.min_lr}, train.weight_decay={self.weight_decay}, "
-                             f"train.grad_clip={self.grad_clip} and train.warmup_steps={self.warmup_steps} must be >= 0 "
-                             "(and finite)")
+                             f"train.grad_clip={self.grad_clip} and train.warmup_steps={self.warmup_steps} must be "
+                             ">= 0 (and finite)")
         if self.lr_schedule == "cosine" and self.min_lr > self.lr:  # a constant schedule never reads min_lr
             raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}: the schedule would climb to it "
                              "instead of decaying; min_lr is the floor the cosine decays to (<= train.lr)")

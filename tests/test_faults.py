@@ -220,8 +220,8 @@ def test_the_micro_batch_plan_fits_a_critic_that_cannot_share_prompts(model, tas
 
     critic = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", seed=0)
     out = tmp_path / "tokens.json"
-    run_ranks([str(REPO / "tests/dist/micro_batch_tokens_run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"),
-               *job_overrides(model, task_dir, tmp_path / "run"), "train.num_steps=2", "algo.advantage_estimator=gae",
+    run_ranks([str(REPO / "tests/dist/micro_batch_tokens_run.py"), "--config",
+               str(REPO / "examples/cpu_tiny_grpo.yaml"), *job_overrides(model, task_dir, tmp_path / "run"), "train.num_steps=2", "algo.advantage_estimator=gae",
                f"algo.critic.path={critic}", "train.max_tokens_per_gpu=128", "rollout.max_response_len=8"],
               nproc=1, env={"SLIME_TEST_TOKENS_OUT": str(out)})
     largest = json.loads(out.read_text())

@@ -197,7 +197,7 @@ def run(cfg: Config) -> dict:
             data.load_state_dict(state["data"])
             for role, e in trained.items():
                 e.apply_optim_settings(cfg, changed=state["changed_optim"])
-                e.consecutive_skips = state.get("consecutive_skips", {}).get(role, 0)  # absent before 12/2026
+                e.consecutive_skips = state.get("consecutive_skips", {}).get(role, 0)  # older checkpoints: none
     bucket_mb = cfg.rollout.sync_bucket_mb
     if engine is not None:
         sync_weights(actor, engine, version=start_step, bucket_mb=bucket_mb)  # the engine starts from the trainer's weights
@@ -239,8 +239,8 @@ def run(cfg: Config) -> dict:
         data_state = ahead.data_state if ahead is not None and ahead.in_flight else data.state_dict()
         data_state = data.with_skips_of_all_ranks(data_state, dims.all_reduce_sum)
         skips = {role: e.consecutive_skips for role, e in trained.items()}  # train.max_skipped_steps counts on
-        return save_checkpoint(trained, ckpt_dir, step=done, loop_state={"data": data_state, "consecutive_skips": skips},
-                               dims=dims, identity=identity, keep=cfg.checkpoint.keep)
+        return save_checkpoint(trained, ckpt_dir, step=done, dims=dims, identity=identity, keep=cfg.checkpoint.keep,
+                               loop_state={"data": data_state, "consecutive_skips": skips})
 
     try:
         # A resumed step keeps the evaluation the run it continues logged of it (rank 0 read that history); one
