@@ -75,6 +75,11 @@ def nan_logprobs(ctx: RolloutContext):
     return _two_token_samples(ctx, lambda s: setattr(s, "rollout_logprobs", s.rollout_logprobs * float("nan")))
 
 
+def list_logprobs(ctx: RolloutContext):
+    """Logprobs as a Python list (the Sample docstring asks for tensors): taken, as a tensor."""
+    return _two_token_samples(ctx, lambda s: setattr(s, "rollout_logprobs", s.rollout_logprobs.tolist()))
+
+
 def positive_logprobs(ctx: RolloutContext):
     return _two_token_samples(ctx, lambda s: setattr(s, "rollout_logprobs", s.rollout_logprobs.abs() + 5))
 

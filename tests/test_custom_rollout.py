@@ -273,6 +273,38 @@ class ScriptedEngine:
         return [[Generation(ids, [-0.5] * len(ids), reason)]]
 
 
+def test_a_trajectory_ends_at_its_length_limit_when_an_observation_is_cut_and_a_zero_budget_generates_nothing(
+        tokenizer):
+    """An observation cut at rollout.max_response_len ends the sample as 'length' (rollout/truncated_frac counts
+    it); generate(max_new_tokens=0) is a budget of 0, not "no limit"."""
+    from slime.rollout.custom import RolloutContext, Trajectory
+
+    engine = ScriptedEngine(tokenizer, ["12", "34"])
+    prompt = prompts_of(tokenizer, ["1+1="])[0]
+    traj = Trajectory(RolloutContext(prompt, SamplingParams(max_new_tokens=4, n=1), tokenizer, engine))
+    assert traj.generate(max_new_tokens=0).response_ids == [] and engine.contexts == []
+    traj.finish_reason = "stop"
+    first = traj.generate(max_new_tokens=2)
+    traj.finish_reason = "stop"  # as if the turn had ended on a stop token
+    traj.observe([3] * 10)
+    sample = traj.sample()
+    assert sample.response_ids == first.response_ids + [3] * (4 - len(first.response_ids))
+    assert sample.finish_reason == "length" and sample.response_mask[len(first.response_ids):] == [0] * 2
+    fits = Trajectory(RolloutContext(prompt, SamplingParams(max_new_tokens=8, n=1), tokenizer, engine))
+    fits.generate(max_new_tokens=2)
+    fits.finish_reason = "stop"
+    fits.observe([3, 3])
+    assert fits.sample().finish_reason == "stop"  # nothing cut
+
+
+def test_logprobs_given_as_a_list_are_taken_as_a_tensor(hf_engine, tokenizer):
+    samples = generate_rollout(hf_engine, prompts_of(tokenizer, ["1+1="], labels=["2"]),
+                               SamplingParams(max_new_tokens=4, n=2), tokenizer, make_reward_fn("exact_match"),
+                               first_group_id=0, generate_fn="custom_rollouts:list_logprobs")
+    assert len(samples) == 2 and all(isinstance(s.rollout_logprobs, torch.Tensor) and
+                                     len(s.rollout_logprobs) == len(s.response_ids) for s in samples)
+
+
 def test_calculator_tool_appends_its_result_as_an_observation(tokenizer):
     from examples.tool_calc import calculate, calculator_rollout
     from slime.rollout.custom import RolloutContext

@@ -58,7 +58,7 @@ class Trajectory:
     def generate(self, *, max_new_tokens: int | None = None, stop_token_ids: tuple[int, ...] | list[int] = (),
                  temperature: float | None = None) -> Generation:
         """The policy's next turn from everything so far; its tokens carry loss and logprobs."""
-        budget = min(max_new_tokens or self.remaining, self.remaining)
+        budget = self.remaining if max_new_tokens is None else min(max_new_tokens, self.remaining)
         if budget <= 0:
             self.finish_reason = "length"
             return Generation([], [], "length")
@@ -77,8 +77,11 @@ class Trajectory:
         return await asyncio.to_thread(self.generate, **kwargs)
 
     def observe(self, ids: list[int]) -> None:
-        """Append tokens the policy did not choose (a tool's output, the user's next message): no loss."""
-        ids = list(ids)[:max(self.remaining, 0)]
+        """Append tokens the policy did not choose (a tool's output, the user's next message): no loss. What does
+        not fit in rollout.max_response_len is cut, and the sample then ends at its length limit."""
+        ids, room = list(ids), max(self.remaining, 0)
+        if len(ids) > room:
+            ids, self.finish_reason = ids[:room], "length"
         self.response_ids += ids
         self.mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
@@ -191,7 +194,9 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
             if bad:
                 raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has token ids "
                                  f"that are not non-negative integers: {bad[:5]}")
-            logps = torch.as_tensor(s.rollout_logprobs, dtype=torch.float32)
+            if not isinstance(s.rollout_logprobs, torch.Tensor):  # a list: the batch concatenates tensors
+                s.rollout_logprobs = as_token_tensor(s.rollout_logprobs)
+            logps = s.rollout_logprobs.float()
             if not bool(torch.isfinite(logps).all()) or bool((logps > 1e-4).any()):
                 wrong = logps[~torch.isfinite(logps) | (logps > 1e-4)].tolist()
                 raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has rollout "
