@@ -199,6 +199,12 @@ class RolloutConfig:
     def __post_init__(self):
         if self.over_sample_factor < 1:
             raise ValueError("rollout.over_sample_factor must be >= 1")
+        penalty = self.overlong_penalty
+        if penalty.max_len and penalty.max_len - penalty.buffer_len >= self.max_response_len:
+            raise ValueError(f"rollout.overlong_penalty: max_len={penalty.max_len} - buffer_len={penalty.buffer_len} >= "
+                             f"rollout.max_response_len={self.max_response_len}: no response can be that long, so the "
+                             "penalty never applies; DAPO sets max_len to the response limit (max_len <= "
+                             "rollout.max_response_len), or 0 turns it off")
         if not self.sync_bucket_mb > 0:
             raise ValueError(f"rollout.sync_bucket_mb={self.sync_bucket_mb} must be > 0 (MB per bucket of the weight "
                              "push)")

@@ -48,6 +48,8 @@ def test_int_is_accepted_for_float():
     ("rollout.stop_token_ids=['</s>']", ["rollout.stop_token_ids", "not token ids"]),
     ("rollout.reward.timeout=.nan", ["rollout.reward.timeout=nan"]),
     ("rollout.overlong_penalty.buffer_len=20", ["buffer_len=20 in [0, max_len]"]),
+    ("rollout.overlong_penalty.max_len=20480", ["max_len=20480 - buffer_len=0 >= rollout.max_response_len",
+                                               "never applies"]),
     ("data.image_fetch_timeout=0", ["data.image_fetch_timeout=0"]),
     ("data.max_prompt_len=0", ["data.max_prompt_len=0"]),
     ("train.logits_chunk_size=0", ["train.logits_chunk_size=0"]),
