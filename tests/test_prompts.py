@@ -273,3 +273,34 @@ def test_skips_when_drawn_are_summed_over_ranks_into_a_checkpoint_and_continue_a
     totals = [sum(s.skipped_when_drawn[r] for s in resumed) for r in SKIP_REASONS]
     metrics = resumed[0].skipped_metrics(lambda values: totals)
     assert metrics["data/skipped_changed_since_load"] == 4 and metrics["data/skipped_fetch_failed"] == 1
+
+
+def test_a_row_the_chat_template_refuses_is_named_with_its_line(tiny_model, tmp_path):
+    """A template that raises on a row (here: roles must alternate, as Mistral's does) gives file:line and the fix,
+    not a bare jinja2 error from deep inside."""
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = ("{% for m in messages %}{% if loop.index0 % 2 == 0 and m['role'] != 'user' %}"
+                         "{{ raise_exception('Conversation roles must alternate user/assistant') }}{% endif %}"
+                         "{{ m['content'] }}{% endfor %}")
+    path = tmp_path / "p.jsonl"
+    write_jsonl(path, [{"messages": [{"role": "user", "content": "1+1="}]},
+                       {"messages": [{"role": "assistant", "content": "hi"}]}])
+    with pytest.raises(ValueError, match=r"p.jsonl:2: the chat template of model.path refused this row "
+                                         r"\(TemplateError: Conversation roles must alternate.*"
+                                         r"data.apply_chat_template=false"):
+        load_prompts(DataConfig(path=str(path)), tok)
+
+
+def test_prompts_without_a_chat_template_to_apply_are_said_once(tiny_model, tmp_path, caplog):
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.chat_template = None
+    path = tmp_path / "p.jsonl"
+    write_jsonl(path, [{"prompt": "1+1="}, {"prompt": "2+2="}])
+    with caplog.at_level(logging.WARNING, logger="slime.data.prompts"):
+        prompts, _ = load_prompts(DataConfig(path=str(path)), tok)
+    assert prompts[0].prompt_text == "1+1="
+    assert caplog.text.count("tokenizer has no chat template") == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="slime.data.prompts"):
+        load_prompts(DataConfig(path=str(path), apply_chat_template=False), tok)
+    assert "chat template" not in caplog.text

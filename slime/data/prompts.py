@@ -121,10 +121,17 @@ def load_rows(path: str) -> list[tuple[int, dict]]:
     return list(enumerate(ds.to_list(), 1))
 
 
+class TemplateRefused(ValueError):
+    """The tokenizer's chat template raised on a row's messages (the loader names the file and line)."""
+
+
 def _render(messages: list[dict], cfg: DataConfig, tokenizer) -> str:
     if cfg.system_prompt and messages[0].get("role") != "system":
         messages = [{"role": "system", "content": cfg.system_prompt}] + list(messages)
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # jinja2's TemplateError (a template's raise_exception), or a TypeError in its expressions
+        raise TemplateRefused(f"{type(e).__name__}: {e}") from e
 
 
 def encode_prompt(row: dict, line: int, cfg: DataConfig, tokenizer, path: str) -> tuple[str, list[int]]:
@@ -219,6 +226,11 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
     rows = load_rows(path)
     if not rows:
         raise ValueError(f"{path} holds no rows")
+    if cfg.apply_chat_template and tokenizer.chat_template is None and \
+            any(row.get(cfg.prompt_key) is not None for _, row in rows):
+        logger.warning("%s: data.apply_chat_template=true, but model.path's tokenizer has no chat template: the "
+                       "'%s' texts are tokenised as they are (set data.apply_chat_template=false to say so)", path,
+                       cfg.prompt_key)
     for line, row in rows:
         if row.get(cfg.prompt_key) is not None and row.get(cfg.messages_key) is not None:
             raise ValueError(f"{path}:{line}: the row has both '{cfg.prompt_key}' and '{cfg.messages_key}'; keep one "
@@ -260,6 +272,10 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
                 if n > limit:
                     raise SkippedRow("label_too_long", f"prompt + label is {n} tokens, more than a micro-batch "
                                                        f"holds ({key} = {limit})")
+        except TemplateRefused as e:
+            raise ValueError(f"{path}:{line}: the chat template of model.path refused this row ({e}); make the row's "
+                             "messages fit it (roles, their order, content as a string), or set "
+                             "data.apply_chat_template=false") from None
         except (ImageError, SkippedRow) as e:
             report.skipped[e.reason] += 1
             if logged < 20:
