@@ -1,6 +1,7 @@
 """Prompt source: formats, chat template, over-long filtering, dp sharding and resumable order."""
 import json
 import logging
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -59,11 +60,14 @@ def test_what_would_be_silently_dropped_is_refused(tmp_path, tok):
         load_prompts(DataConfig(path=str(both)), tok)
 
 
-def test_overlong_prompts_are_dropped_and_counted(tmp_path, tok):
+def test_overlong_prompts_are_dropped_counted_and_named(tmp_path, tok, caplog):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1" * n, "label": "x"} for n in (3, 30, 5, 40)])
-    prompts, report = load_prompts(DataConfig(path=str(path), max_prompt_len=20), tok)
+    with caplog.at_level(logging.WARNING, logger="slime.data.prompts"):
+        prompts, report = load_prompts(DataConfig(path=str(path), max_prompt_len=20), tok)
     dropped = report.too_long
     assert dropped == 2 and len(prompts) == 2
+    assert re.search(r"dropped 2 of 4 prompts longer than data.max_prompt_len=20 tokens: lines 2 \(\d+ tokens\), "
+                     r"4 \(\d+ tokens\)$", caplog.text.strip()), caplog.text
 
 
 def test_bad_rows_name_file_and_line(tmp_path, tok):

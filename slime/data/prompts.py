@@ -217,7 +217,7 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
     after the label is a target only: no micro-batch row holds it)."""
     path = path or cfg.path
     base_dir = Path(path).resolve().parent
-    prompts, report, logged = [], LoadReport(), 0
+    prompts, report, logged, long_rows = [], LoadReport(), 0, []
     if cfg.system_prompt and not (cfg.apply_chat_template and tokenizer.chat_template is not None):
         why = "the tokenizer has no chat template" if cfg.apply_chat_template else "data.apply_chat_template=false"
         raise ValueError(f"data.system_prompt is set, but {why}: a system message goes only through the chat "
@@ -284,6 +284,8 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
             continue
         if len(ids) > cfg.max_prompt_len:
             report.too_long += 1
+            if len(long_rows) < 5:
+                long_rows.append(f"{line} ({len(ids)} tokens)")
             continue
         meta = row.get(cfg.metadata_key)
         meta = {} if meta is None else meta
@@ -300,8 +302,10 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
                              f"data.max_skipped_frac={cfg.max_skipped_frac}; fix the data (the log names each "
                              "file:line) or raise the limit")
     if report.too_long:
-        logger.warning("%s: dropped %d of %d prompts longer than data.max_prompt_len=%d tokens",
-                       path, report.too_long, report.too_long + len(prompts), cfg.max_prompt_len)
+        logger.warning("%s: dropped %d of %d prompts longer than data.max_prompt_len=%d tokens: line%s %s%s", path,
+                       report.too_long, report.too_long + len(prompts), cfg.max_prompt_len,
+                       "s" if len(long_rows) > 1 else "", ", ".join(long_rows),
+                       ", ..." if report.too_long > len(long_rows) else "")
     if not prompts:
         raise ValueError(f"{path}: no usable prompts (dropped {report.too_long} as too long, skipped {bad} bad rows; "
                          "raise data.max_prompt_len or fix the data)")
