@@ -138,6 +138,9 @@ def test_image_rows_need_an_image_text_model(tmp_path, tiny_model):
     path = rows_file(tmp_path, [{"prompt": f"<image>{Q}", "images": ["a.png"], "label": "x"}])
     with pytest.raises(ValueError, match=r"d.jsonl:1: the row has images but model.path is a text-only model"):
         load_prompts(DataConfig(path=str(path)), tok)
+    path = rows_file(tmp_path, [{"prompt": Q, "images": ["a.png"], "label": "x"}])  # no placeholder: the same
+    with pytest.raises(ValueError, match=r"d.jsonl:1: the row has images but model.path is a text-only model"):
+        load_prompts(DataConfig(path=str(path)), tok)
 
 
 def test_parquet_with_an_image_feature(tmp_path, vl):

@@ -236,6 +236,9 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
             raise ValueError(f"{path}:{line}: the row has both '{cfg.prompt_key}' and '{cfg.messages_key}'; keep one "
                              "(a prompt is one user message; messages is the whole chat)")
         try:
+            # Said before placeholders are matched to images (a wrong type of the field is parse_row's to name)
+            if processor is None and isinstance(row.get(cfg.images_key), list) and row[cfg.images_key]:
+                raise ValueError(f"{path}:{line}: the row has images but model.path is a text-only model")
             try:
                 # A text-only model reads "<image>" in a prompt without images as text.
                 may_have_images = processor is not None or bool(row.get(cfg.images_key))
