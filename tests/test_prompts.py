@@ -128,6 +128,12 @@ def test_json_arrays_keep_their_values(tmp_path, tok):
     (tmp_path / "b.json").write_text(json.dumps([{"prompt": "1"}, "2"]))
     with pytest.raises(ValueError, match="b.json: row 2 must be a JSON object, got str"):
         load_prompts(DataConfig(path=str(tmp_path / "b.json")), tok)
+    # Pretty-printed: one object over many lines is one row; a broken array names the parser's line
+    (tmp_path / "o.json").write_text(json.dumps({"prompt": "1+1=", "label": "2"}, indent=2))
+    assert [p.label for p in load_prompts(DataConfig(path=str(tmp_path / "o.json")), tok)[0]] == ["2"]
+    (tmp_path / "c.json").write_text('[\n  {"prompt": "1+1="},\n  {"prompt": "2+2="}\n  {"prompt": "3+3="}\n]\n')
+    with pytest.raises(ValueError, match=r"c.json:4: not valid JSON \(Expecting ',' delimiter at column 3\)"):
+        load_prompts(DataConfig(path=str(tmp_path / "c.json")), tok)
 
 
 def test_empty_labels_are_missing_labels(tmp_path, tok):

@@ -80,12 +80,17 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
 def read_json(path: Path) -> list[tuple[int, dict]]:
     """Rows of a .json file: one JSON array of objects (row numbers count from 1), or JSON lines. Read as plain
     JSON, not through `datasets`, whose column typing would turn mixed labels such as "007" and 4 into numbers."""
+    raw = path.read_bytes()
     try:
-        data = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        data = json.loads(raw)
+    except UnicodeDecodeError:
+        return read_jsonl(path)  # which names the byte's line
+    except json.JSONDecodeError as e:
+        if raw.lstrip()[:1] == b"[":  # one array, perhaps over many lines: the parser's line is the one to name
+            raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
         return read_jsonl(path)  # JSON lines (or broken JSON: the error then names the line)
     if isinstance(data, dict):
-        return read_jsonl(path)  # one object: JSON lines with one row
+        return [(1, data)]  # one object, on one line or many
     if not isinstance(data, list):
         raise ValueError(f"{path}: a .json prompt file must hold a list of objects (or one object per line), got "
                          f"a JSON {type(data).__name__}")
