@@ -90,6 +90,18 @@ def hangs(ctx: RolloutContext):
     threading.Event().wait()  # a tool that never answers
 
 
+async def one_turn_async(ctx: RolloutContext):
+    """Each of the n samples one turn, all of them (and every prompt's) at once: they queue for the engine."""
+    import asyncio
+
+    async def one():
+        traj = ctx.trajectory()
+        await traj.agenerate(max_new_tokens=2)
+        return traj.sample(reward=0.0)
+
+    return list(await asyncio.gather(*(one() for _ in range(ctx.n))))
+
+
 async def hangs_async(ctx: RolloutContext):
     import asyncio
 

@@ -135,6 +135,25 @@ def test_a_generate_function_that_hangs_ends_with_its_name_and_prompt_row(hf_eng
                          generate_fn_timeout=0.5)
 
 
+def test_the_timeout_of_a_prompt_does_not_count_its_wait_for_a_busy_engine(tokenizer):
+    """An async generate_fn starts every prompt at once on an engine that serves one call at a time: 12 prompts of
+    one 0.2 s call each finish 2.4 s after they start, past a 1.5 s timeout, yet no prompt took 0.2 s of its own."""
+    import time
+
+    from slime.rollout.custom import run_generate_fn
+    from custom_rollouts import one_turn_async
+
+    class SlowEngine:  # one call at a time (no thread_safe), 0.2 s each
+        def generate(self, prompts, params, mm=None):
+            time.sleep(0.2)
+            return [[Generation([7, 8], [-0.5, -0.5], "length")]]
+
+    prompts = prompts_of(tokenizer, [f"{i}+1=" for i in range(12)])
+    groups = run_generate_fn(one_turn_async, "custom_rollouts:one_turn_async", SlowEngine(), prompts,
+                             SamplingParams(max_new_tokens=4, n=1), tokenizer, timeout=1.5)
+    assert [len(g) for g in groups] == [1] * 12
+
+
 def test_dynamic_sampling_that_keeps_no_group_says_why(hf_engine, tokenizer):
     """Every group all wrong (a label no response matches): nothing to train on, said with the keys to change."""
     from slime.config import RolloutConfig

@@ -22,9 +22,11 @@ logprob 0), so they are excluded from the policy loss, the KL terms, the entropy
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import threading
+import time
 from typing import Any, Callable
 
 import torch
@@ -98,6 +100,32 @@ class Trajectory:
         return s
 
 
+class QueueClock:
+    """How long a prompt's requests waited for an engine that serves one at a time: the time during which at least
+    one of them waited (run_generate_fn does not count it against the prompt's timeout)."""
+
+    def __init__(self):
+        self._lock, self._waiting, self._since, self._total = threading.Lock(), 0, 0.0, 0.0
+
+    @contextlib.contextmanager
+    def waiting(self):
+        with self._lock:
+            if not self._waiting:
+                self._since = time.monotonic()
+            self._waiting += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiting -= 1
+                if not self._waiting:
+                    self._total += time.monotonic() - self._since
+
+    def seconds(self) -> float:
+        with self._lock:
+            return self._total + (time.monotonic() - self._since if self._waiting else 0.0)
+
+
 @dataclasses.dataclass
 class RolloutContext:
     prompt: Prompt
@@ -105,6 +133,7 @@ class RolloutContext:
     tokenizer: Any
     engine: RolloutEngine
     lock: threading.Lock | None = None
+    queue: QueueClock = dataclasses.field(default_factory=QueueClock)  # its waits for `lock`
 
     @property
     def n(self) -> int:
@@ -123,8 +152,12 @@ class RolloutContext:
         mm = [self.prompt.mm] if self.prompt.mm is not None else None
         if self.lock is None:
             return self.engine.generate([list(input_ids)], params, mm=mm)[0][0]
-        with self.lock:  # an in-process engine serves one call at a time
+        with self.queue.waiting():  # an in-process engine serves one call at a time
+            self.lock.acquire()
+        try:
             return self.engine.generate([list(input_ids)], params, mm=mm)[0][0]
+        finally:
+            self.lock.release()
 
 
 def load_generate_fn(spec: str) -> Callable:
@@ -146,10 +179,11 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
                     tokenizer, *, timeout: float = 0.0) -> list[list[Sample]]:
     """The user's samples per prompt, checked: every group has n samples whose token fields line up.
 
-    Each prompt's call gets `timeout` seconds (0: no limit): an async function is cancelled, a sync one runs in a
-    daemon thread that is abandoned (Python cannot stop a thread), so a tool that never answers ends the run
-    with the function and the prompt row named instead of hanging it. Sync functions run one group at a time,
-    or up to 64 at once on an engine that serves concurrent requests."""
+    Each prompt's call gets `timeout` seconds (0: no limit), not counting the time its requests queue for an engine
+    that serves one at a time (async functions start every prompt at once): an async function is cancelled, a sync
+    one runs in a daemon thread that is abandoned (Python cannot stop a thread), so a tool that never answers ends
+    the run with the function and the prompt row named instead of hanging it. Sync functions run one group at a
+    time, or up to 64 at once on an engine that serves concurrent requests."""
     lock = None if getattr(engine, "thread_safe", False) else threading.Lock()
     contexts = [RolloutContext(p, params, tokenizer, engine, lock) for p in prompts]
     is_async = inspect.iscoroutinefunction(fn)
@@ -159,14 +193,19 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
 
         async def one(ctx):
             async with at_once:
-                call = fn(ctx) if is_async else in_daemon_thread(fn, ctx, name="generate_fn")
-                try:
-                    return await asyncio.wait_for(call, timeout=timeout or None)
-                except asyncio.TimeoutError:
-                    raise TimeoutError(f"rollout.generate_fn {spec} did not return within rollout.generate_fn_timeout="
-                                       f"{timeout:g}s for prompt row {ctx.prompt.index} "
-                                       f"({ctx.prompt.prompt_text[-80:]!r}); fix the function (a tool that never "
-                                       "answers?) or raise the timeout") from None
+                call = asyncio.ensure_future(fn(ctx) if is_async else in_daemon_thread(fn, ctx, name="generate_fn"))
+                if not timeout:
+                    return await call
+                start = time.monotonic()
+                while (left := start + timeout + ctx.queue.seconds() - time.monotonic()) > 0:
+                    done, _ = await asyncio.wait({call}, timeout=left)
+                    if done:
+                        return call.result()
+                call.cancel()
+                raise TimeoutError(f"rollout.generate_fn {spec} did not return within rollout.generate_fn_timeout="
+                                   f"{timeout:g}s for prompt row {ctx.prompt.index} "
+                                   f"({ctx.prompt.prompt_text[-80:]!r}); fix the function (a tool that never "
+                                   "answers?) or raise the timeout")
         return await asyncio.gather(*(one(ctx) for ctx in contexts))
 
     groups = asyncio.run(all_groups())
