@@ -314,3 +314,16 @@ def test_prompts_without_a_chat_template_to_apply_are_said_once(tiny_model, tmp_
     with caplog.at_level(logging.WARNING, logger="slime.data.prompts"):
         load_prompts(DataConfig(path=str(path), apply_chat_template=False), tok)
     assert "chat template" not in caplog.text
+
+
+def test_a_message_the_chat_template_leaves_out_is_warned_about_with_its_line(tok, tmp_path, caplog):
+    """The tiny models' template renders system, user and assistant turns only: a 'human' turn's text vanishes
+    from the prompt, which loads; the log names the line, the message and its role."""
+    path = tmp_path / "p.jsonl"
+    write_jsonl(path, [{"messages": [{"role": "user", "content": "1+1="}]},
+                       {"messages": [{"role": "human", "content": "What is 2+2?"}]}])
+    with caplog.at_level(logging.WARNING, logger="slime.data.prompts"):
+        prompts, _ = load_prompts(DataConfig(path=str(path)), tok)
+    assert len(prompts) == 2 and "What is 2+2?" not in prompts[1].prompt_text
+    assert "in 1 row(s) the chat template left the text of a message out of the prompt" in caplog.text
+    assert "line 2 (message 0, role 'human')" in caplog.text

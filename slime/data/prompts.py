@@ -126,6 +126,18 @@ def load_rows(path: str) -> list[tuple[int, dict]]:
     return list(enumerate(ds.to_list(), 1))
 
 
+def _texts_left_out(messages, text: str) -> int | None:
+    """The first chat message whose text (a string content, or a text part's) is not in the rendered prompt: a
+    template that does not know a role renders nothing for it. None where every text is there (or no messages)."""
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        content = m.get("content")
+        parts = [content] if isinstance(content, str) else \
+            [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        if any(part.strip() and part.strip() not in text for part in parts):
+            return i
+    return None
+
+
 class TemplateRefused(ValueError):
     """The tokenizer's chat template raised on a row's messages (the loader names the file and line)."""
 
@@ -222,7 +234,7 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
     after the label is a target only: no micro-batch row holds it)."""
     path = path or cfg.path
     base_dir = Path(path).resolve().parent
-    prompts, report, logged, long_rows = [], LoadReport(), 0, []
+    prompts, report, logged, long_rows, left_out, left_out_rows = [], LoadReport(), 0, [], [], 0
     if cfg.system_prompt and not (cfg.apply_chat_template and tokenizer.chat_template is not None):
         why = "the tokenizer has no chat template" if cfg.apply_chat_template else "data.apply_chat_template=false"
         raise ValueError(f"data.system_prompt is set, but {why}: a system message goes only through the chat "
@@ -264,6 +276,10 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
                                  "vision tokens; set data.apply_chat_template=true")
             else:
                 text, ids, refs = encode_image_prompt(*parsed, cfg, processor, base_dir)
+            lost = _texts_left_out(row.get(cfg.messages_key), text)
+            if lost is not None and len(left_out) < 5:
+                left_out.append(f"{line} (message {lost}, role {row[cfg.messages_key][lost]['role']!r})")
+            left_out_rows += lost is not None
             if label_required and not has_label(row.get(cfg.label_key)):
                 raise SkippedRow("missing_label", f"no '{cfg.label_key}', or an empty one (the reward compares "
                                                   "against it; data.label_key names the field)")
@@ -309,6 +325,10 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
             raise ValueError(f"{path}: {bad} of {len(rows)} rows are bad ({dict(report.skipped)}), more than "
                              f"data.max_skipped_frac={cfg.max_skipped_frac}; fix the data (the log names each "
                              "file:line) or raise the limit")
+    if left_out_rows:
+        logger.warning("%s: in %d row(s) the chat template left the text of a message out of the prompt (a role it "
+                       "does not know, or content it does not render?): line %s%s", path, left_out_rows,
+                       ", ".join(left_out), ", ..." if left_out_rows > len(left_out) else "")
     if report.too_long:
         logger.warning("%s: dropped %d of %d prompts longer than data.max_prompt_len=%d tokens: line%s %s%s", path,
                        report.too_long, report.too_long + len(prompts), cfg.max_prompt_len,
