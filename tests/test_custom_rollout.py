@@ -169,6 +169,22 @@ def test_dynamic_sampling_that_keeps_no_group_says_why(hf_engine, tokenizer):
         collect_rollout(hf_engine, Prompts(), cfg, tokenizer, make_reward_fn("exact_match"), OneRank(), step=0)
 
 
+def test_kept_groups_count_the_groups_drawn_not_the_batch_size(hf_engine, tokenizer):
+    """A prompt skipped when drawn (a broken image, say) leaves fewer groups than rollout.batch_size: the metric
+    counts those the step trains on."""
+    from slime.config import RolloutConfig
+    from slime.rollout.rollout import collect_rollout
+
+    class Prompts:  # one of the batch's 3 prompts was skipped when drawn
+        def next_batch(self, n=None):
+            return prompts_of(tokenizer, ["1+1=", "2+2="], labels=["2", "4"])
+
+    cfg = RolloutConfig(batch_size=3, n_samples_per_prompt=2, max_response_len=3)
+    samples, metrics = collect_rollout(hf_engine, Prompts(), cfg, tokenizer, make_reward_fn("exact_match"),
+                                       OneRank(), step=0)
+    assert len(samples) == 4 and metrics["rollout/kept_groups"] == 2 and metrics["rollout/kept_samples"] == 4
+
+
 def test_dynamic_sampling_filters_on_the_task_reward_not_the_overlong_penalty():
     """DAPO drops prompts of accuracy 0 or 1: a group of wrong answers where one ran into the overlong buffer has
     unequal shaped rewards but nothing to learn about the task, so it is dropped; the penalty stays in the reward."""

@@ -152,12 +152,16 @@ def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfi
         if n_kept_groups < cfg.batch_size:
             logger.warning("dynamic sampling kept %d of %d groups after %d attempts (rollout.max_sampling_attempts)",
                            n_kept_groups, cfg.batch_size, attempts)
-    else:
-        n_kept_groups = cfg.batch_size
     metrics = rollout_metrics(generated, dims)
-    metrics.update({"rollout/sampling_attempts": attempts, "rollout/kept_groups": n_kept_groups,
-                    "rollout/kept_samples": int(dims.all_reduce_sum([len(kept)])[0])})
+    metrics.update({"rollout/sampling_attempts": attempts, **kept_counts(kept, dims)})
     return kept, metrics
+
+
+def kept_counts(kept: list[Sample], dims: ParallelDims) -> dict[str, int]:
+    """The groups and samples the step trains on, over all ranks (fewer groups than rollout.batch_size where
+    dynamic sampling kept fewer, or prompts were skipped when drawn: data/skipped_*)."""
+    groups, samples = dims.all_reduce_sum([len({s.group_id for s in kept}), len(kept)])
+    return {"rollout/kept_groups": int(groups), "rollout/kept_samples": int(samples)}
 
 
 def _draw_and_generate(engine, data: PromptSource, cfg: RolloutConfig, tokenizer, reward_fn, dims: ParallelDims, *,
@@ -236,8 +240,8 @@ class RolloutAhead:
         metrics["time/generate"] = seconds  # in the background, while the last step trained
         lag, n = self.dims.all_reduce_sum([sum(trainer_version - s.metadata["weight_version"] for s in samples),
                                            len(samples)])
-        metrics.update({"rollout/sampling_attempts": 1, "rollout/kept_groups": self.cfg.batch_size,
-                        "rollout/kept_samples": int(n), "rollout/policy_lag": lag / max(n, 1)})
+        metrics.update({"rollout/sampling_attempts": 1, **kept_counts(samples, self.dims),
+                        "rollout/policy_lag": lag / max(n, 1)})
         return samples, metrics
 
     def close(self) -> None:
