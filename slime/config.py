@@ -180,9 +180,10 @@ class RolloutConfig:
         "compile fails; false: neither.")
     generate_fn: str | None = field(None, "'package.module:function' building each prompt's samples (multi-turn, "
                                           "tools; see docs/custom_rollouts.md); None = one completion per sample.")
-    generate_fn_timeout: float = field(3600.0, "Seconds rollout.generate_fn may take for one prompt's samples (a tool "
-                                               "that never answers ends the run naming the function and the prompt "
-                                               "row, not a hang); 0 = no limit.")
+    generate_fn_timeout: float = field(3600.0, "Seconds rollout.generate_fn may take for one prompt's samples, besides "
+                                               "the time its requests queue for the engine (a tool that never answers "
+                                               "ends the run naming the function and the prompt row, not a hang); 0 = "
+                                               "no limit.")
     one_step_off: bool = field(False, "Asynchronous rollout: generate step k+1's batch while training on step k's "
                                       "(one-step-off-policy, as slime's train_async); the engine must not share the "
                                       "trainer's GPUs (hf engine, or SGLang disaggregated). Use algo.tis to correct "
