@@ -527,7 +527,8 @@ def test_invalid_counts_are_config_errors(override):
 def test_an_export_the_finished_run_did_not_complete_is_made_by_the_rerun(model, task_dir, tmp_path):
     """The final checkpoint is saved before the HF export: a run killed (or out of disk) in the export used to be
     'finished' for good, a rerun exiting 0 with no export. The export is written beside hf/ and renamed into place
-    with the step it holds; a rerun at the end makes a missing or older one, and leaves a complete one alone."""
+    with the step it holds; a rerun at the end makes a missing or older one, and leaves a complete one alone; a run
+    that trained writes its own, also over an earlier run's export of the same step."""
     run_dir = tmp_path / "run"
     launch(model, task_dir, run_dir, "train.num_steps=1", "checkpoint.export_hf=true", nproc=1)
     first = load_file(run_dir / "hf" / "model.safetensors")
@@ -542,3 +543,9 @@ def test_an_export_the_finished_run_did_not_complete_is_made_by_the_rerun(model,
     stamp = (run_dir / "hf" / "model.safetensors").stat().st_mtime_ns
     launch(model, task_dir, run_dir, "train.num_steps=1", "checkpoint.export_hf=true", nproc=1)
     assert (run_dir / "hf" / "model.safetensors").stat().st_mtime_ns == stamp  # complete: left alone
+    # A fresh start in the same run dir (its checkpoints gone) trains anew: its export replaces the earlier run's,
+    # although both hold step 1
+    shutil.rmtree(run_dir / "checkpoints")
+    launch(model, task_dir, run_dir, "train.num_steps=1", "checkpoint.export_hf=true", "train.seed=7", nproc=1)
+    fresh = load_file(run_dir / "hf" / "model.safetensors")
+    assert any(not torch.equal(fresh[k], first[k]) for k in first)

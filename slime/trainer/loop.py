@@ -346,8 +346,10 @@ def run(cfg: Config) -> dict:
             engine.abandon()
         raise
     final_step = max(start_step, cfg.train.num_steps)
-    # Also when resumed at the end: an export the finished run did not complete (a full disk, a kill) is made now.
-    stale = cfg.checkpoint.export_hf and exported_step(run_dir / "hf") != final_step
+    # Whenever this process trained (an export of the same step may be an earlier run's: a fresh start in a used
+    # run dir), and when resumed at the end: an export the finished run did not complete (a full disk, a kill).
+    trained_here = start_step < cfg.train.num_steps
+    stale = cfg.checkpoint.export_hf and (trained_here or exported_step(run_dir / "hf") != final_step)
     if dims.all_reduce_sum([float(stale)], group=dims.world_group)[0]:  # every rank joins the gather
         stop.step_ended()  # a stop that came during the last step's save: the export takes the time it needs
         savers = [tokenizer] + ([processor.image_processor] if processor is not None else [])
