@@ -25,6 +25,10 @@ else
   nproc=${NPROC:-2}
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
+if ! [[ $nproc =~ ^[1-9][0-9]*$ ]]; then
+  echo "run.sh: NPROC=$nproc must be a rank count >= 1" >&2
+  exit 2
+fi
 if [[ $dry_run == 1 ]]; then
   args=()
   for arg in "$@"; do [[ $arg != --dry-run ]] && args+=("$arg"); done

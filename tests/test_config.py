@@ -1,5 +1,6 @@
 """Config errors name the key and the fix; overrides and --help work."""
 import json
+import os
 import subprocess
 import sys
 
@@ -254,6 +255,9 @@ def test_yaml_errors_and_bad_launch_arguments_are_named(tmp_path):
                        (["bash", str(REPO / "run.sh"), "--dry-run", example], "got '--dry-run'")):
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
         assert proc.returncode != 0 and words in proc.stderr, (cmd, proc.stderr[-500:])
+    proc = subprocess.run(["bash", str(REPO / "run.sh"), example], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "NPROC": "0"})
+    assert proc.returncode == 2 and "run.sh: NPROC=0 must be a rank count >= 1" in proc.stderr, proc.stderr[-500:]
 
 
 def test_an_unwritable_run_dir_or_a_missing_logger_is_said_before_anything_loads(tmp_path, monkeypatch):
