@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from slime.models.attention import _decode_attention, decode_attention_fused  # noqa: E402
-from slime.models.decode_step import _distinct_sizes, cached_attention  # noqa: E402
+from slime.models.decode_step import _distinct_sizes, _dynamic, cached_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 128
 
@@ -50,6 +50,7 @@ def main() -> None:
     query = torch.randn(b, HEADS, 1, HEAD_DIM)
     print(f"{args.threads} thread(s), fp32, {b} rows, {HEADS} heads over {KV_HEADS} KV heads of {HEAD_DIM}, "
           f"{args.layers} layers' caches in turn, median of {args.reps}")
+
     def all_layers(q, new, keys, values, mask):  # one compiled call a step, as in the decode step's graph
         return [cached_attention(q, new, new, k, v, mask, scale) for k, v in zip(keys, values)]
 
@@ -61,11 +62,7 @@ def main() -> None:
                    torch.randn(b, KV_HEADS, keys + 16, HEAD_DIM)[:, :, :keys]) for _ in range(args.layers)]
         mask, step_mask = torch.ones(b, 1, 1, keys, dtype=torch.bool), torch.ones(b, keys + 1, dtype=torch.bool)
         keys_, values_ = [k for k, _ in caches], [v for _, v in caches]
-        for t in (q, new, step_mask, *keys_, *values_):  # rows and keys dynamic, as the decode step marks them
-            torch._dynamo.mark_dynamic(t, 0)
-        torch._dynamo.mark_dynamic(step_mask, 1)
-        for t in (*keys_, *values_):
-            torch._dynamo.mark_dynamic(t, 2)
+        _dynamic(q, new, new, step_mask, keys_, values_)  # rows and keys dynamic, as the decode step marks them
 
         def step_attention():
             with _distinct_sizes():
@@ -92,6 +89,7 @@ def main() -> None:
             f"{name} {1e3 * s:6.2f} ms ({nbytes / s / 1e9:4.1f} GB/s" + ("" if name == "read" else
                                                                         f", {s / t['read']:.2f}x read") + ")"
             for name, s in t.items()))
+
 
 if __name__ == "__main__":
     main()
