@@ -256,14 +256,26 @@ def _load_user_fn(path: str) -> Callable:
     return fn
 
 
-def _resolve(name: str, batched: dict) -> Callable:
+def _kind(name: str) -> str | None:
+    """What a spec name is: "remote" (a reward server), "model", "builtin", "user" ('module:function'), or None."""
     if is_remote(name):
-        return RemoteReward(name, **batched)
+        return "remote"
     if is_reward_model(name):
-        return RewardModel(name, batch_size=batched["batch_size"])
+        return "model"
     if name in BUILTIN_REWARDS:
+        return "builtin"
+    return "user" if ":" in name else None
+
+
+def _resolve(name: str, batched: dict) -> Callable:
+    kind = _kind(name)
+    if kind == "remote":
+        return RemoteReward(name, **batched)
+    if kind == "model":
+        return RewardModel(name, batch_size=batched["batch_size"])
+    if kind == "builtin":
         return BUILTIN_REWARDS[name]
-    if ":" in name:
+    if kind == "user":
         return _load_user_fn(name)
     raise ValueError(f"unknown reward spec {name!r}: {_SPEC_HELP}")
 
@@ -478,9 +490,9 @@ def check_reward_spec(spec: str | dict, key: str = "rollout.reward.fn") -> None:
     unknown name (with the built-in it is closest to), or a user function whose module is not importable. Imports
     no user module (a module's own import errors show when the run loads it) and loads no model."""
     for name in ([spec] if isinstance(spec, str) else list(spec) if isinstance(spec, dict) else []):
-        if not isinstance(name, str) or is_remote(name) or is_reward_model(name) or name in BUILTIN_REWARDS:
-            continue  # a bad entry type is the RewardFn's to explain
-        if ":" not in name:
+        if not isinstance(name, str) or (kind := _kind(name)) not in (None, "user"):
+            continue  # a server, a model or a built-in; a bad entry type is the RewardFn's to explain
+        if kind is None:
             close = difflib.get_close_matches(name, list(BUILTIN_REWARDS), n=1)
             raise ValueError(f"{key}: unknown reward spec {name!r}"
                              + (f" (did you mean {close[0]!r}?)" if close else "") + f"; {_SPEC_HELP}")
