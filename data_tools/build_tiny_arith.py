@@ -26,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from data_tools import check_replaceable  # noqa: E402
 from data_tools.make_arithmetic import make_split, write_jsonl  # noqa: E402
 from data_tools.make_tiny_model import make_tiny_model  # noqa: E402
 
@@ -70,6 +71,8 @@ def main() -> None:
     args = ap.parse_args()
 
     start = time.time()
+    check_replaceable(args.work_dir, "--work-dir", ours=("init", "sft"))
+    check_replaceable(args.out, "--out")
     write_data(args.data_dir)
     shutil.rmtree(args.work_dir, ignore_errors=True)
     init = make_tiny_model(args.work_dir / "init", **MODEL)

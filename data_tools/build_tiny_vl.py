@@ -23,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from data_tools import check_replaceable  # noqa: E402
 from data_tools.build_tiny_arith import last_eval, run_sft  # noqa: E402
 from data_tools.make_tiny_model import make_tiny_model  # noqa: E402
 from data_tools.make_vl_task import write  # noqa: E402
@@ -43,6 +44,8 @@ def main() -> None:
     args = ap.parse_args()
 
     start = time.time()
+    check_replaceable(args.work_dir, "--work-dir", ours=("init", "sft"))
+    check_replaceable(args.out, "--out")
     if not (args.data_dir / "train.jsonl").is_file():
         write(args.data_dir, **TASK)
     shutil.rmtree(args.work_dir, ignore_errors=True)

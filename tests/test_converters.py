@@ -104,3 +104,28 @@ def test_converters_skip_rows_without_a_usable_answer(tmp_path):
     (tmp_path / "x.png").write_bytes(b"")
     with pytest.raises(SystemExit, match="unsupported file type '.png'"):
         load(str(tmp_path / "x.png"), "train")
+
+
+def test_a_local_folder_reads_the_split_of_one_subset(tmp_path):
+    """A local copy of gsm8k holds main/ and socratic/: --config picks one (reading both wrote every question twice),
+    none refuses naming them; the split is a whole name part, and the output file is never read back."""
+    for subset in ("main", "socratic"):
+        write_parquet(tmp_path / "gsm8k" / subset / "train-00000-of-00001.parquet",
+                      {"question": [f"{subset} q{i}" for i in range(2)], "answer": ["#### 1", "#### 2"]})
+        write_parquet(tmp_path / "gsm8k" / subset / "test-00000-of-00001.parquet",
+                      {"question": ["t"], "answer": ["#### 3"]})
+    src = str(tmp_path / "gsm8k")
+    assert [r["question"] for r in load(src, "train", "main")] == ["main q0", "main q1"]
+    with pytest.raises(SystemExit, match=r"several subsets \(main, socratic\): choose one with --config"):
+        load(src, "train")
+    with pytest.raises(SystemExit, match="has no subfolder 'mian'.*it has: main, socratic"):
+        load(src, "train", "mian")
+    flat = tmp_path / "math500"
+    write_parquet(flat / "test.parquet", {"problem": ["p"], "solution": [r"\boxed{1}"]})
+    write_parquet(flat / "contest.parquet", {"problem": ["other"], "solution": [r"\boxed{2}"]})
+    out = flat / "math500_test.jsonl"
+    for _ in range(2):  # the second run finds its own output beside the source and leaves it out
+        assert convert("math", load(str(flat), "test", exclude=out), out) == (1, 0)
+    (flat / "test.jsonl").write_text(json.dumps({"problem": "p", "solution": r"\boxed{1}"}) + "\n")
+    with pytest.raises(SystemExit, match="mixes parquet and json files"):
+        load(str(flat), "test", exclude=out)

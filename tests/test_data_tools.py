@@ -84,3 +84,34 @@ def test_cli_writes_jsonl(tmp_path):
     bad = subprocess.run(cmd[:-2] + ["--ops", "/", "--out-dir", str(tmp_path / "c")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "ops" in bad.stderr
+
+
+def test_tools_that_replace_a_folder_refuse_one_holding_other_files(tmp_path):
+    """gguf_to_hf and the tiny-model builds replace --out (and --work-dir): a mistyped path to a folder of the
+    user's own files is refused before anything is deleted; an empty folder, a model folder, or the build's own
+    init/ and sft/ are replaced."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("{}\n")
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"GGUF")
+    sys.path.insert(0, str(ROOT))
+    from data_tools import check_replaceable
+    from data_tools.gguf_to_hf import gguf_to_hf
+
+    with pytest.raises(SystemExit, match=r"--out .*data holds files this tool did not write \(train.jsonl\)"):
+        gguf_to_hf(fake, data, overwrite=True)
+    assert (data / "train.jsonl").is_file()
+    work = tmp_path / "work"
+    (work / "init").mkdir(parents=True)
+    (work / "sft").mkdir()
+    check_replaceable(work, "--work-dir", ours=("init", "sft"))
+    check_replaceable(tmp_path / "absent", "--out")
+    (work / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match=r"--work-dir .*work holds files this tool did not write \(init, notes.txt"):
+        check_replaceable(work, "--work-dir", ours=("init", "sft"))
+    out = subprocess.run([sys.executable, str(ROOT / "data_tools" / "build_tiny_arith.py"), "--out", str(data),
+                          "--data-dir", str(tmp_path / "d"), "--work-dir", str(tmp_path / "w")],
+                         capture_output=True, text=True)
+    assert out.returncode == 1 and "holds files this tool did not write" in out.stderr
+    assert (data / "train.jsonl").is_file() and not (tmp_path / "d").exists()
