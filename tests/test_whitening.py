@@ -191,3 +191,23 @@ def test_a_rank_without_samples_takes_part_and_changes_nothing(estimator):
     compute_advantages(whole, cfg, OneRank())
     run_ranks([split, []], cfg)
     assert token_advantages(split) == pytest.approx(token_advantages(whole), abs=1e-6)
+
+
+def test_rloo_group_sums_in_float64_do_not_overflow():
+    """Rewards near float32's range (accepted by the finite check) sum in float64, as GRPO's do: the float32 sum
+    2e38 + 2e38 overflowed to inf and every advantage of the group was -inf."""
+    from slime.algorithms import rloo_advantages
+
+    adv, _ = rloo_advantages(torch.tensor([2e38, 2e38, 0.0]), torch.tensor([0, 0, 0]))
+    torch.testing.assert_close(adv, torch.tensor([1e38, 1e38, -2e38]))
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"])
+def test_a_batch_of_empty_responses_gets_empty_advantages(estimator):
+    """A custom generate function may return nothing for every prompt of a rank: each estimator gives empty
+    advantages (argmax over a width of 0 failed in REINFORCE++ and GAE)."""
+    batch = samples([1.0, 0.0], [0, 0])
+    for s in batch:
+        s.values = torch.zeros(0)
+    compute_advantages(batch, AlgoConfig(advantage_estimator=estimator), OneRank())
+    assert [s.advantages.shape for s in batch] == [torch.Size([0])] * 2

@@ -102,9 +102,10 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor) -> tuple[Tensor, dict[st
     """
     _check_rewards(rewards, group_ids)
     inv, num_groups = _group_index(group_ids)
-    count = _group_sum(torch.ones_like(rewards), inv, num_groups)
-    total = _group_sum(rewards, inv, num_groups)
-    adv = rewards - (total - rewards) / (count - 1).clamp(min=1)
+    r = rewards.double()  # as GRPO: float32 group sums overflow for rewards near its range, and lose digits
+    count = _group_sum(torch.ones_like(r), inv, num_groups)
+    total = _group_sum(r, inv, num_groups)
+    adv = (r - (total - r) / (count - 1).clamp(min=1)).to(rewards.dtype)
     constant = _group_is_constant(rewards, inv, num_groups)
     adv = torch.where(constant, torch.zeros_like(adv), adv)
     return adv, _group_metrics(rewards, adv, constant, count)
@@ -176,6 +177,8 @@ def reinforce_pp_returns(
         scores = (r - _group_sum(r, inv, num_groups) / count).to(rewards.dtype)
     # Last response token per row; rows without any response token receive nothing.
     num_pos = keep.shape[1]
+    if num_pos == 0:  # every response empty: no token to reward
+        return torch.zeros(keep.shape, dtype=rewards.dtype, device=rewards.device)
     last = num_pos - 1 - keep.flip(1).to(torch.int64).argmax(dim=1)  # (N,)
     has_response = keep.any(dim=1)
     token_rewards = torch.zeros(keep.shape, dtype=rewards.dtype, device=rewards.device)

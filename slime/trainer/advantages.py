@@ -58,7 +58,8 @@ def _whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, dims: ParallelDims) 
 
 def compute_advantages(samples: list[Sample], cfg: AlgoConfig, dims: ParallelDims) -> dict:
     """Set per-token `advantages` on this rank's samples (and `returns` for GAE); global metrics."""
-    width = max((len(s.response_ids) for s in samples), default=1)  # a rank may hold no sample (dummies only)
+    # at least 1: a rank may hold no sample (dummies only), or only empty responses (a custom generate function)
+    width = max([1, *(len(s.response_ids) for s in samples)])
     mask = pad([s.loss_mask for s in samples], width)  # (n, T)
     keep = mask > 0
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)  # (n,)
