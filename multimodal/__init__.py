@@ -1,2 +1,2 @@
-"""The image-text path (planned): jsonl with image references, Pillow loading and validation,
-processor calls, and pixel tensors that travel with packed samples. Not implemented yet."""
+"""The image-text path: the jsonl schemas with image references (schema), Pillow loading and validation
+(images), and the processor calls that make the pixel patches travelling with packed samples (processor)."""

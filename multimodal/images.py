@@ -46,8 +46,17 @@ def describe(ref: Any) -> str:
 def _source(ref: Any, base_dir: Path, timeout: float):
     """A file path or a bytes buffer Pillow can open."""
     if isinstance(ref, dict):
-        if ref.get("bytes") is not None:
-            return io.BytesIO(ref["bytes"])
+        data = ref.get("bytes")
+        if isinstance(data, str):  # JSON holds bytes as text: base64
+            try:
+                data = base64.b64decode(data, validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise ImageError("corrupt_image", f"image 'bytes' is a string that is not base64: {e}") from None
+        if data is not None:
+            if not isinstance(data, (bytes, bytearray, memoryview)):
+                raise ImageError("bad_reference", f"image 'bytes' must be bytes or a base64 string, got "
+                                                  f"{type(data).__name__}")
+            return io.BytesIO(data)
         ref = ref.get("path")
     if not isinstance(ref, str) or not ref:
         raise ImageError("bad_reference", f"image reference {ref!r} is not a path, URL, data URI or image")

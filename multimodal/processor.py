@@ -50,10 +50,16 @@ class MultimodalInputs:
 
 
 def check_contexts(prompts: list[list[int]], mm: list[MultimodalInputs | None] | None) -> None:
-    """`MultimodalInputs.check_context` of each image-text row of a generate call."""
-    for row, (ids, m) in enumerate(zip(prompts, mm or ())):
+    """`MultimodalInputs.check_context` of each image-text row of a generate call; and no image token in its text
+    rows, which the model would count with the images' (a quoted `<|image_pad|>` in a custom rollout's context)."""
+    token_ids = {m.token_id for m in mm or () if m is not None}
+    for row, (ids, m) in enumerate(zip(prompts, mm or [None] * len(prompts))):
         if m is not None:
             m.check_context(ids, row)
+        elif n := sum(t in token_ids for t in ids):
+            raise ValueError(f"text prompt {row} of this generate call holds {n} image token(s) (id "
+                             f"{', '.join(map(str, token_ids))}) and no images, beside image-text prompts whose "
+                             "images the model would give them: drop or replace the token in that prompt's context")
 
 
 class VLProcessor:

@@ -17,6 +17,7 @@ from typing import Any
 from .images import ImageError
 
 IMAGE_KEYS = ("image", "image_url", "url", "path")
+PART_TYPES = ("text", "image", "image_url")  # image_url: OpenAI's {"type": "image_url", "image_url": {"url": ...}}
 
 
 def _image_ref(part: dict) -> Any:
@@ -44,6 +45,13 @@ def check_messages(messages: Any, key: str) -> None:
             if bad is not None:
                 raise TypeError(f"'{key}'[{i}].content lists {bad!r:.60}; each part must be an object such as "
                                 '{"type": "text", "text": ...} or {"type": "image", "image": ...}')
+            # A part of another type would reach the chat template, which renders nothing for it: an image given
+            # as {"type": "input_image", ...} would train as a text prompt without it.
+            other = next((part for part in content if part.get("type") not in PART_TYPES), None)
+            if other is not None:
+                raise TypeError(f"'{key}'[{i}].content has a part of type {other.get('type')!r} ({other!r:.60}); "
+                                f"parts are of type {', '.join(map(repr, PART_TYPES))}: an image is "
+                                '{"type": "image", "image": ...}, a text {"type": "text", "text": ...}')
         elif not isinstance(content, str):
             raise TypeError(f"'{key}'[{i}].content must be a string or a list of parts, got {type(content).__name__}")
 

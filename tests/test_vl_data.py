@@ -234,3 +234,40 @@ def test_transparent_pixels_are_white_and_extreme_aspect_ratios_are_named(tmp_pa
             as e:
         read_image("strip.png", tmp_path, max_pixels=10**6)
     assert e.value.reason == "bad_aspect"
+
+
+def test_image_bytes_as_base64_text_a_quoted_image_token_and_an_unknown_part_type(tmp_path, vl, caplog):
+    """JSON holds an image's {"bytes": ...} as base64 text: it loads (a TypeError stopped the whole load), and text
+    that is not base64 is a corrupt image, skipped and named. A text row quoting the image token would have no image
+    to fill it: skipped. A part of an unknown type ({"type": "input_image"}) was passed to the template, which
+    rendered nothing: the row trained as text without its image; it is named."""
+    _, tok, proc = vl
+    name = png(tmp_path / "a.png")
+    b64 = base64.b64encode((tmp_path / name).read_bytes()).decode()
+    rows = [{"prompt": f"<image>{Q}", "images": [name], "label": "red"},
+            {"prompt": f"<image>{Q}", "images": [{"bytes": b64, "path": None}], "label": "red"},
+            {"prompt": f"<image>{Q}", "images": [{"bytes": "not base64!", "path": None}], "label": "red"},
+            {"prompt": "What does <|image_pad|> mean?", "label": "x"}]
+    with caplog.at_level(logging.WARNING):
+        prompts, report = load_prompts(DataConfig(path=str(rows_file(tmp_path, rows)), max_skipped_frac=1.0), tok,
+                                       processor=proc)
+    assert [p.index for p in prompts] == [0, 1] and prompts[0].prompt_ids == prompts[1].prompt_ids
+    assert dict(report.skipped) == {"corrupt_image": 1, "placeholder_mismatch": 1}
+    assert "d.jsonl:3: skipped (corrupt_image): image 'bytes' is a string that is not base64" in caplog.text
+    assert "d.jsonl:4: skipped (placeholder_mismatch): the prompt holds 1 image token(s)" in caplog.text
+    other = {"messages": [{"role": "user", "content": [{"type": "input_image", "image_url": name},
+                                                       {"type": "text", "text": Q}]}], "label": "red"}
+    with pytest.raises(TypeError, match=r"d.jsonl:1: 'messages'\[0\].content has a part of type 'input_image'"):
+        load_prompts(DataConfig(path=str(rows_file(tmp_path, [other]))), tok, processor=proc)
+
+
+def test_a_text_row_with_an_image_token_beside_image_rows_is_named():
+    """A generate call's image-text rows give their images to every image token of the batch: a text row holding
+    one (a custom rollout's context) made transformers' rope index stop with a bare StopIteration."""
+    from slime.multimodal.processor import MultimodalInputs, check_contexts
+
+    mm = MultimodalInputs(torch.zeros(16, 8), torch.tensor([[1, 4, 4]]), token_id=7, num_tokens=4)
+    check_contexts([[1, 7, 7, 7, 7, 2], [1, 2, 3]], [mm, None])
+    check_contexts([[1, 2, 7]], [None])  # no image row: the model reads it as text
+    with pytest.raises(ValueError, match=r"text prompt 1 of this generate call holds 1 image token\(s\) \(id 7\)"):
+        check_contexts([[1, 7, 7, 7, 7, 2], [1, 2, 7]], [mm, None])

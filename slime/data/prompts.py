@@ -269,6 +269,11 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
             if parsed is None:
                 text, ids = encode_prompt(row, line, cfg, tokenizer, path)
                 refs = None
+                if processor is not None and processor.image_token_id in ids:  # no image would fill them
+                    raise SkippedRow("placeholder_mismatch", f"the prompt holds {ids.count(processor.image_token_id)} "
+                                     f"image token(s) (the text {processor.image_token!r}) but no images; give the "
+                                     f"images in '{cfg.images_key}' with {cfg.image_placeholder!r} placeholders, or "
+                                     "remove the token from the text")
             elif processor is None:
                 raise ValueError(f"{path}:{line}: the row has images but model.path is a text-only model")
             elif not cfg.apply_chat_template:
