@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -230,6 +232,39 @@ def test_a_batch_generated_ahead_is_discarded_at_a_stop_without_raising_over_it(
         ahead.close()
     assert "the discarded batch generated ahead failed: RuntimeError: reward server gone" in caplog.text
     assert not ahead.in_flight
+
+
+def test_a_stop_aborts_a_batch_ahead_whose_generate_call_starts_after_the_first_abort(monkeypatch):
+    """close() came while the thread was still drawing prompts: its one abort found no generate() call running,
+    the call that started after it generated its whole batch, and close() waited for it (up to 60 s, past a
+    launcher's SIGKILL). close() aborts again until the batch ends."""
+    import slime.rollout.rollout as rollout_mod
+    from slime.rollout.rollout import RolloutAhead
+
+    class Engine:
+        def __init__(self):
+            self.running, self.first_abort = [], threading.Event()
+
+        def abort(self):
+            for call in self.running:
+                call["aborted"] = True
+            self.first_abort.set()
+
+        def generate(self):
+            assert self.first_abort.wait(30)  # still drawing prompts when the stop's first abort came
+            call = {"aborted": False}
+            self.running.append(call)
+            deadline = time.monotonic() + 20  # a whole batch
+            while not call["aborted"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return "abort" if call["aborted"] else "length"
+
+    engine, outcome = Engine(), []
+    monkeypatch.setattr(rollout_mod, "_draw_and_generate", lambda engine, *a, **k: outcome.append(engine.generate()))
+    ahead = RolloutAhead(engine, types.SimpleNamespace(state_dict=dict), None, None, None, OneRank())
+    ahead.start(0)
+    ahead.close()
+    assert outcome == ["abort"] and not ahead.in_flight
 
 def _multi_turn_sample(mask: list[int], seed: int) -> Sample:
     g = torch.Generator().manual_seed(seed)

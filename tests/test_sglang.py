@@ -443,6 +443,42 @@ def test_one_step_off_rollout_on_a_disaggregated_engine(tiny_model, task_dir, tm
 
 
 @needs_sglang
+def test_two_engines_on_one_server_and_a_push_that_failed_part_way(server, engines, tiny_model):
+    """Two engines (two jobs on the servers of rollout.sglang.urls) generate at once: their request ids were both
+    slime-r0-<n>, and the server refused the second of each as a duplicate (400, both calls failed). A push whose
+    buckets raise after its session began left the session open, and the server refused every later push."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors.torch import load_file
+
+    from slime.models.loading import load_tokenizer
+
+    ours, hf, prompts = engines
+    model_cfg = ModelConfig(path=str(tiny_model), dtype="float32")
+    other = SGLangEngine(SGLangConfig(urls=[server.url], max_concurrency=8), model_cfg, load_tokenizer(model_cfg),
+                         OneRank())
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            runs = [pool.submit(e.generate, prompts, params) for e in (ours, other)]
+            a, b = (r.result() for r in runs)
+    finally:
+        other.shutdown()
+    assert [g[0].response_ids for g in a] == [g[0].response_ids for g in b]
+    weights = sorted(load_file(str(tiny_model / "model.safetensors")).items())  # the served weights, unchanged
+
+    def failing():
+        yield weights[:2]
+        raise RuntimeError("gather failed (simulated)")
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        ours.update_weights(failing(), version=ours.weight_version + 1)
+    ours.update_weights([weights], version=ours.weight_version + 2)
+    assert ours.client.get("/model_info")["weight_version"] == str(ours.weight_version)
+    assert [g[0].response_ids for g in ours.generate(prompts, params)] == [g[0].response_ids for g in a]
+
+
+@needs_sglang
 def test_killed_server_is_detected_and_reported(server, engines):
     """Runs last: kills the module's server (SIGKILL to its main process, as an OOM killer would)."""
     ours, _, prompts = engines
@@ -508,6 +544,7 @@ def bare_engine(client) -> SGLangEngine:
 
     engine = object.__new__(SGLangEngine)
     engine.client, engine._rid, engine._lock, engine._calls = client, itertools.count(), threading.Lock(), set()
+    engine._rid_tag = "e1"
     engine.dims, engine.eos_id = types.SimpleNamespace(rank=0), None
     engine._pool, engine.events, engine._stats = ThreadPoolExecutor(8), collections.deque(), collections.Counter()
     return engine
@@ -532,7 +569,7 @@ def test_a_generation_the_server_ended_on_its_own_is_an_error_naming_it():
             return out
 
     engine = bare_engine(Client())
-    with pytest.raises(SGLangServerError, match="ended request slime-r0-0 .* after 2 tokens .*KV cache pool is full"):
+    with pytest.raises(SGLangServerError, match="ended request slime-e1-r0-0 .* after 2 tokens .*KV cache pool is full"):
         engine._generate_one(_Call(), [1, 2, 3], {})
     assert engine._generate_one(_Call(aborted=True), [1, 2, 3], {}).finish_reason == "abort"  # ours: as asked
     ours = _Call()
@@ -548,7 +585,7 @@ def test_an_answer_that_is_not_a_generation_names_the_server():
         def post(self, path, body, **kw):
             return "<html>a proxy's login page</html>"
 
-    with pytest.raises(SGLangServerError, match="answered request slime-r0-0 with something that is not an SGLang "
+    with pytest.raises(SGLangServerError, match="answered request slime-e1-r0-0 with something that is not an SGLang "
                                                 "generation .*login page.*rollout.sglang.urls"):
         bare_engine(Client()).generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
 
@@ -730,3 +767,121 @@ def test_abandon_drops_queued_requests_and_aborts_the_running_one():
     # queued): a call that queues on the abandoned engine fails the same way, not with the pool's RuntimeError.
     with pytest.raises(concurrent.futures.CancelledError, match="abandoned"):
         engine.generate([[4]], SamplingParams(2))
+
+
+def session_engine(client, group_dims=None) -> SGLangEngine:
+    """A bare engine that pushes to `client` (colocated: /update_weights_from_tensor), as rank 0 of one."""
+    engine = bare_engine(client)
+    engine.cfg = SGLangConfig(urls=[client.url], request_timeout=600)
+    engine.owned, engine.colocated, engine._asleep, engine._version = [client], True, set(), 0
+    engine._host_buffers, engine._group, engine._control = None, None, None
+    engine.dims = group_dims or OneRank()
+    return engine
+
+
+class SessionServer:
+    """What SGLang 0.5.23 answers about weight-update sessions (one open at a time), and the version served."""
+    url = "http://127.0.0.1:30000"
+
+    def __init__(self):
+        self.open, self.version, self.calls = False, None, []
+
+    def post(self, path, body, **kw):
+        self.calls.append(path)
+        if path == "/begin_weight_update":
+            if self.open:
+                raise SGLangServerError(f"{self.url}{path} answered 400: a weight-update session is already open; "
+                                        "call end_weight_update() first")
+            self.open = True
+        elif path == "/end_weight_update":
+            if not self.open:
+                raise SGLangServerError(f"{self.url}{path} answered 400: no weight-update session is open")
+            self.open = False
+        elif path == "/update_weights_from_tensor":
+            self.version = body["weight_version"]
+        return {"success": True}
+
+    def get(self, path, **kw):
+        return {"weight_version": self.version}
+
+
+def test_a_push_that_fails_part_way_ends_its_session_and_a_stale_one_is_ended(caplog):
+    """A push whose buckets raise after begin (a ZeRO gather that failed) left the server's session open, and
+    SGLang refused every later push (the servers of rollout.sglang.urls outlive the run: a resumed run could not
+    push). The session is ended on the way out; one found open at begin (another run's) is ended and begun again."""
+    import logging
+
+    server = SessionServer()
+    engine = session_engine(server)
+    weights = [("w", torch.ones(4))]
+
+    def failing():
+        yield weights
+        raise RuntimeError("gather failed (simulated)")
+
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.update_weights(failing(), version=1)
+    assert not server.open and server.calls[-1] == "/end_weight_update"
+    engine.update_weights([weights], version=2)
+    assert server.version == "2" and not server.open
+    server.open = True  # left open by a run that died mid-push
+    with caplog.at_level(logging.WARNING):
+        engine.update_weights([weights], version=3)
+    assert server.version == "3" and not server.open
+    assert "had a weight-update session open" in caplog.text
+
+
+def test_a_server_that_refuses_to_join_the_update_group_is_reported_at_once():
+    """Disaggregated: init_weights_update_group answers only once every engine rank has joined the group, and the
+    trainer waits in the group's rendezvous. A server that refuses at once left the trainer waiting out
+    request_timeout (600 s by default), then reporting a store timeout instead of the server's reason."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    class Refusing:
+        url = "http://127.0.0.1:30000"
+
+        def post(self, path, body, **kw):
+            raise SGLangServerError(f"{self.url}{path} answered 400: Failed to init group: no route (fake)")
+
+    joined = threading.Event()
+
+    class Dims(OneRank):
+        def new_external_group(self, **kw):  # the rendezvous: the engines never come
+            if not joined.wait(kw["timeout_s"]):
+                raise RuntimeError(f"wait timeout after {kw['timeout_s']} s")
+
+    engine = session_engine(Refusing(), Dims())
+    engine.colocated, engine._control = False, ThreadPoolExecutor(1)
+    try:
+        with pytest.raises(SGLangServerError, match=r"Failed to init group: no route \(fake\)"):
+            engine._ensure_group()
+    finally:
+        joined.set()
+    assert engine._group is None
+
+
+def test_an_abort_before_a_request_registers_cuts_it():
+    """abort() marks the calls running and aborts their registered requests: a request of an aborted call that
+    had not registered yet was sent anyway and ran its whole length. It is not sent."""
+    from slime.rollout.sglang_engine import _Call
+
+    posted = []
+
+    class Client:
+        url = "http://127.0.0.1:30000"
+
+        def post(self, path, body, **kw):
+            posted.append(path)
+            return generation([7, 8])
+
+    class AbortWhileNumbering:  # the abort comes while the request takes its number: after any check before it
+        def __next__(self):
+            engine.abort()
+            return 0
+
+    engine = bare_engine(Client())
+    engine._rid = AbortWhileNumbering()
+    call = _Call()
+    with engine._lock:
+        engine._calls.add(call)
+    assert engine._generate_one(call, [1, 2, 3], {}).finish_reason == "abort" and posted == []

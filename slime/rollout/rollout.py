@@ -198,6 +198,7 @@ class RolloutAhead:
     which made runs irreproducible."""
 
     STOP_WAIT_S = 60.0  # at close, how long a batch in flight may take to finish before it is abandoned
+    ABORT_EVERY_S = 0.5
 
     def __init__(self, engine, data: PromptSource, cfg: RolloutConfig, tokenizer, reward_fn, dims: ParallelDims,
                  seed: int = 0):
@@ -251,14 +252,21 @@ class RolloutAhead:
         future, self._future = self._future, None
         if future is None:
             return
-        self.engine.abort()
-        try:
-            future.result(timeout=self.STOP_WAIT_S)
-        except concurrent.futures.TimeoutError:
-            logger.warning("the batch generated ahead did not finish within %.0f s of the stop; abandoned",
-                           self.STOP_WAIT_S)
-        except BaseException as e:  # noqa: BLE001
-            logger.warning("the discarded batch generated ahead failed: %s: %s", type(e).__name__, e)
+        deadline = time.monotonic() + self.STOP_WAIT_S
+        while True:
+            # again every ABORT_EVERY_S: an abort cuts the generate() calls running when it comes, and the thread
+            # may still be drawing prompts, or start another call (a multi-turn generate function)
+            self.engine.abort()
+            try:
+                future.result(timeout=max(0.0, min(self.ABORT_EVERY_S, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                if time.monotonic() < deadline:
+                    continue
+                logger.warning("the batch generated ahead did not finish within %.0f s of the stop; abandoned",
+                               self.STOP_WAIT_S)
+            except BaseException as e:  # noqa: BLE001
+                logger.warning("the discarded batch generated ahead failed: %s: %s", type(e).__name__, e)
+            return
 
 
 def _cut_to_batch_size(kept: list[Sample], batch_size: int, dims: ParallelDims) -> list[Sample]:

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
@@ -92,6 +93,24 @@ def server_args(cfg: SGLangConfig, *, dtype: torch.dtype, gpu_id: int | None, co
     return args + [str(a) for a in cfg.extra_args]
 
 
+def _wait_unless_refused(done, calls: list[concurrent.futures.Future], poll_s: float = 0.05) -> None:
+    """Wait until `done()`, a collective with the engines, unless one of their HTTP `calls` fails first: a server
+    that refuses to join (or to receive) would leave the trainer waiting out the group's whole timeout, and its
+    answer, which says why, would never be read. Raises that call's error."""
+    while not done():
+        finished, _ = concurrent.futures.wait(calls, timeout=poll_s, return_when=concurrent.futures.FIRST_EXCEPTION)
+        for call in finished:
+            if call.exception() is not None:
+                call.result()
+        if len(finished) == len(calls):  # every server has answered: only the collective is left
+            while not done():
+                time.sleep(poll_s)
+
+
+class _Aborted(Exception):
+    """A request of an aborted generate() call that was not sent."""
+
+
 @dataclasses.dataclass(eq=False)
 class _Call:
     """One generate() call: its requests in flight (request id -> client) and whether it was aborted."""
@@ -116,7 +135,7 @@ class SGLangEngine:
         self._servers: list[SGLangServer] = []
         self._group = None
         self._host_buffers = SharedBuffers() if self.colocated else None  # CPU pushes: kept shared-memory buckets
-        self._rid = itertools.count()
+        self._rid, self._rid_tag = itertools.count(), uuid.uuid4().hex[:8]
         self._calls: set[_Call] = set()  # generate() calls running (from several threads with thread_safe)
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=cfg.max_concurrency, thread_name_prefix="sglang-http")
@@ -223,17 +242,23 @@ class SGLangEngine:
                 "this SGLang engine was abandoned (after an error) while generate() was queuing requests") from None
 
     def _new_rid(self, call: "_Call", old: str | None = None) -> str:
-        rid = f"slime-r{self.dims.rank}-{next(self._rid)}"
+        """A request id, registered with `call` for abort(); unique across engines and jobs that share a server (it
+        refuses a duplicate id with a 400). Raises _Aborted when the call was aborted before it could register."""
+        rid = f"slime-{self._rid_tag}-r{self.dims.rank}-{next(self._rid)}"
         with self._lock:
             call.inflight.pop(old, None)
+            if call.aborted:  # checked under the lock abort() takes: no request starts after its abort
+                raise _Aborted
             call.inflight[rid] = self.client
         return rid
 
     def _generate_one(self, call: "_Call", prompt: list[int], sampling: dict,
                       image_data: list[str] | None = None) -> Generation:
-        if call.aborted:
+        try:
+            body = {"rid": self._new_rid(call), "input_ids": prompt, "sampling_params": sampling,
+                    "return_logprob": True}
+        except _Aborted:
             return Generation([], [], "abort")
-        body = {"rid": self._new_rid(call), "input_ids": prompt, "sampling_params": sampling, "return_logprob": True}
         if image_data:
             body["image_data"] = image_data
 
@@ -245,6 +270,8 @@ class SGLangEngine:
 
         try:
             out = self.client.post("/generate", body, before_retry=fresh_rid)
+        except _Aborted:  # aborted while waiting to retry
+            return Generation([], [], "abort")
         finally:
             with self._lock:
                 call.inflight.pop(body["rid"], None)
@@ -345,24 +372,30 @@ class SGLangEngine:
         pushing = bool(self.owned)
         shared_tp = self.colocated and self.cfg.tp_size > 1  # every TP rank hands its own copy to its server
         error = _attempt(self._session, "begin") if pushing else None
-        for bucket in buckets:
-            flats = split_by_dtype(bucket, self._host_buffers) if pushing or shared_tp else []
-            nbytes += sum(f.nbytes for f in flats) if pushing else 0
-            payloads = self._payloads(flats, pushing) if self.colocated else None
-            if error is None and pushing:
-                error = _attempt(self._push, flats, payloads, version)
-            if shared_tp:
-                self.dims.barrier()  # peers' tensors must outlive the owner's HTTP call
-        if error is None and pushing:
-            error = _attempt(self._finish_update, version)
+        session_open = pushing and error is None
+        try:
+            for bucket in buckets:
+                flats = split_by_dtype(bucket, self._host_buffers) if pushing or shared_tp else []
+                nbytes += sum(f.nbytes for f in flats) if pushing else 0
+                payloads = self._payloads(flats, pushing) if self.colocated else None
+                if error is None and pushing:
+                    error = _attempt(self._push, flats, payloads, version)
+                if shared_tp:
+                    self.dims.barrier()  # peers' tensors must outlive the owner's HTTP call
+            if session_open:
+                session_open = False
+                ended = _attempt(self._session, "end")
+                error = error or ended or _attempt(self._check_version, version)
+        finally:
+            if session_open:  # the buckets raised (a gather failed): a session left open refuses every later push
+                self._end_open_session()
         self._check_everywhere("weight update", error)
         self._version = version
         self._stats["sync_s"] += time.monotonic() - start
         self._stats["sync_bytes"] += nbytes
         self.events.append(("update", version))
 
-    def _finish_update(self, version: int) -> None:
-        self._session("end")
+    def _check_version(self, version: int) -> None:
         for client in self.owned:
             served = client.get("/model_info").get("weight_version")
             if served != str(version):
@@ -376,7 +409,24 @@ class SGLangEngine:
 
     def _session(self, which: str) -> None:
         for client in self.owned:
-            client.post(f"/{which}_weight_update", {}, retries=0)
+            try:
+                client.post(f"/{which}_weight_update", {}, retries=0)
+            except SGLangServerError as e:
+                if which != "begin" or "already open" not in str(e):
+                    raise
+                # left open by a push that died part-way (this run's before a resume, or another job's, on servers
+                # from rollout.sglang.urls): its tensors are overwritten by this push, which sends every weight
+                logger.warning("%s had a weight-update session open (an earlier push that did not finish); ending "
+                               "it and pushing every weight again", client.url)
+                client.post("/end_weight_update", {}, retries=0)
+                client.post("/begin_weight_update", {}, retries=0)
+
+    def _end_open_session(self) -> None:
+        """Best effort, on the way out of a failed push: the error being raised says what went wrong."""
+        try:
+            self._session("end")
+        except Exception as e:  # noqa: BLE001
+            logger.warning("could not end the weight-update session after a failed push: %s", e)
 
     def _payloads(self, flats, pushing: bool) -> list[list[str]] | None:
         """Colocated: for each flat bucket, the payload of every TP rank of this rank's engine."""
@@ -403,7 +453,10 @@ class SGLangEngine:
                     "weight_version": str(version)}
             calls = [self._control.submit(c.post, "/update_weights_from_distributed", body, retries=0)
                      for c in self.owned]
-            torch.distributed.broadcast(flat.flat.to(self._group_device), src=0, group=self._group)
+            data = flat.flat.to(self._group_device)  # kept until the broadcast is done
+            sent = torch.distributed.broadcast(data, src=0, group=self._group, async_op=True)
+            _wait_unless_refused(sent.is_completed, calls)
+            sent.wait()
             for call in calls:
                 call.result()
 
@@ -422,8 +475,22 @@ class SGLangEngine:
         calls = [self._control.submit(c.post, "/init_weights_update_group", {
             "master_address": master, "master_port": port, "rank_offset": 1 + e * tp, "world_size": world,
             "group_name": GROUP_NAME, "backend": backend}, retries=0) for e, c in enumerate(self.owned)]
-        self._group = self.dims.new_external_group(host=master, port=port, world_size=world, group_name=GROUP_NAME,
-                                                   backend=backend, timeout_s=self.cfg.request_timeout)
+        made: dict = {}
+
+        def make() -> None:  # blocks until every engine rank has joined
+            try:
+                made["group"] = self.dims.new_external_group(host=master, port=port, world_size=world,
+                                                             group_name=GROUP_NAME, backend=backend,
+                                                             timeout_s=self.cfg.request_timeout)
+            except BaseException as e:  # noqa: BLE001 -- raised below, in the calling thread
+                made["error"] = e
+        maker = threading.Thread(target=make, name="sglang-group", daemon=True)
+        maker.start()
+        _wait_unless_refused(lambda: not maker.is_alive(), calls)  # a server that refuses to join ends the wait
+        maker.join()
+        if "error" in made:
+            raise made["error"]
+        self._group = made["group"]
         if backend == "nccl":
             self._group_device = torch.device("cuda", torch.cuda.current_device())
         for call in calls:
