@@ -46,6 +46,7 @@ class ModelShape:
     model_type: str
     num_heads: int = 0
     num_kv_heads: int = 0
+    num_experts: int | None = None
 
 
 def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
@@ -53,6 +54,7 @@ def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
     import transformers
     from transformers import AutoConfig
 
+    from slime.distributed.expert_parallel import num_experts
     from slime.models.adapters import get_adapter
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -71,7 +73,7 @@ def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
                       layers=text.num_hidden_layers, q_dim=text.num_attention_heads * head_dim,
                       kv_dim=text.num_key_value_heads * head_dim, mlp_width=mlp, vocab=text.vocab_size,
                       model_type=config.model_type, num_heads=text.num_attention_heads,
-                      num_kv_heads=text.num_key_value_heads)
+                      num_kv_heads=text.num_key_value_heads, num_experts=num_experts(config))
 
 
 def model_states_bytes(stage: int, params: int, largest_layer: int, gpus: int) -> int:
@@ -116,7 +118,7 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
     if ep > 1:
         from slime.distributed.expert_parallel import expert_parallel_settings
 
-        expert_parallel_settings(ep, shape.model_type)  # the family check, as at launch
+        expert_parallel_settings(ep, shape.model_type, shape.num_experts)  # as at launch
     out: dict = {"world": num_gpus, "dp": dp, "sp": sp, "ep": ep, "params": shape.params,
                  "largest_layer": shape.largest_layer}
     # engines

@@ -97,6 +97,11 @@ def test_too_few_gpus_warns_and_bad_layouts_fail():
     cfg.parallel.sp, cfg.parallel.ep = 3, 1  # 32 query heads: sp=3 cannot split them, as launch would say
     with pytest.raises(ValueError, match="parallel.sp=3 must divide the number of attention heads \\(32\\)"):
         plan(cfg, 24)
+    # 128 experts a layer do not split over 3 ranks: said here, where DeepSpeed says it after the model loads
+    cfg.parallel.sp, cfg.parallel.ep, cfg.rollout.batch_size = 1, 3, 48
+    with pytest.raises(ValueError, match=r"parallel.ep=3 does not divide the model's 128 experts per layer .*"
+                                         r"use one of \[1, 2, 4, 8, 16, 32, 64, 128\]"):
+        plan(cfg, 24)
 
 
 def test_run_sh_passes_dry_run_through(tmp_path):

@@ -30,11 +30,22 @@ checkpoint's names yet, so they cannot load here at all."""
 _AUTOEP_PARAM = re.compile(r"^(?P<layer>.+\.mlp)\.(?P<kind>router\.gate\.weight|experts\.w[123])$")
 
 
-def expert_parallel_settings(ep: int, model_type: str) -> dict:
-    """DeepSpeed's `expert_parallel` section for parallel.ep (set here only; a JSON that sets it is refused)."""
+def num_experts(config) -> int | None:
+    """Experts per MoE layer from an HF config (Qwen's num_experts, Mixtral's num_local_experts)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+
+
+def expert_parallel_settings(ep: int, model_type: str, experts: int | None = None) -> dict:
+    """DeepSpeed's `expert_parallel` section for parallel.ep (set here only; a JSON that sets it is refused).
+    `experts` (per layer), when known, must split evenly over the ep ranks: said before the model loads."""
     if model_type not in AUTOEP_PRESETS:
         raise ValueError(f"parallel.ep={ep} needs a mixture-of-experts model that DeepSpeed AutoEP supports; "
                          f"model type {model_type!r} is not one of {', '.join(sorted(AUTOEP_PRESETS))}")
+    if experts and experts % ep:
+        fits = [k for k in range(1, experts + 1) if experts % k == 0]
+        raise ValueError(f"parallel.ep={ep} does not divide the model's {experts} experts per layer (each ep rank "
+                         f"holds the same number); use one of {fits}")
     # The MoE blocks sit under PolicyModel.hf, hence the prefix on the preset's layer pattern.
     # load_balance_coeff must stay null in this DeepSpeed build (slime adds its own aux loss).
     return {"enabled": True, "autoep_size": ep, "preset_model": AUTOEP_PRESETS[model_type],

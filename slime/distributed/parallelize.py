@@ -13,11 +13,11 @@ import torch
 
 from slime.config import TrainConfig
 from slime.distributed.ds_config import build_ds_config, check_stage, zero_stage
-from slime.distributed.expert_parallel import expert_parallel_settings
+from slime.distributed.expert_parallel import expert_parallel_settings, num_experts
 from slime.distributed.parallel_dims import ParallelDims
 
 
-def layout_settings(dims: ParallelDims, model_type: str) -> dict:
+def layout_settings(dims: ParallelDims, config) -> dict:
     """DeepSpeed config fields implied by the parallel sizes.
 
     Sequence parallelism needs none: ZeRO-3 shards over every rank and averages gradients over the whole
@@ -25,7 +25,7 @@ def layout_settings(dims: ParallelDims, model_type: str) -> dict:
     shard gradients add up (tested against sp=1, not assumed). Expert parallelism is DeepSpeed's AutoEP.
     """
     if dims.ep > 1:
-        return {"expert_parallel": expert_parallel_settings(dims.ep, model_type)}
+        return {"expert_parallel": expert_parallel_settings(dims.ep, config.model_type, num_experts(config))}
     return {}
 
 
@@ -38,7 +38,7 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, train: TrainConfig, 
     ds_config = build_ds_config(train, bf16=bf16)
     stage = zero_stage(ds_config)
     check_stage(stage, train, sp=dims.sp, ep=dims.ep, offload_params=offload_params)
-    ds_config.update(layout_settings(dims, model.config.model_type))
+    ds_config.update(layout_settings(dims, model.config))
     if offload_params:
         ds_config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if lr is None:
