@@ -271,3 +271,24 @@ def test_a_text_row_with_an_image_token_beside_image_rows_is_named():
     check_contexts([[1, 2, 7]], [None])  # no image row: the model reads it as text
     with pytest.raises(ValueError, match=r"text prompt 1 of this generate call holds 1 image token\(s\) \(id 7\)"):
         check_contexts([[1, 7, 7, 7, 7, 2], [1, 2, 7]], [mm, None])
+
+
+def test_two_images_swapped_since_load_are_skipped_when_drawn(tmp_path, vl, caplog):
+    """The total of image tokens stays when a row's two files of different sizes are swapped, but each image's
+    run of placeholders no longer fits its features: checked image by image."""
+    from slime.data.prompts import with_pixels
+
+    _, tok, proc = vl
+    png(tmp_path / "a.png")
+    png(tmp_path / "b.png", size=(200, 120))
+    cfg = DataConfig(path=str(rows_file(tmp_path, [{"prompt": f"<image><image>{Q}", "images": ["a.png", "b.png"],
+                                                    "label": "red"}])))
+    prompts, _ = load_prompts(cfg, tok, processor=proc)
+    assert len(with_pixels(prompts, cfg, proc, cfg.path)[0]) == 1
+    (tmp_path / "a.png").rename(tmp_path / "c.png")
+    (tmp_path / "b.png").rename(tmp_path / "a.png")
+    (tmp_path / "c.png").rename(tmp_path / "b.png")
+    with caplog.at_level(logging.WARNING):
+        drawn, skipped = with_pixels(prompts, cfg, proc, cfg.path)
+    assert drawn == [] and dict(skipped) == {"changed_since_load": 1}
+    assert "d.jsonl:1: skipped when drawn (changed_since_load): its images now make [" in caplog.text

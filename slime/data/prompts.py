@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import json
 import logging
 import random
@@ -363,11 +364,11 @@ def with_pixels(prompts: list[Prompt], cfg: DataConfig, processor: VLProcessor |
             skipped[e.reason] += 1
             continue
         mm = processor.pixels(images)
-        tokens = int((mm.image_grid_thw.prod(-1) // processor.merge ** 2).sum())
-        if tokens != p.prompt_ids.count(processor.image_token_id):  # a file replaced by one of another size
-            logger.warning("%s:%d: skipped when drawn (changed_since_load): its images now make %d image tokens, "
-                           "the prompt was tokenised with %d", path, p.index + 1, tokens,
-                           p.prompt_ids.count(processor.image_token_id))
+        tokens = (mm.image_grid_thw.prod(-1) // processor.merge ** 2).tolist()
+        runs = [len(list(run)) for token, run in itertools.groupby(p.prompt_ids) if token == processor.image_token_id]
+        if tokens != runs:  # a file replaced by one of another size (or two swapped): features would go astray
+            logger.warning("%s:%d: skipped when drawn (changed_since_load): its images now make %s image tokens, "
+                           "the prompt was tokenised with %s", path, p.index + 1, tokens, runs)
             skipped["changed_since_load"] += 1
             continue
         out.append(dataclasses.replace(p, mm=mm))
