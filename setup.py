@@ -25,6 +25,7 @@ setup(
         "matplotlib",
         "pillow",
         "requests",
+        "urllib3>=2",  # HTTPResponse.read1: an image fetch reads what has arrived, within its deadline
         "wandb",
     ],
     extras_require={

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ def describe(ref: Any) -> str:
     return type(ref).__name__
 
 
-def _source(ref: Any, base_dir: Path, timeout: float):
+def _source(ref: Any, base_dir: Path, timeout: float, max_bytes: int):
     """A file path or a bytes buffer Pillow can open."""
     if isinstance(ref, dict):
         data = ref.get("bytes")
@@ -70,20 +71,45 @@ def _source(ref: Any, base_dir: Path, timeout: float):
             raise ImageError("corrupt_image", f"data URI is not valid base64: {e}") from None
     scheme = urlparse(ref).scheme
     if scheme in ("http", "https"):
-        import requests
-
-        try:
-            r = requests.get(ref, timeout=timeout)
-            r.raise_for_status()
-        except requests.RequestException as e:
-            raise ImageError("fetch_failed", f"could not fetch {ref}: {e}") from None
-        return io.BytesIO(r.content)
+        return io.BytesIO(_fetch(ref, timeout, max_bytes))
     path = Path(unquote(urlparse(ref).path)) if scheme == "file" else Path(ref)
     if not path.is_absolute():
         path = base_dir / path
     if not path.is_file():
         raise ImageError("missing_image", f"image file {path} does not exist")
     return path
+
+
+def _max_bytes(max_pixels: int) -> int:
+    """The most bytes an image of max_pixels can take in any format (16-bit RGBA stored raw), plus headers."""
+    return 8 * max_pixels + 2**20
+
+
+def _fetch(url: str, timeout: float, max_bytes: int) -> bytes:
+    """The body of an http(s) image, within `timeout` seconds in all (requests' own timeout is per read: a server
+    that trickles bytes would hold the rank, and the ranks waiting for it, for ever) and `max_bytes`."""
+    import requests
+
+    deadline = time.monotonic() + timeout
+    body = bytearray()
+    try:
+        with requests.get(url, timeout=timeout, stream=True) as r:
+            r.raise_for_status()
+            if int(r.headers.get("Content-Length") or 0) > max_bytes:
+                raise ImageError("too_large", f"{url} is {r.headers['Content-Length']} bytes, more than an image of "
+                                              f"data.max_image_pixels takes ({max_bytes})")
+            r.raw.decode_content = True
+            while chunk := r.raw.read1(1 << 16):  # what has arrived (read() waits to fill its size)
+                body += chunk
+                if len(body) > max_bytes:
+                    raise ImageError("too_large", f"{url} sent more than {max_bytes} bytes, more than an image of "
+                                                  "data.max_image_pixels takes")
+                if time.monotonic() > deadline:
+                    raise ImageError("fetch_failed", f"{url} took more than data.image_fetch_timeout={timeout} s "
+                                                     f"({len(body)} bytes so far)")
+    except requests.RequestException as e:
+        raise ImageError("fetch_failed", f"could not fetch {url}: {e}") from None
+    return bytes(body)
 
 
 def read_image(ref: Any, base_dir: str | Path, *, max_pixels: int, timeout: float = 10.0) -> Image.Image:
@@ -95,7 +121,7 @@ def read_image(ref: Any, base_dir: str | Path, *, max_pixels: int, timeout: floa
         img = ref
     else:
         try:
-            img = Image.open(_source(ref, Path(base_dir), timeout))
+            img = Image.open(_source(ref, Path(base_dir), timeout, _max_bytes(max_pixels)))
         except (UnidentifiedImageError, OSError) as e:
             raise ImageError("corrupt_image", f"{describe(ref)} is not a readable image: {e}") from None
         except Image.DecompressionBombError as e:

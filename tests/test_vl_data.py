@@ -292,3 +292,56 @@ def test_two_images_swapped_since_load_are_skipped_when_drawn(tmp_path, vl, capl
         drawn, skipped = with_pixels(prompts, cfg, proc, cfg.path)
     assert drawn == [] and dict(skipped) == {"changed_since_load": 1}
     assert "d.jsonl:1: skipped when drawn (changed_since_load): its images now make [" in caplog.text
+
+
+def test_an_http_image_is_fetched_within_the_timeout_in_all_and_a_size_cap():
+    """requests' timeout is per read: a server that sends a byte now and then held the rank for ever (and the ranks
+    waiting for it in the load's collective). The whole fetch gets data.image_fetch_timeout, and a body larger than
+    any image of data.max_image_pixels is refused as it arrives."""
+    import http.server
+    import threading
+    import time
+
+    from slime.multimodal.images import ImageError, read_image
+
+    stop = threading.Event()
+    buf = io.BytesIO()
+    Image.new("RGB", (60, 50), (200, 30, 30)).save(buf, format="PNG")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            if self.path == "/ok.png":
+                self.send_header("Content-Length", str(len(buf.getvalue())))
+                self.end_headers()
+                self.wfile.write(buf.getvalue())
+                return
+            self.end_headers()
+            try:
+                while not stop.is_set():  # never ends: a trickle, or a body without end
+                    self.wfile.write(b"x" * (1 if self.path == "/trickle.png" else 1 << 16))
+                    self.wfile.flush()
+                    if self.path == "/trickle.png":
+                        time.sleep(0.05)
+            except OSError:
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        assert read_image(f"{url}/ok.png", ".", max_pixels=10**6, timeout=60.0).size == (60, 50)
+        with pytest.raises(ImageError, match=r"took more than data.image_fetch_timeout=1.0 s") as e:
+            read_image(f"{url}/trickle.png", ".", max_pixels=10**6, timeout=1.0)
+        assert e.value.reason == "fetch_failed"
+        with pytest.raises(ImageError, match=r"sent more than 9048576 bytes") as e:
+            read_image(f"{url}/endless.png", ".", max_pixels=10**6, timeout=60.0)
+        assert e.value.reason == "too_large"
+    finally:
+        stop.set()
+        httpd.shutdown()
