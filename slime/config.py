@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import types
 import typing
 from pathlib import Path
@@ -73,8 +74,9 @@ class DataConfig:
         if self.max_prompt_len < 1 or self.max_image_pixels < 1:
             raise ValueError(f"data.max_prompt_len={self.max_prompt_len} and data.max_image_pixels="
                              f"{self.max_image_pixels} must be >= 1")
-        if self.image_fetch_timeout <= 0:
-            raise ValueError(f"data.image_fetch_timeout={self.image_fetch_timeout} must be > 0 (seconds)")
+        if not 0 < self.image_fetch_timeout < math.inf:
+            raise ValueError(f"data.image_fetch_timeout={self.image_fetch_timeout} must be a finite number of seconds "
+                             "> 0")
 
 
 @dataclasses.dataclass
@@ -93,8 +95,8 @@ class RewardConfig:
     retry_backoff: float = field(1.0, "Reward server: seconds before the first retry; doubles each retry.")
 
     def __post_init__(self):
-        if not self.timeout > 0:  # NaN too
-            raise ValueError(f"rollout.reward.timeout={self.timeout} must be > 0")
+        if not 0 < self.timeout < math.inf:  # NaN too; inf would turn off the guard against a hung function
+            raise ValueError(f"rollout.reward.timeout={self.timeout} must be a finite number of seconds > 0")
         if self.max_concurrency < 1 or self.batch_size < 1:
             raise ValueError("rollout.reward.max_concurrency and rollout.reward.batch_size must be >= 1")
         if self.max_retries < 0 or self.retry_backoff < 0:
@@ -144,9 +146,10 @@ class SGLangConfig:
         if self.ranks_per_engine and self.ranks_per_engine % self.tp_size:
             raise ValueError(f"rollout.sglang.ranks_per_engine={self.ranks_per_engine} must be a multiple of "
                              f"tp_size={self.tp_size}")
-        if self.max_concurrency < 1 or self.request_timeout <= 0 or self.startup_timeout <= 0 or self.max_retries < 0:
-            raise ValueError("rollout.sglang.max_concurrency, request_timeout and startup_timeout must be > 0, "
-                             "max_retries >= 0")
+        if self.max_concurrency < 1 or self.max_retries < 0 or not (0 < self.request_timeout < math.inf and
+                                                                    0 < self.startup_timeout < math.inf):
+            raise ValueError("rollout.sglang.max_concurrency must be >= 1, request_timeout and startup_timeout finite "
+                             "numbers of seconds > 0, max_retries >= 0")
 
 
 @dataclasses.dataclass
@@ -215,8 +218,9 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
         if self.temperature <= 0:
             raise ValueError(f"rollout.temperature={self.temperature} must be > 0 (use a small value for near-greedy)")
-        if self.generate_fn_timeout < 0:
-            raise ValueError(f"rollout.generate_fn_timeout={self.generate_fn_timeout} must be >= 0 (0 = no limit)")
+        if not 0 <= self.generate_fn_timeout < math.inf:
+            raise ValueError(f"rollout.generate_fn_timeout={self.generate_fn_timeout} must be a finite number of "
+                             "seconds >= 0 (0 = no limit)")
         if self.max_response_len < 1 or self.gen_batch_size < 1 or self.max_sampling_attempts < 1:
             raise ValueError(f"rollout.max_response_len={self.max_response_len}, rollout.gen_batch_size="
                              f"{self.gen_batch_size} and rollout.max_sampling_attempts={self.max_sampling_attempts} "
@@ -412,8 +416,12 @@ class TrainConfig:
     def __post_init__(self):
         if self.num_steps < 1:
             raise ValueError(f"train.num_steps={self.num_steps} must be >= 1")
-        if self.max_skipped_steps < 1 or self.dist_timeout_minutes <= 0:
-            raise ValueError("train.max_skipped_steps must be >= 1 and train.dist_timeout_minutes > 0")
+        if self.max_skipped_steps < 1:
+            raise ValueError(f"train.max_skipped_steps={self.max_skipped_steps} must be >= 1")
+        if not 0 < self.dist_timeout_minutes < math.inf:
+            raise ValueError(f"train.dist_timeout_minutes={self.dist_timeout_minutes} must be a finite number > 0")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"train.seed={self.seed} must be in [0, 2**32) (numpy's seed range)")
         if self.max_tokens_per_gpu < 1:
             raise ValueError("train.max_tokens_per_gpu must be >= 1")
         if self.micro_batch_size < 1:
@@ -473,6 +481,10 @@ class LogConfig:
     tensorboard: bool = field(False, "Also write TensorBoard event files.")
     plot: bool = field(True, "At the end, plot metrics.jsonl into metrics.png beside it (matplotlib, ~1 s on CPU); "
                        "false skips it (python -m slime.utils.plot makes it later).")
+
+    def __post_init__(self):
+        if not str(self.run_dir).strip():
+            raise ValueError("log.run_dir is empty; give the directory for metrics, checkpoints and exports")
 
 
 @dataclasses.dataclass

@@ -48,6 +48,13 @@ def test_int_is_accepted_for_float():
     ("rollout.max_response_len=0", ["rollout.max_response_len=0"]),
     ("rollout.stop_token_ids=['</s>']", ["rollout.stop_token_ids", "not token ids"]),
     ("rollout.reward.timeout=.nan", ["rollout.reward.timeout=nan"]),
+    # inf turned the guard against a hung user function off; a seed numpy refuses failed after the models loaded
+    ("rollout.reward.timeout=inf", ["rollout.reward.timeout=inf", "finite"]),
+    ("rollout.generate_fn_timeout=inf", ["rollout.generate_fn_timeout=inf", "finite", "0 = no limit"]),
+    ("rollout.sglang.request_timeout=inf", ["request_timeout", "finite"]),
+    ("train.dist_timeout_minutes=inf", ["train.dist_timeout_minutes=inf", "finite"]),
+    ("train.seed=-1", ["train.seed=-1", "[0, 2**32)"]),
+    ("log.run_dir=", ["log.run_dir is empty"]),
     ("rollout.overlong_penalty.buffer_len=20", ["buffer_len=20 in [0, max_len]"]),
     ("rollout.overlong_penalty.max_len=20480", ["max_len=20480 - buffer_len=0 >= rollout.max_response_len",
                                                "never applies"]),
