@@ -338,6 +338,7 @@ def test_an_idle_server_does_not_spin_a_core(engines):
             total += int(fields[11]) + int(fields[12])  # utime, stime
         return total / os.sysconf("SC_CLK_TCK")
 
+    assert len(server_processes("module")) >= 2  # the server and its scheduler: none found would pass vacuously
     ours.sleep()  # on CPU nothing to release: no call (SGLang's would cost a garbage-collection pass)
     ours.wake()
     assert not ours.releases and not any(op in ("release", "resume") for op, *_ in ours.events)
@@ -757,10 +758,9 @@ def test_abandon_drops_queued_requests_and_aborts_the_running_one():
     caller = threading.Thread(target=call)
     caller.start()
     assert started.wait(10)
-    t = time.monotonic()
     engine.abandon()
-    caller.join(10)
-    assert time.monotonic() - t < 10 and not caller.is_alive()
+    caller.join(30)
+    assert not caller.is_alive()  # the running request waits 30 s for its abort, the queued ones longer
     assert [p for p, _ in posted] == ["/generate", "/abort_request"]  # the two queued requests never went out
     assert type(out["error"]).__name__ == "CancelledError"  # the call fails: its queued requests were dropped
     # abandon() may land while generate() is still queuing (the first request can start before the last is
