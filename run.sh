@@ -29,6 +29,17 @@ if ! [[ $nproc =~ ^[1-9][0-9]*$ ]]; then
   echo "run.sh: NPROC=$nproc must be a rank count >= 1" >&2
   exit 2
 fi
+# DeepSpeed's --num_gpus N takes GPUs 0..N-1 whatever CUDA_VISIBLE_DEVICES says: name the visible ones instead.
+ranks=(--num_gpus "$nproc")
+if [[ $gpus -gt 0 && -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+  IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
+  ranks=(--include "localhost:$(IFS=,; echo "${visible[*]:0:$nproc}")")
+fi
+if [[ $gpus -gt 0 && $nproc -gt $gpus && $dry_run == 0 ]]; then
+  echo "run.sh: NPROC=$nproc ranks, but this node shows $gpus GPU(s)${CUDA_VISIBLE_DEVICES:+ (CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES)}:" \
+    "run.sh starts one node; for several, launch with torchrun or DeepSpeed's hostfile (docs/multi_node.md)" >&2
+  exit 2
+fi
 if [[ $dry_run == 1 ]]; then
   args=()
   for arg in "$@"; do [[ $arg != --dry-run ]] && args+=("$arg"); done
@@ -70,7 +81,7 @@ echo "run.sh: $nproc rank(s) on $([[ $gpus -gt 0 ]] && echo GPU || echo CPU/gloo
 # generate function ends a process before any handler runs) is a failure, not a success to the scheduler.
 export SLIME_DONE_FILE=$(mktemp -u "${TMPDIR:-/tmp}/slime-done.XXXXXX")
 set -m +e
-deepspeed --num_gpus "$nproc" --master_port "${MASTER_PORT:-29500}" run.py --config "$config" "$@" &
+deepspeed "${ranks[@]}" --master_port "${MASTER_PORT:-29500}" run.py --config "$config" "$@" &
 launcher=$!
 forward() {
   local node_launcher

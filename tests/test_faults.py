@@ -547,3 +547,36 @@ def test_an_export_the_finished_run_did_not_complete_is_made_by_the_rerun(model,
     launch(model, task_dir, run_dir, "train.num_steps=1", "checkpoint.export_hf=true", "train.seed=7", nproc=1)
     fresh = load_file(run_dir / "hf" / "model.safetensors")
     assert any(not torch.equal(fresh[k], first[k]) for k in first)
+
+
+def test_run_sh_launches_on_the_visible_gpus(tmp_path):
+    """DeepSpeed's --num_gpus N takes GPUs 0..N-1 and drops CUDA_VISIBLE_DEVICES: a user who picked GPUs 4,5 got
+    0,1 (another job's). run.sh names the visible GPUs with --include, and refuses more ranks than the node has
+    GPUs (scripts/run-qwen3-30B-A3B.sh started its 16 on one node). A stub deepspeed records its arguments; a
+    stub python says there are 4 GPUs."""
+    import shutil
+
+    real_python = shutil.which("python") or sys.executable
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "python").write_text(f'#!/bin/sh\nif [ "$1" = -c ] && echo "$2" | grep -q device_count; then '
+                                  f'echo 4; exit 0; fi\nexec {real_python} "$@"\n')
+    (stubs / "deepspeed").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/args\ntouch "$SLIME_DONE_FILE"\n')
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+
+    base = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NPROC")}
+    base["PATH"] = f"{stubs}:{base['PATH']}"
+
+    def launch(**env):
+        out = subprocess.run(["bash", str(REPO / "run.sh"), str(REPO / "examples/cpu_tiny_grpo.yaml")],
+                             env={**base, **env}, capture_output=True, text=True, timeout=60)
+        return out, (tmp_path / "args").read_text().split() if out.returncode == 0 else None
+
+    out, args = launch()
+    assert out.returncode == 0 and args[:2] == ["--num_gpus", "4"], out.stderr
+    out, args = launch(CUDA_VISIBLE_DEVICES="4,5,6,7", NPROC="2")
+    assert out.returncode == 0 and args[:2] == ["--include", "localhost:4,5"], out.stderr
+    out, _ = launch(NPROC="16")  # a two-node recipe started on one node: ranks 4-15 would have no GPU
+    assert out.returncode == 2 and "NPROC=16 ranks, but this node shows 4 GPU(s)" in out.stderr
+    assert "docs/multi_node.md" in out.stderr
