@@ -141,7 +141,7 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
     out["total_gpus"] = num_gpus + engine_gpus
     # training phase
     sft = cfg.algo.policy_loss == "sft"
-    stage = zero_stage(build_ds_config(cfg.train, bf16=True))
+    stage = zero_stage(build_ds_config(cfg.train, bf16=cfg.model.dtype != "float32"))  # as on GPUs ("auto": bf16)
     needs_ref = cfg.algo.needs_reference and not sft
     check_stage(stage, cfg.train, sp=sp, ep=ep, offload_params=needs_ref and cfg.algo.ref_offload)
     actor = model_states_bytes(stage, shape.params, shape.largest_layer // max(ep if shape.expert_params else 1, 1),

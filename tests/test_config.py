@@ -192,6 +192,26 @@ def test_ds_config_auto_fields_filled(tmp_path):
         assert words in str(e.value) and (words != "is not valid JSON" or str(bad) in str(e.value))
 
 
+def test_ds_config_without_an_owned_key_takes_the_run_configs_and_batch_keys_are_refused(tmp_path):
+    """A JSON that left out gradient_clipping, the optimizer's betas / weight decay or bf16 ran with DeepSpeed's
+    defaults, the run config's values dropped without a word. Batch sizes and a scheduler are the trainer's: a
+    value was overridden (accumulation), refused with DeepSpeed's arithmetic, or applied to the critic only."""
+    cfg = load_config(None, BASE + ["train.grad_clip=0.5", "train.weight_decay=0.1", "train.betas=[0.9, 0.95]"])
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}}))
+    ds = build_ds_config(cfg.train, bare, bf16=True)
+    assert ds["gradient_clipping"] == 0.5 and ds["bf16"] == {"enabled": True}
+    assert {k: ds["optimizer"]["params"][k] for k in ("lr", "betas", "weight_decay")} == \
+        {"lr": cfg.train.lr, "betas": [0.9, 0.95], "weight_decay": 0.1}
+    for key, value, setting in (("scheduler", {"type": "WarmupCosineLR"}, "train.lr_schedule"),
+                                ("train_batch_size", 256, "rollout.batch_size"),
+                                ("gradient_accumulation_steps", 4, "train.max_tokens_per_gpu")):
+        bad = tmp_path / f"{key}.json"
+        bad.write_text(json.dumps({"zero_optimization": {"stage": 2}, key: value}))
+        with pytest.raises(ValueError, match=rf"remove '{key}' .*the run config's {setting}"):
+            build_ds_config(cfg.train, bad, bf16=False)
+
+
 def test_old_logprobs_from_the_update_need_one_mini_batch_and_no_kl_in_reward():
     kl_in_reward = ["algo.kl_in_reward=true", "algo.kl_coef=0.1", "algo.normalize_std=false"]
     for bad in (["train.num_mini_batches=2"], kl_in_reward):

@@ -18,7 +18,8 @@ FUSED = object()  # "fused": "auto" -> true where the resolved torch_adam is tru
 LAYOUT_KEYS = {"expert_parallel": "parallel.ep", "sequence_parallel_size": "parallel.sp"}
 
 
-def build_ds_config(train: TrainConfig, path: str | Path | None = None, *, bf16: bool) -> dict:
+def read_ds_json(train: TrainConfig, path: str | Path | None = None) -> tuple[dict, Path]:
+    """The DeepSpeed JSON as written (train.ds_config, relative to the repo when not found here), and its path."""
     path = Path(path or train.ds_config)
     if not path.is_absolute() and not path.exists():
         path = Path(__file__).resolve().parents[2] / path  # relative to the repo when run elsewhere
@@ -30,7 +31,13 @@ def build_ds_config(train: TrainConfig, path: str | Path | None = None, *, bf16:
         raise ValueError(f"train.ds_config: {path} is not valid JSON ({e})") from None
     if not isinstance(ds, dict):
         raise ValueError(f"train.ds_config: {path} must hold a JSON object, got {type(ds).__name__}")
+    return ds, path
+
+
+def build_ds_config(train: TrainConfig, path: str | Path | None = None, *, bf16: bool) -> dict:
+    ds, path = read_ds_json(train, path)
     _check_top_level_keys(ds, path)
+    _refuse_batch_settings(ds, path)
     for key, setting in LAYOUT_KEYS.items():
         if key in ds:
             raise ValueError(f"{path}: remove '{key}'; it is derived from the run config's {setting}")
@@ -45,6 +52,7 @@ def build_ds_config(train: TrainConfig, path: str | Path | None = None, *, bf16:
         "optimizer.params.fused": FUSED,
     }
     _refuse_second_settings(ds, auto, str(path))
+    _own_missing(ds)
     _fill(ds, auto, str(path))
     params = ds.get("optimizer", {}).get("params", {})
     if params.get("fused") is FUSED:
@@ -128,6 +136,40 @@ def _refuse_second_settings(ds: dict, auto: dict, source: str) -> None:
             continue
         raise ValueError(f"{source}: '{full}' is {node[leaf]!r} but the run config's {setting} gives {auto[full]!r}; "
                          f"set {setting} and leave '{full}' as \"auto\" (one setting, one place)")
+
+
+def _own_missing(ds: dict) -> None:
+    """An owned key the JSON leaves out is filled like "auto": without it DeepSpeed used its own default (no
+    clipping, AdamW's betas and weight decay, fp32) and the run config's value was dropped without a word."""
+    ds.setdefault("gradient_clipping", "auto")
+    if not (ds.get("fp16") or {}).get("enabled"):
+        bf16 = ds.setdefault("bf16", {})
+        if isinstance(bf16, dict):
+            bf16.setdefault("enabled", "auto")
+    optimizer = ds.get("optimizer")
+    if isinstance(optimizer, dict):  # no optimizer section: refused where the engine is built
+        params = optimizer.setdefault("params", {})
+        if isinstance(params, dict):
+            for key in ("lr", "betas", "weight_decay"):
+                params.setdefault(key, "auto")
+
+
+# DeepSpeed keys for what the trainer decides itself: a value in the JSON was overridden (accumulation, micro-batch
+# size), refused by DeepSpeed with an arithmetic error (train_batch_size), or applied to the critic only (scheduler).
+BATCH_KEYS = {"train_batch_size": "rollout.batch_size, rollout.n_samples_per_prompt and train.num_mini_batches",
+              "gradient_accumulation_steps": "train.max_tokens_per_gpu (micro-batches are packed to a token budget)",
+              "train_micro_batch_size_per_gpu": "train.max_tokens_per_gpu (micro-batches are packed to a token "
+                                                "budget)",
+              "scheduler": "train.lr_schedule, train.warmup_steps and train.min_lr"}
+
+
+def _refuse_batch_settings(ds: dict, path: Path) -> None:
+    for key, setting in BATCH_KEYS.items():
+        if key not in ds or (key in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu")
+                             and ds[key] in (1, "auto")):
+            continue
+        raise ValueError(f"train.ds_config: {path}: remove '{key}' ({ds[key]!r:.60}); the trainer sets it from the "
+                         f"run config's {setting}")
 
 
 def _fill(node: dict, auto: dict, source: str, prefix: str = "") -> None:

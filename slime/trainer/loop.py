@@ -21,7 +21,7 @@ import torch
 
 from slime.config import Config
 from slime.data.prompts import PromptSource, rows_on_every_rank, sft_samples
-from slime.distributed.ds_config import build_ds_config, zero_stage
+from slime.distributed.ds_config import read_ds_json, zero_stage
 from slime.distributed.parallel_dims import ParallelDims
 from slime.models.export import exported_step
 from slime.models.loading import check_stop_ids, load_processor, load_tokenizer, warn_past_context
@@ -104,7 +104,7 @@ def checkpoint_identity(cfg: Config) -> dict:
     t = cfg.train
     return {"model_path": str(Path(cfg.model.path).resolve()),
             "model_config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None,
-            "zero_stage": zero_stage(build_ds_config(t, bf16=False)),  # the states' layout on disk
+            "zero_stage": zero_stage(read_ds_json(t)[0]),  # the states' layout on disk
             "optim": {"train.lr": t.lr, "train.min_lr": t.min_lr, "train.lr_schedule": t.lr_schedule,
                       "train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
                       "train.betas": list(t.betas), "train.grad_clip": t.grad_clip,
