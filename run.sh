@@ -73,9 +73,8 @@ fi
 echo "run.sh: $nproc rank(s) on $([[ $gpus -gt 0 ]] && echo GPU || echo CPU/gloo)"
 
 # The launcher runs in a process group of its own (job control), and a SIGTERM or SIGINT sent to this
-# script (a scheduler, `kill PID`, Ctrl-C) is passed on once to DeepSpeed's per-node launcher, which
-# hands it to every rank: each finishes its step, saves a checkpoint and exits non-zero. A second
-# signal is passed on too, and the ranks exit at once. (DeepSpeed's outer runner would die on the
+# script (a scheduler, `kill PID`, Ctrl-C) is passed on to every rank at once: each finishes its step,
+# saves a checkpoint and exits non-zero. A second signal is passed on too, and the ranks exit at once. (DeepSpeed's outer runner would die on the
 # signal without passing it on, leaving the ranks running.)
 # Rank 0 writes this file when the run has finished: every rank exiting 0 without it (os._exit(0) in a reward or
 # generate function ends a process before any handler runs) is a failure, not a success to the scheduler.
@@ -84,10 +83,15 @@ set -m +e
 deepspeed "${ranks[@]}" --master_port "${MASTER_PORT:-29500}" run.py --config "$config" "$@" &
 launcher=$!
 forward() {
-  local node_launcher
+  # To every rank at once: DeepSpeed's node launcher signals its ranks one after the other, each after the last
+  # has exited or 30 s have passed, so a rank hung in a collective held the next one's signal (and its stack dump)
+  # back. The node launcher then sees the ranks exit and ends; before there are ranks, it gets the signal itself.
+  local node_launcher ranks
   node_launcher=$(pgrep -P "$launcher" | head -n 1)
+  ranks=$([[ -n $node_launcher ]] && pgrep -P "$node_launcher" | tr '\n' ' ')
   echo "run.sh: $1 received, passing it on to the ranks" >&2
-  kill "-$1" "${node_launcher:-$launcher}" 2>/dev/null || true
+  # shellcheck disable=SC2086
+  kill "-$1" ${ranks:-${node_launcher:-$launcher}} 2>/dev/null || true
 }
 trap 'forward TERM' TERM
 trap 'forward INT' INT
