@@ -79,6 +79,7 @@ echo "run.sh: $nproc rank(s) on $([[ $gpus -gt 0 ]] && echo GPU || echo CPU/gloo
 # Rank 0 writes this file when the run has finished: every rank exiting 0 without it (os._exit(0) in a reward or
 # generate function ends a process before any handler runs) is a failure, not a success to the scheduler.
 export SLIME_DONE_FILE=$(mktemp -u "${TMPDIR:-/tmp}/slime-done.XXXXXX")
+export SLIME_RUN_SH_PID=$$  # the ranks exit when this script is gone (a kill -9 cannot be passed on)
 set -m +e
 deepspeed "${ranks[@]}" --master_port "${MASTER_PORT:-29500}" run.py --config "$config" "$@" &
 launcher=$!

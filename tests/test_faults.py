@@ -182,6 +182,22 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_resumable(model, ta
     assert_same_run(run_dir, straight)
 
 
+def test_kill_9_of_run_sh_alone_ends_the_ranks(model, task_dir, tmp_path):
+    """SIGKILL to run.sh's process group (not its session) misses the launcher, which runs in a group of its own:
+    the ranks trained on as orphans, writing to the run dir a rerun would use. They exit when run.sh is gone."""
+    run_dir = tmp_path / "run"
+    with open(tmp_path / "log", "w") as log:
+        proc = start_run_sh(model, task_dir, run_dir, steps=1000, stdout=log)
+    wait_for_steps(run_dir, 2)
+    assert rank_processes(run_dir)
+    os.killpg(os.getpgid(proc.pid), signal.SIGKILL)  # run.sh's group only
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while rank_processes(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not rank_processes(run_dir)
+
+
 def test_kill_9_of_the_whole_job_then_rerun_is_exact(model, task_dir, straight, tmp_path):
     run_dir = tmp_path / "run"
     proc = start_run_sh(model, task_dir, run_dir)
@@ -276,9 +292,10 @@ def run_sh(model, task_dir, run_dir, *overrides) -> tuple[list[str], dict]:
             *job_overrides(model, task_dir, run_dir), *overrides], env
 
 
-def start_run_sh(model, task_dir, run_dir):
-    cmd, env = run_sh(model, task_dir, run_dir, "train.num_steps=6", "checkpoint.interval=1", "checkpoint.export_hf=true")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+def start_run_sh(model, task_dir, run_dir, steps=6, stdout=subprocess.PIPE):
+    cmd, env = run_sh(model, task_dir, run_dir, f"train.num_steps={steps}", "checkpoint.interval=1",
+                      "checkpoint.export_hf=true")
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=stdout, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
 

@@ -38,7 +38,7 @@ from slime.utils.cpu_malloc import retain_freed_memory
 from slime.utils.cpu_threads import main_thread_only
 from slime.utils.metrics import MetricsLogger
 from slime.utils.plot import plot_metrics
-from slime.utils.signals import StopRequest
+from slime.utils.signals import StopRequest, exit_with_launcher
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +154,7 @@ def run(cfg: Config) -> dict:
     check_run_dir(cfg, run_dir)
     check_reward_spec(cfg.rollout.reward.fn)  # before the models load: a typo found in seconds, not minutes
     stop = StopRequest.install()
+    exit_with_launcher()  # under run.sh: a kill -9 of it must not leave the ranks training
     ckpt_dir = run_dir / "checkpoints"
     tokenizer = load_tokenizer(cfg.model)
     check_stop_ids(cfg.model, cfg.rollout.stop_token_ids)

@@ -14,6 +14,9 @@ import faulthandler
 import logging
 import os
 import signal
+import threading
+import time
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 # DeepSpeed's launcher and torchrun SIGKILL a rank 30 s after their SIGTERM; a scheduler with a shorter grace
@@ -55,3 +58,29 @@ class StopRequest:
     def step_ended(self) -> None:
         """Every rank reached the end of the step with the stop agreed: the checkpoint takes the time it needs."""
         faulthandler.cancel_dump_traceback_later()
+
+
+def exit_with_launcher(pid: int | None = None, poll_s: float = 1.0) -> threading.Thread | None:
+    """End this rank when `run.sh` (pid $SLIME_RUN_SH_PID) is gone: SIGKILL to its process group (a scheduler's
+    hard kill, an OOM killer) leaves the launcher, in a group of its own, and the ranks under it training on as
+    orphans, writing to the run dir and holding the port a rerun needs. A thread that looks once a second."""
+    pid = pid or int(os.environ.get("SLIME_RUN_SH_PID") or 0)
+    if not pid:
+        return None
+
+    def alive() -> bool:
+        try:  # a killed run.sh stays a zombie until its parent reaps it: gone too
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    def watch() -> None:
+        while alive():
+            time.sleep(poll_s)
+        logger.error("run.sh (pid %d) is gone, killed without passing a signal on: exiting", pid)
+        logging.shutdown()
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="exit-with-run.sh", daemon=True)
+    thread.start()
+    return thread
