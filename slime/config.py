@@ -531,6 +531,18 @@ class Config:
             raise ValueError(f"algo.advantage_estimator={self.algo.advantage_estimator} needs "
                              "rollout.n_samples_per_prompt >= 2 (a group baseline of one sample is zero)")
 
+    def longest_sample_warning(self) -> str | None:
+        """A sample of the longest prompt and response may not fit a training micro-batch: the step that draws one
+        would stop (slime/trainer/layout.py says so, after its rollout). A warning: most prompts are shorter."""
+        longest = self.data.max_prompt_len + self.rollout.max_response_len - 1  # the last token is a target only
+        budget = self.parallel.sp * self.train.max_tokens_per_gpu
+        if self.algo.policy_loss == "sft" or not self.train.packing or longest <= budget:
+            return None
+        return (f"a sample of the longest prompt and response is {longest} tokens (data.max_prompt_len + "
+                f"rollout.max_response_len - 1), more than a micro-batch holds (parallel.sp x "
+                f"train.max_tokens_per_gpu = {budget}): a step that draws one stops. Raise train.max_tokens_per_gpu "
+                f"to {-(-longest // self.parallel.sp)}, or lower data.max_prompt_len / rollout.max_response_len")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -548,9 +560,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check `value` against the annotation `tp`, converting only lossless cases (int -> float)."""
     origin = typing.get_origin(tp)
     if origin is Literal:
-        if value not in typing.get_args(tp):
-            choices = ", ".join(repr(c) for c in typing.get_args(tp))
-            raise ValueError(f"{key}={value!r} is not allowed; choose one of {choices}")
+        choices = typing.get_args(tp)
+        if isinstance(value, bool) and value not in choices:  # YAML reads off / on / no / yes as booleans
+            words = [c for c in choices if isinstance(c, str) and c in (("off", "no", "false") if not value
+                                                                       else ("on", "yes", "true"))]
+            value = words[0] if len(words) == 1 else value
+        # by type too: 0 == False and 1 == True, so 0 passed for a choice of False (and meant something else)
+        if not any(value == c and type(value) is type(c) for c in choices):
+            raise ValueError(f"{key}={value!r} is not allowed; choose one of {', '.join(map(repr, choices))}")
         return value
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -663,6 +680,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         except yaml.YAMLError as e:
             raise ValueError(f"override '{item}': the value is not valid YAML ({str(e).splitlines()[0]}); quote "
                              "it if it is a string") from None
+        if (value is None or isinstance(value, str)) and "#" in text and text.strip()[:1] not in ("'", '"'):
+            value = text.strip()  # a comment on a command line is text: "Be brief. #1 rule" lost its "#1 rule"
         _set_dotted(raw, key.strip(), value)
     return _build(Config, raw)
 

@@ -189,6 +189,8 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
     out["warnings"] = [f"{phase} needs about {out[key] / GIB:.1f} GiB per GPU, over {MARGIN:.0%} of {gpu_gib:g} GiB"
                        for phase, key in (("training", "training_total"), ("rollout", "rollout_total"))
                        if out[key] > MARGIN * gpu_gib * GIB]
+    if (longest := cfg.longest_sample_warning()) is not None:
+        out["warnings"].append(longest)
     out["notes"] = []
     if cfg.rollout.engine == "sglang" and out["kv_tokens"] < out["kv_tokens_needed"]:
         out["notes"].append(f"the KV cache holds about {out['kv_tokens']} tokens per engine and a rollout may ask up "

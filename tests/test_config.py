@@ -23,6 +23,14 @@ def test_yaml_and_overrides(tmp_path):
     assert cfg.rollout.reward.fn == {"math": 1.0, "format": 0.1}
 
 
+def test_override_text_is_taken_as_written():
+    """YAML reads an override's " #..." as a comment and off as False: "Be brief. #1 rule" became "Be brief.", and
+    algo.tis.level=off (the default's own spelling) was refused as False."""
+    cfg = load_config(None, BASE + ["data.system_prompt=Be brief. #1 rule", "algo.tis.level=off"])
+    assert cfg.data.system_prompt == "Be brief. #1 rule" and cfg.algo.tis.level == "off"
+    assert load_config(None, BASE + ["data.system_prompt='quoted #kept'"]).data.system_prompt == "quoted #kept"
+
+
 def test_int_is_accepted_for_float():
     assert load_config(None, BASE + ["train.lr=1"]).train.lr == 1.0
 
@@ -55,6 +63,7 @@ def test_int_is_accepted_for_float():
     ("train.dist_timeout_minutes=inf", ["train.dist_timeout_minutes=inf", "finite"]),
     ("train.seed=-1", ["train.seed=-1", "[0, 2**32)"]),
     ("log.run_dir=", ["log.run_dir is empty"]),
+    ("rollout.hf_compile=0", ["rollout.hf_compile=0 is not allowed"]),  # 0 == False passed, and meant "auto"
     ("rollout.overlong_penalty.buffer_len=20", ["buffer_len=20 in [0, max_len]"]),
     ("rollout.overlong_penalty.max_len=20480", ["max_len=20480 - buffer_len=0 >= rollout.max_response_len",
                                                "never applies"]),

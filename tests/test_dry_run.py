@@ -104,6 +104,16 @@ def test_too_few_gpus_warns_and_bad_layouts_fail():
         plan(cfg, 24)
 
 
+def test_a_budget_below_the_longest_sample_is_a_warning():
+    """The run found it at the step that drew such a sample, after its rollout; the dry run says it before."""
+    cfg = load_config(REPO / "examples/cpu_tiny_grpo.yaml", [f"model.path={REPO / 'assets/tiny-arith'}",
+                                                              "train.max_tokens_per_gpu=8"])
+    longest = cfg.data.max_prompt_len + cfg.rollout.max_response_len - 1
+    assert any(f"is {longest} tokens" in w and "train.max_tokens_per_gpu = 8" in w for w in plan(cfg, 2)["warnings"])
+    cfg.parallel.sp = 2  # sp cuts a sample over its peers: twice the room, still short
+    assert any(f"raise train.max_tokens_per_gpu to {-(-longest // 2)}" in w.lower() for w in plan(cfg, 2)["warnings"])
+
+
 def test_run_sh_passes_dry_run_through(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "run.sh"), str(REPO / "examples/gpu_qwen3_4b_grpo_gsm8k.yaml"),
                            "--dry-run", f"model.path={REPO / 'examples/model_configs/qwen3-4b'}"],

@@ -155,6 +155,8 @@ def run(cfg: Config) -> dict:
     check_reward_spec(cfg.rollout.reward.fn)  # before the models load: a typo found in seconds, not minutes
     stop = StopRequest.install()
     exit_with_launcher()  # under run.sh: a kill -9 of it must not leave the ranks training
+    if dims.rank == 0 and (longest := cfg.longest_sample_warning()) is not None:
+        logger.warning(longest)
     ckpt_dir = run_dir / "checkpoints"
     tokenizer = load_tokenizer(cfg.model)
     check_stop_ids(cfg.model, cfg.rollout.stop_token_ids)
