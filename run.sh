@@ -45,28 +45,30 @@ if [[ $dry_run == 1 ]]; then
   for arg in "$@"; do [[ $arg != --dry-run ]] && args+=("$arg"); done
   exec python run.py --config "$config" --dry-run --num-gpus "$nproc" "${args[@]}"
 fi
-# The CPU demo's model and data are made by data_tools/ on first use (deterministic, no downloads).
-if grep -q "data/tiny-random" "$config" && [[ ! -f data/tiny-random/config.json ]]; then
+# The CPU demo's model and data are made by data_tools/ on first use (deterministic, no downloads), where the
+# config or an override names them.
+wanted=$(cat "$config"; printf '%s\n' "$@")
+if grep -q "data/tiny-random" <<< "$wanted" && [[ ! -f data/tiny-random/config.json ]]; then
   python data_tools/make_tiny_model.py --out data/tiny-random
 fi
-if grep -q "data/arith/" "$config" && [[ ! -f data/arith/train.jsonl ]]; then
+if grep -q "data/arith/" <<< "$wanted" && [[ ! -f data/arith/train.jsonl ]]; then
   python data_tools/make_arithmetic.py --out-dir data/arith --n-train 5000 --n-eval 500 --seed 0
 fi
-if grep -q "data/arith-chat/" "$config" && [[ ! -f data/arith-chat/train.jsonl ]]; then
+if grep -q "data/arith-chat/" <<< "$wanted" && [[ ! -f data/arith-chat/train.jsonl ]]; then
   python data_tools/make_arithmetic.py --out-dir data/arith-chat --n-train 2000 --n-eval 200 --seed 0 --format chat
 fi
-if grep -q "data/tiny-vl/" "$config" && [[ ! -f data/tiny-vl/train.jsonl ]]; then
+if grep -q "data/tiny-vl/" <<< "$wanted" && [[ ! -f data/tiny-vl/train.jsonl ]]; then
   python data_tools/make_vl_task.py --out-dir data/tiny-vl --n-train 3000 --n-eval 300 --seed 0
 fi
 # The shipped tiny-arith model (assets/) is rebuilt only if it was deleted (a few minutes).
-if grep -qE "assets/tiny-arith([^-]|$)" "$config" && [[ ! -f assets/tiny-arith/config.json ]]; then
+if grep -qE "assets/tiny-arith([^-]|$)" <<< "$wanted" && [[ ! -f assets/tiny-arith/config.json ]]; then
   python data_tools/build_tiny_arith.py
 fi
-if grep -qE "assets/tiny-vl([^-]|$)" "$config" && [[ ! -f assets/tiny-vl/config.json ]]; then
+if grep -qE "assets/tiny-vl([^-]|$)" <<< "$wanted" && [[ ! -f assets/tiny-vl/config.json ]]; then
   python data_tools/build_tiny_vl.py
 fi
 # A GGUF model is turned into an HF directory once; later runs reuse it.
-if grep -q "data/smollm2-135m-hf" "$config" && [[ ! -f data/smollm2-135m-hf/config.json ]]; then
+if grep -q "data/smollm2-135m-hf" <<< "$wanted" && [[ ! -f data/smollm2-135m-hf/config.json ]]; then
   python data_tools/gguf_to_hf.py --out data/smollm2-135m-hf
 fi
 
