@@ -63,6 +63,11 @@ def mask_of_fives(ctx: RolloutContext):
     return _two_token_samples(ctx, lambda s: setattr(s, "response_mask", [5] * len(s.response_ids)))
 
 
+def masks_everything(ctx: RolloutContext):
+    """Every response token an observation (mask 0): nothing for the policy to learn from."""
+    return _two_token_samples(ctx, lambda s: setattr(s, "response_mask", [0] * len(s.response_ids)))
+
+
 def text_reward(ctx: RolloutContext):
     return _two_token_samples(ctx, lambda s: s.metadata.update(given_reward="n/a"))
 

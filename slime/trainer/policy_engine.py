@@ -294,8 +294,13 @@ class PolicyEngine:
         router = {k: sums.pop(k) for k in list(sums) if k.startswith("router_")}
         g = self.dims.all_reduce_tensors(sums)
         n_mini = len(batch.mini_batches)
-        ntok = max(g.pop("loss_tokens"), 1.0)
+        loss_tokens = g.pop("loss_tokens")
+        ntok = max(loss_tokens, 1.0)
         prefix = "critic" if self.role == "critic" else "train"
+        if loss_tokens == 0 and self.dims.rank == 0:
+            logger.warning("%s: this step has no token to learn from (every response token has loss mask 0: a "
+                           "generate function that masks them all, or only empty responses); it changes nothing",
+                           self.role)
         out = {f"{prefix}/grad_norm": sum(grad_norms) / n_mini, f"{prefix}/lr": sum(lrs) / n_mini,
                f"{prefix}/skipped_steps": float(self.skipped_steps - skipped_before)}
         for key in ("loss", "pg_loss", "value_loss"):  # additive shares of each mini-batch's loss
