@@ -72,6 +72,15 @@ def text_reward(ctx: RolloutContext):
     return _two_token_samples(ctx, lambda s: s.metadata.update(given_reward="n/a"))
 
 
+def past_the_limit(ctx: RolloutContext):
+    """Tokens added by hand past rollout.max_response_len (a trajectory stops at it)."""
+    def extend(s):
+        s.response_ids = s.response_ids + [5] * 8
+        s.response_mask = [1] * len(s.response_ids)
+        s.rollout_logprobs = [-0.5] * len(s.response_ids)
+    return _two_token_samples(ctx, extend)
+
+
 def float_ids(ctx: RolloutContext):
     return _two_token_samples(ctx, lambda s: setattr(s, "response_ids", [float(t) + 0.5 for t in s.response_ids]))
 

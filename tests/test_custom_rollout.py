@@ -118,6 +118,7 @@ def test_a_given_reward_must_be_finite(hf_engine, tokenizer):
     ("mask_of_fives", ValueError, "has response mask values [5]"),
     ("text_reward", TypeError, "set metadata given_reward='n/a' for sample index=0"),
     ("float_ids", ValueError, "has token ids that are not non-negative integers"),
+    ("past_the_limit", ValueError, "has 10 response tokens, more than rollout.max_response_len=4"),
     ("nan_logprobs", ValueError, "has rollout logprobs [nan, nan]"),
     ("positive_logprobs", ValueError, "is finite and <= 0"),
 ])

@@ -225,6 +225,10 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
             if r == 0:
                 raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has no "
                                  "response tokens; call trajectory.generate() at least once")
+            if r > params.max_new_tokens:  # the trainer sizes micro-batches (and says what to change) by this limit
+                raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has {r} "
+                                 f"response tokens, more than rollout.max_response_len={params.max_new_tokens} (a "
+                                 "trajectory's generate() and observe() stop at it; a sample built by hand must too)")
             if len(s.loss_mask) != r or s.rollout_logprobs is None or len(s.rollout_logprobs) != r:
                 raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has "
                                  f"{r} response tokens but {len(s.loss_mask)} mask entries and "
