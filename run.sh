@@ -36,8 +36,9 @@ if [[ $gpus -gt 0 && -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
   ranks=(--include "localhost:$(IFS=,; echo "${visible[*]:0:$nproc}")")
 fi
 if [[ $gpus -gt 0 && $nproc -gt $gpus && $dry_run == 0 ]]; then
-  echo "run.sh: NPROC=$nproc ranks, but this node shows $gpus GPU(s)${CUDA_VISIBLE_DEVICES:+ (CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES)}:" \
-    "run.sh starts one node; for several, launch with torchrun or DeepSpeed's hostfile (docs/multi_node.md)" >&2
+  shown="$gpus GPU(s)${CUDA_VISIBLE_DEVICES:+ (CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES)}"
+  echo "run.sh: NPROC=$nproc ranks, but this node shows $shown: run.sh starts one node; for several," \
+    "launch with torchrun or DeepSpeed's hostfile (docs/multi_node.md)" >&2
   exit 2
 fi
 if [[ $dry_run == 1 ]]; then
@@ -76,8 +77,8 @@ echo "run.sh: $nproc rank(s) on $([[ $gpus -gt 0 ]] && echo GPU || echo CPU/gloo
 
 # The launcher runs in a process group of its own (job control), and a SIGTERM or SIGINT sent to this
 # script (a scheduler, `kill PID`, Ctrl-C) is passed on to every rank at once: each finishes its step,
-# saves a checkpoint and exits non-zero. A second signal is passed on too, and the ranks exit at once. (DeepSpeed's outer runner would die on the
-# signal without passing it on, leaving the ranks running.)
+# saves a checkpoint and exits non-zero. A second signal is passed on too, and the ranks exit at once.
+# (DeepSpeed's outer runner would die on the signal without passing it on, leaving the ranks running.)
 # Rank 0 writes this file when the run has finished: every rank exiting 0 without it (os._exit(0) in a reward or
 # generate function ends a process before any handler runs) is a failure, not a success to the scheduler.
 export SLIME_DONE_FILE=$(mktemp -u "${TMPDIR:-/tmp}/slime-done.XXXXXX")

@@ -83,7 +83,8 @@ def test_a_step_without_a_token_to_learn_from_is_said(model, task_dir, tmp_path)
     """A generate function that masks every response token trained on nothing, exit 0, loss 0, not a word."""
     proc = launch(model, task_dir, tmp_path / "run", "rollout.generate_fn=custom_rollouts:masks_everything",
                   "train.num_steps=1", "eval.path=null")
-    assert "actor: this step has no token to learn from (every response token has loss mask 0" in proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "actor: this step has no token to learn from (every response token has loss mask 0" in out
 
 
 def test_a_run_whose_rewards_overflow_stops_with_the_message(model, task_dir, tmp_path):
