@@ -150,8 +150,9 @@ def _own_missing(ds: dict) -> None:
     if isinstance(optimizer, dict):  # no optimizer section: refused where the engine is built
         params = optimizer.setdefault("params", {})
         if isinstance(params, dict):
-            for key in ("lr", "betas", "weight_decay"):
-                params.setdefault(key, "auto")
+            for full in OWNED:
+                if full.startswith("optimizer.params."):
+                    params.setdefault(full.rsplit(".", 1)[1], "auto")
 
 
 # DeepSpeed keys for what the trainer decides itself: a value in the JSON was overridden (accumulation, micro-batch
