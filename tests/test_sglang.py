@@ -309,8 +309,7 @@ def test_abort_returns_partial_generations(engines):
     deadline = time.monotonic() + 60
     while not any(call.inflight for call in list(ours._calls)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(0.5)  # let the requests reach the server
-    ours.abort()
+    ours.abort()  # perhaps before the requests reach the server: those are aborted again once there
     worker.join(timeout=300)
     assert not worker.is_alive()
     gens = [g for group in result["out"] for g in group]
@@ -633,6 +632,37 @@ def test_a_failed_generate_call_does_not_cut_another_threads_generations():
     assert results[2][0][0].response_ids == [7, 8, 9] and results[2][0][0].finish_reason == "length"
     assert not aborted & set(running)  # the other call's request was not aborted
     engine.abort()  # nothing running: nothing to do
+
+
+def test_an_abort_that_overtakes_its_request_is_sent_again():
+    """The abort goes out on a connection of its own and here reaches the server before the request it names:
+    the server ignores an id it does not hold (as SGLang does), so one abort would leave that request running its
+    whole length (20 s here). The aborted call aborts its requests still in flight again until they end."""
+    running, first_abort, sent = {}, threading.Event(), threading.Event()
+
+    class Client:
+        url = "http://127.0.0.1:30000"
+
+        def post(self, path, body, **kw):
+            if path == "/abort_request":
+                first_abort.set()
+                if body["rid"] in running:
+                    running[body["rid"]].set()
+                return {}
+            sent.set()
+            assert first_abort.wait(5)  # the request arrives after the abort that names it
+            running[body["rid"]] = cut = threading.Event()
+            return generation([7], "abort") if cut.wait(20) else generation(list(range(30)))
+
+    engine, result = bare_engine(Client()), {}
+    worker = threading.Thread(target=lambda: result.setdefault(
+        "out", engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=30))))
+    worker.start()
+    assert sent.wait(5)
+    engine.abort()
+    worker.join(10)
+    assert not worker.is_alive(), "the request outlived its abort"
+    assert result["out"][0][0].finish_reason == "abort" and result["out"][0][0].response_ids == [7]
 
 
 def test_a_retried_generation_takes_a_new_request_id_and_aborts_the_old_one():

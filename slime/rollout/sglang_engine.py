@@ -29,7 +29,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -120,6 +120,7 @@ class _Call:
 
 class SGLangEngine:
     thread_safe = True  # requests go out over a pooled HTTP session: callers may generate concurrently
+    ABORT_AGAIN_S = 0.5  # an aborted call's requests still in flight are aborted again this often (see _abort_again)
     def __init__(self, cfg: SGLangConfig, model_cfg, tokenizer, dims, *, log_dir: str | None = None):
         from slime.models.loading import resolve_dtype
 
@@ -215,7 +216,8 @@ class SGLangEngine:
             for p, data in zip(prompts, images):  # a loop, so a submit that fails leaves `jobs` to cancel
                 for _ in range(params.n):
                     jobs.append(self._submit(call, list(p), sampling, data))
-            _wait_for_all_or_a_failure(jobs)  # a failure ends the call at once, not after the jobs before it
+            # a failure ends the call at once, not after the jobs before it
+            _wait_for_all_or_a_failure(jobs, every=self.ABORT_AGAIN_S, waiting=lambda: self._abort_again(call))
             for job in jobs:
                 if job.done() and (job.cancelled() or job.exception() is not None):
                     job.result()  # raises
@@ -326,6 +328,15 @@ class SGLangEngine:
                     inflight.update(call.inflight)
         self._abort_rids(inflight)
         self.events.append(("abort", len(inflight)))
+
+    def _abort_again(self, call: "_Call") -> None:
+        """An abort travels on a connection of its own and can reach the server before a request it names (sent,
+        not yet received). SGLang ignores an id it does not hold, and that request would then run its whole length:
+        so while an aborted call waits, the requests it still has in flight are aborted again."""
+        with self._lock:
+            inflight = dict(call.inflight) if call.aborted else {}
+        if inflight:
+            self._abort_rids(inflight)
 
     def _abort_rids(self, inflight: dict[str, SGLangClient]) -> None:
         for rid, client in inflight.items():
@@ -554,9 +565,11 @@ def _image_data(mm: MultimodalInputs | None) -> list[str] | None:
     return [f"data:image/png;base64,{to_png_base64(img)}" for img in mm.images]
 
 
-def _wait_for_all_or_a_failure(jobs: list[concurrent.futures.Future]) -> None:
-    """Until every job is done, or one failed or was cancelled. (concurrent.futures.wait misses the cancel of
-    executor.shutdown(cancel_futures=True): such a future never wakes its waiters, only its callbacks.)"""
+def _wait_for_all_or_a_failure(jobs: list[concurrent.futures.Future], every: float | None = None,
+                               waiting: Callable[[], None] | None = None) -> None:
+    """Until every job is done, or one failed or was cancelled; `waiting()` is called each `every` seconds until
+    then. (concurrent.futures.wait misses the cancel of executor.shutdown(cancel_futures=True): such a future never
+    wakes its waiters, only its callbacks.)"""
     settled, lock, left = threading.Event(), threading.Lock(), [len(jobs)]
 
     def on_done(job: concurrent.futures.Future) -> None:
@@ -568,7 +581,8 @@ def _wait_for_all_or_a_failure(jobs: list[concurrent.futures.Future]) -> None:
     if jobs:
         for job in jobs:
             job.add_done_callback(on_done)
-        settled.wait()
+        while not settled.wait(every):
+            waiting()
 
 
 def _attempt(fn, *args, **kwargs) -> Exception | None:
