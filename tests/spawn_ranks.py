@@ -1,6 +1,7 @@
 """The test suite's launcher: `python tests/spawn_ranks.py NPROC SCRIPT [ARGS ...]` starts NPROC ranks of
 `python SCRIPT ARGS` on this machine, as DeepSpeed's launcher does for run.sh: each rank gets RANK, LOCAL_RANK,
-WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (a free port), and rank 0 serves the store.
+WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (a free port, held by this process for the job's
+life, so nothing else takes it before rank 0's store listens on it), and rank 0 serves the store.
 
 Why not torchrun: its agent imports torch before it starts any rank, ~2.7 s of every launch on the CI machine,
 and the suite launches over a hundred jobs. torchrun itself stays tested (tests/test_multi_node.py).
@@ -14,18 +15,15 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from slime.utils.net import reserved_port  # noqa: E402  (stdlib only: no torch import in the launcher)
 
 GRACE_S = 30  # torchrun's and DeepSpeed's launchers wait about as long before SIGKILL
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def die_with_parent() -> None:
@@ -33,8 +31,11 @@ def die_with_parent() -> None:
 
 
 def main() -> int:
-    nproc, args = int(sys.argv[1]), sys.argv[2:]
-    port = str(free_port())
+    with reserved_port() as port:
+        return launch(int(sys.argv[1]), sys.argv[2:], str(port))
+
+
+def launch(nproc: int, args: list[str], port: str) -> int:
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),

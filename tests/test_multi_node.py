@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import REPO, run_ranks
-from slime.utils.net import free_port
+from slime.utils.net import reserved_port
 
 TIME_KEYS = ("time/", "perf/")
 JOB = ["--config", str(REPO / "examples/cpu_tiny_grpo.yaml"), "rollout.reward.fn=e2e_rewards:digit_fraction",
@@ -21,16 +21,17 @@ def two_nodes(args: list[str], master_addr: str = "127.0.0.1", timeout: int = 60
     is the first node's); both must exit 0. Returns their output."""
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-                               "--node_rank", str(k), "--master_addr", master_addr, "--master_port", str(port),
-                               *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for k in range(2)]
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    with reserved_port() as port:  # held until the job ends: node 0's store listens on it
+        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
+                                   "1", "--node_rank", str(k), "--master_addr", master_addr, "--master_port", str(port),
+                                   *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True)
+                 for k in range(2)]
+        try:
+            outs = [p.communicate(timeout=timeout)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
     for k, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, f"node {k} exited {p.returncode}:\n{out[-6000:]}"
     return outs
@@ -70,3 +71,21 @@ def test_node_addresses_and_engine_placement(monkeypatch):
     assert plan_engines(SGLangConfig(ranks_per_engine=4), 8, ranks_per_node=4).num_engines == 2
     with pytest.raises(ValueError, match=r"must divide the ranks per node \(4\)"):
         plan_engines(SGLangConfig(ranks_per_engine=8), 8, ranks_per_node=4)
+
+
+def test_a_reserved_port_is_held_from_others_but_open_to_the_rendezvous_store():
+    """spawn_ranks and two_nodes pick MASTER_PORT and hold it until the job ends: between the pick and rank 0's
+    store listening on it (seconds of imports), a test's other sockets must not get it."""
+    import datetime
+    import errno
+    import socket
+
+    import torch.distributed as dist
+
+    with reserved_port() as port:
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+        store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10))
+        store.set("k", "v")
+        assert dist.TCPStore("127.0.0.1", port, 1, False, timeout=datetime.timedelta(seconds=10)).get("k") == b"v"

@@ -1,6 +1,7 @@
 """Network helpers shared by the launcher set-up and the SGLang servers."""
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
@@ -10,10 +11,22 @@ HOST = "127.0.0.1"
 
 
 def free_port(host: str = HOST) -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
+    """A TCP port nobody listens on right now (the OS picks it). Another process may take it before it is bound:
+    `reserved_port` holds it until then."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def reserved_port(host: str = HOST):
+    """A free TCP port, held while the block runs: bound but not listening, with SO_REUSEADDR, so the OS hands it to
+    no other bind(0) or outgoing connection, while a server started in the block can still listen on it if it sets
+    SO_REUSEADDR too (torch's TCPStore, i.e. MASTER_PORT, does)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        yield s.getsockname()[1]
 
 
 def is_loopback(host: str) -> bool:
