@@ -658,6 +658,31 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, but a key twice in one mapping is an error: PyYAML keeps the last one without a
+    word, so a config with two `rollout:` sections would drop every setting of the first."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            lines: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    if key in lines:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"{key!r} is given twice in one mapping (first on line {lines[key]}); YAML "
+                            "would keep only the last: merge them into one", key_node.start_mark)
+                    lines[key] = key_node.start_mark.line + 1
+                except TypeError:  # an unhashable key: construct_mapping names it
+                    continue
+        return super().construct_mapping(node, deep)
+
+
+def _load_yaml(text):
+    """A str, or an open file (whose name the errors then give)."""
+    return yaml.load(text, Loader=_StrictLoader)
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """Read YAML `path` (may be None), apply `a.b=value` overrides (values parsed as YAML), validate."""
     raw: dict = {}
@@ -666,7 +691,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            with path.open(encoding="utf-8") as f:
+                raw = _load_yaml(f) or {}
         except yaml.YAMLError as e:
             raise ValueError(f"{path} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
@@ -676,7 +702,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ValueError(f"override '{item}' must look like section.key=value")
         key, text = item.split("=", 1)
         try:
-            value = yaml.safe_load(text) if text.strip() else ""
+            value = _load_yaml(text) if text.strip() else ""
         except yaml.YAMLError as e:
             raise ValueError(f"override '{item}': the value is not valid YAML ({str(e).splitlines()[0]}); quote "
                              "it if it is a string") from None

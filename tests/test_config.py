@@ -188,6 +188,8 @@ def test_ds_config_auto_fields_filled(tmp_path):
     with pytest.raises(ValueError, match="parallel.ep"):  # set in one place only: the run config
         build_ds_config(cfg.train, layout, bf16=False)
     for content, words in (('{"zero_optimization": {"stage": 3},}', "is not valid JSON"),
+                           ('{"zero_optimization": {"stage": 3}, "gradient_clipping": 0.5, "zero_optimization": {}}',
+                            "the key 'zero_optimization' is given twice in one object"),
                            ('{"zero_optimization": {"stage": "three"}}', "zero_optimization.stage='three'"),
                            ('{"zero_optimization": {"stage": 3}, "gradient_clippng": 0.3}',
                             "unknown key 'gradient_clippng' (DeepSpeed would ignore it); did you mean 'gradient_clipping'"),
@@ -283,6 +285,13 @@ def test_yaml_errors_and_bad_launch_arguments_are_named(tmp_path):
         load_config(bad)
     with pytest.raises(ValueError, match=r"override 'train.lr=\[1,': the value is not valid YAML"):
         load_config(None, BASE + ["train.lr=[1,"])
+    # PyYAML keeps a key's last value: the first `train:` section's settings would be gone without a word
+    bad.write_text("train:\n  lr: 0.1\n  num_steps: 3\nmodel:\n  path: x\ntrain:\n  seed: 2\n")
+    with pytest.raises(ValueError, match=r"(?s)bad.yaml is not valid YAML: 'train' is given twice in one mapping "
+                                         r"\(first on line 1\).*merge them.*bad.yaml\", line 6"):
+        load_config(bad)
+    with pytest.raises(ValueError, match=r"override 'rollout.sglang.env=\{A: 1, A: 2\}'.*'A' is given twice"):
+        load_config(None, BASE + ["rollout.sglang.env={A: 1, A: 2}"])
     example = str(REPO / "examples/cpu_tiny_grpo.yaml")
     bad.unlink()
     for cmd, words in (([sys.executable, str(REPO / "run.py"), "--config", example, "--dry-run", "--num-gpus", "0"],

@@ -136,6 +136,19 @@ def test_json_arrays_keep_their_values(tmp_path, tok):
         load_prompts(DataConfig(path=str(tmp_path / "c.json")), tok)
 
 
+def test_a_key_twice_in_a_row_is_an_error_naming_the_row(tmp_path, tok):
+    """json keeps a key's last value: the first prompt (or label) the user wrote would be dropped without a word."""
+    row = '{"prompt": "1+1=", "label": "2", "prompt": "2+2="}'
+    for name, text, where in (("l.jsonl", f'{{"prompt": "3+3="}}\n{row}\n', "l.jsonl:2"),
+                              ("l.json", f'{{"prompt": "3+3="}}\n{row}\n', "l.json:2"),
+                              ("first.json", f'{row}\n{{"prompt": "3+3="}}\n', "first.json:1"),
+                              ("a.json", f'[{{"prompt": "3+3="}},\n {row}]', "a.json"),
+                              ("o.json", row.replace(", ", ",\n  "), "o.json")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match=rf"{where}: the key 'prompt' is given twice in one object"):
+            load_prompts(DataConfig(path=str(tmp_path / name)), tok)
+
+
 def test_empty_labels_are_missing_labels(tmp_path, tok):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1=", "label": []}, {"prompt": "2+2=", "label": " "},
                                               {"prompt": "3+3=", "label": 0}, {"prompt": "4+4=", "label": ["8"]}])

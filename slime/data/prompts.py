@@ -25,6 +25,7 @@ from slime.data.sample import Sample
 from slime.multimodal.images import REASONS, ImageError, read_image
 from slime.multimodal.processor import MultimodalInputs, VLProcessor
 from slime.multimodal.schema import parse_row
+from slime.utils import jsonfiles
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +70,11 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = jsonfiles.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        except jsonfiles.DuplicateKeyError as e:
+            raise ValueError(f"{path}:{n}: {e}") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{n}: each line must be a JSON object, got {type(row).__name__}")
         rows.append((n, row))
@@ -83,7 +86,15 @@ def read_json(path: Path) -> list[tuple[int, dict]]:
     JSON, not through `datasets`, whose column typing would turn mixed labels such as "007" and 4 into numbers."""
     raw = path.read_bytes()
     try:
-        data = json.loads(raw)
+        data = jsonfiles.loads(raw)
+    except jsonfiles.DuplicateKeyError as e:
+        if raw.lstrip()[:1] != b"[":  # JSON lines, whose error names the line; or one object over many lines
+            try:
+                read_jsonl(path)
+            except ValueError as by_line:
+                if isinstance(by_line.__context__, jsonfiles.DuplicateKeyError):
+                    raise
+        raise ValueError(f"{path}: {e}") from None
     except UnicodeDecodeError:
         return read_jsonl(path)  # which names the byte's line
     except json.JSONDecodeError as e:

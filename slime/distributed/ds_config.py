@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from slime.config import TrainConfig
+from slime.utils import jsonfiles
 
 FUSED = object()  # "fused": "auto" -> true where the resolved torch_adam is true, else the key is removed
 # Keys owned by the parallelize step; a DeepSpeed JSON that sets them would be a second place to set one thing.
@@ -26,8 +27,8 @@ def read_ds_json(train: TrainConfig, path: str | Path | None = None) -> tuple[di
     if not path.is_file():
         raise FileNotFoundError(f"train.ds_config: {path} does not exist")
     try:
-        ds = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        ds = jsonfiles.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError, jsonfiles.DuplicateKeyError) as e:
         raise ValueError(f"train.ds_config: {path} is not valid JSON ({e})") from None
     if not isinstance(ds, dict):
         raise ValueError(f"train.ds_config: {path} must hold a JSON object, got {type(ds).__name__}")
