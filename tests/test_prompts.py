@@ -340,3 +340,14 @@ def test_a_message_the_chat_template_leaves_out_is_warned_about_with_its_line(to
     assert len(prompts) == 2 and "What is 2+2?" not in prompts[1].prompt_text
     assert "in 1 row(s) the chat template left the text of a message out of the prompt" in caplog.text
     assert "line 2 (message 0, role 'human')" in caplog.text
+
+
+def test_a_list_of_text_parts_reads_as_its_text_on_a_text_model(tmp_path, tok):
+    """OpenAI-style content, [{"type": "text", "text": ...}], on a text model: its template rendered the list's
+    Python repr ("[{'type': 'text', ...}]"); the parts' texts are joined, as templates that read parts do."""
+    plain = {"messages": [{"role": "user", "content": "what is 1+1?"}], "label": "2"}
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is"},
+                                                       {"type": "text", "text": " 1+1?"}]}], "label": "2"}
+    prompts, _ = load_prompts(DataConfig(path=str(write_jsonl(tmp_path / "p.jsonl", [plain, parts]))), tok)
+    assert "type" not in prompts[1].prompt_text
+    assert prompts[1].prompt_ids == prompts[0].prompt_ids and prompts[1].prompt_text == prompts[0].prompt_text

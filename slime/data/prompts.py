@@ -163,8 +163,18 @@ def _render(messages: list[dict], cfg: DataConfig, tokenizer) -> str:
         raise TemplateRefused(f"{type(e).__name__}: {e}") from e
 
 
-def encode_prompt(row: dict, line: int, cfg: DataConfig, tokenizer, path: str) -> tuple[str, list[int]]:
-    """Apply the chat template (when asked and available) and tokenise one text row."""
+def _joined_text_parts(messages: list[dict]) -> list[dict]:
+    """Messages whose content is a list of text parts, with the parts' texts joined (one after the other, as the
+    chat templates that read parts render them). A text model's template may not read parts at all: Qwen2.5's
+    renders the list's Python repr, Qwen3's nothing."""
+    return [{**m, "content": "".join(p.get("text") or "" for p in m["content"])}
+            if isinstance(m.get("content"), list) else m for m in messages]
+
+
+def encode_prompt(row: dict, line: int, cfg: DataConfig, tokenizer, path: str,
+                  text_model: bool = True) -> tuple[str, list[int]]:
+    """Apply the chat template (when asked and available) and tokenise one text row. On a text model
+    (`text_model`), a message's list of text parts is given to the template as one string."""
     use_template = cfg.apply_chat_template and tokenizer.chat_template is not None
     if row.get(cfg.prompt_key) is not None:
         content = row[cfg.prompt_key]
@@ -172,7 +182,7 @@ def encode_prompt(row: dict, line: int, cfg: DataConfig, tokenizer, path: str) -
             raise TypeError(f"{path}:{line}: field '{cfg.prompt_key}' must be a string, got {type(content).__name__}")
         messages = [{"role": "user", "content": content}]
     elif row.get(cfg.messages_key) is not None:
-        messages = row[cfg.messages_key]
+        messages = _joined_text_parts(row[cfg.messages_key]) if text_model else row[cfg.messages_key]
         if not use_template:
             raise ValueError(f"{path}:{line}: chat '{cfg.messages_key}' need a tokenizer with a chat template "
                              "(data.apply_chat_template=true)")
@@ -279,7 +289,7 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
             if _is_empty(row, cfg):
                 raise SkippedRow("empty_prompt", "the prompt is empty")
             if parsed is None:
-                text, ids = encode_prompt(row, line, cfg, tokenizer, path)
+                text, ids = encode_prompt(row, line, cfg, tokenizer, path, text_model=processor is None)
                 refs = None
                 if processor is not None and processor.image_token_id in ids:  # no image would fill them
                     raise SkippedRow("placeholder_mismatch", f"the prompt holds {ids.count(processor.image_token_id)} "
