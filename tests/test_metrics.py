@@ -35,3 +35,38 @@ def test_a_metric_that_is_not_finite_is_written_as_null_so_every_json_reader_tak
     line = (tmp_path / "run/metrics.jsonl").read_text().splitlines()[0]
     assert json.loads(line, parse_constant=refuse) == {"step": 1, "train/loss": None, "train/grad_norm": None,
                                                        "rollout/reward_mean": 0.5}
+
+
+def test_a_resumed_run_goes_on_in_its_wandb_run_without_sending_a_step_twice(tmp_path, monkeypatch):
+    """Each resume started a new W&B run, and the first one kept the steps the resumed run did again. The run id
+    is kept in the run dir; W&B takes increasing steps only, so steps done again are not sent."""
+    cfg = LogConfig(run_dir=str(tmp_path / "run"), wandb=True, wandb_mode="offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    sent = []
+
+    def logger(resume_step=0):
+        log = MetricsLogger(cfg, run_config={}, enabled=True, total_steps=5, resume_step=resume_step)
+        real = log._wandb.log
+        log._wandb.log = lambda metrics, step: (sent.append(step), real(metrics, step=step))
+        return log
+
+    log = logger()
+    for step in range(1, 5):
+        log.log(step, {"train/loss": float(step)})
+    log.close()
+    log = logger(resume_step=2)  # the checkpoint of step 2: steps 3 and 4 are done again
+    for step in range(3, 6):
+        log.log(step, {"train/loss": float(step)})
+    log.close()
+    assert sent == [1, 2, 3, 4, 5]
+    run_id = (tmp_path / "run/wandb_run_id").read_text().strip()
+    runs = sorted((tmp_path / "run/wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(f"-{run_id}" in r.name for r in runs)  # offline-run-<time>-<id>[-1]
+    logger().close()  # a fresh start (no checkpoint) is a new W&B run
+    assert (tmp_path / "run/wandb_run_id").read_text().strip() != run_id
+    (tmp_path / "run/wandb_run_id").unlink()  # a history logged without W&B: its new W&B run gets every step
+    sent.clear()
+    log = logger(resume_step=1)
+    log.log(2, {"train/loss": 2.0})
+    log.close()
+    assert sent == [2]

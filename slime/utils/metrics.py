@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import time
+import uuid
 from pathlib import Path
 
 from slime.config import LogConfig
@@ -31,7 +32,7 @@ class MetricsLogger:
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
-        kept = self._truncate(resume_step)
+        kept, history_end = self._truncate(resume_step)
         self.evaluated_at_resume = any(not _is_train(r) for r in kept)
         self._file = self.path.open("a")
         (run_dir / "config.json").write_text(json.dumps(run_config, indent=2))
@@ -39,8 +40,18 @@ class MetricsLogger:
             import wandb
 
             os.environ.setdefault("WANDB_MODE", cfg.wandb_mode)
+            # A resumed run goes on in the W&B run it resumes: one history, not a new run per restart. W&B takes
+            # steps in increasing order only, so the steps the resumed run does again (after its checkpoint, up
+            # to where the history ended) are not sent again: W&B keeps their first values (the same values:
+            # a resume is exact, one-step-off rollout aside).
+            id_file = run_dir / "wandb_run_id"
+            resumed = id_file.read_text().strip() if resume_step and id_file.is_file() else None
+            run_id = resumed or uuid.uuid4().hex[:8]  # as W&B draws its ids
+            id_file.write_text(run_id + "\n")
+            # a new W&B run (the history was logged without W&B) gets every step from here on
+            self._wandb_sent_to = history_end if resumed else None
             self._wandb = wandb.init(project=cfg.wandb_project, dir=str(run_dir), config=run_config,
-                                     name=run_dir.name, mode=cfg.wandb_mode)
+                                     name=run_dir.name, mode=cfg.wandb_mode, id=run_id, resume="allow")
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -52,13 +63,13 @@ class MetricsLogger:
                     if key != "step":
                         self._tb.add_scalar(key, float("nan") if value is None else value, resume_step)
 
-    def _truncate(self, resume_step: int | None) -> list[dict]:
+    def _truncate(self, resume_step: int | None) -> tuple[list[dict], int | None]:
         """Keep only what the resumed run will not log again: the records up to `resume_step`, its evaluation
         included (the loop does not evaluate that step again where it was), so no step appears twice; returns the
-        records kept of `resume_step`. A fresh start (no `resume_step`) moves an earlier history aside instead of
-        overwriting it."""
+        records kept of `resume_step` and the last step of the history before it was cut. A fresh start (no
+        `resume_step`) moves an earlier history aside instead of overwriting it."""
         if not self.path.is_file():
-            return []
+            return [], None
         if not resume_step:
             if self.path.stat().st_size:
                 n = 1
@@ -72,7 +83,7 @@ class MetricsLogger:
                 logger.warning("%s holds metrics of an earlier run but no checkpoint was resumed: moved it to %s "
                                "(and its config.json and tensorboard/ beside it), this run starts a new one", self.path,
                                backup)
-            return []
+            return [], None
         kept, last_step, resumed = [], None, []
         for lineno, line in enumerate(self.path.read_bytes().split(b"\n"), 1):
             if not line.strip():
@@ -99,7 +110,7 @@ class MetricsLogger:
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_bytes(b"".join(line + b"\n" for line in kept))
         os.replace(tmp, self.path)
-        return resumed
+        return resumed, last_step
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -108,7 +119,7 @@ class MetricsLogger:
         # NaN and inf are not JSON (Python writes them, jq and most readers refuse the line): null, as pandas writes
         self._file.write(json.dumps({k: v if math.isfinite(v) else None for k, v in record.items()}) + "\n")
         self._file.flush()
-        if self._wandb is not None:
+        if self._wandb is not None and (self._wandb_sent_to is None or step > self._wandb_sent_to):
             self._wandb.log(metrics, step=step)
         if self._tb is not None:
             for key, value in metrics.items():
