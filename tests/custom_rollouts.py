@@ -120,3 +120,14 @@ async def hangs_async(ctx: RolloutContext):
     import asyncio
 
     await asyncio.Event().wait()
+
+
+async def tool_never_answers(ctx: RolloutContext):
+    """One turn, then a blocking tool called the usual way from async code (asyncio.to_thread) that never returns."""
+    import asyncio
+    import threading
+
+    traj = ctx.trajectory()
+    await traj.agenerate(max_new_tokens=2)
+    await asyncio.to_thread(threading.Event().wait)
+    return [traj.sample(reward=0.0)]

@@ -87,3 +87,9 @@ def raises_key_error(sample: Sample) -> float:
 
 def nan_extra(sample: Sample) -> dict:
     return {"reward": 1.0, "format": float("nan")}
+
+
+async def tool_never_answers(sample: Sample) -> float:
+    """A blocking call made the usual way from async code (asyncio.to_thread) that never returns."""
+    await asyncio.to_thread(threading.Event().wait)
+    return 1.0

@@ -139,10 +139,10 @@ def test_a_generate_function_that_hangs_ends_with_its_name_and_prompt_row(hf_eng
 
 
 def test_the_timeout_of_a_prompt_does_not_count_its_wait_for_a_busy_engine(tokenizer):
-    """An async generate_fn starts every prompt at once on an engine that serves one call at a time: 5 prompts of
-    one 0.4 s call each finish 2.0 s after they start, past a 1.2 s timeout, yet no prompt took 0.4 s of its own
-    (0.8 s of slack for each). 5: no more than asyncio's default thread pool runs at once on one core (cpu + 4),
-    so no prompt also waits for a thread, a wait the engine's queue clock does not see."""
+    """An async generate_fn starts every prompt at once on an engine that serves one call at a time: 12 prompts of
+    one 0.4 s call each finish 4.8 s after they start, past a 1.2 s timeout, yet no prompt took 0.4 s of its own
+    (0.8 s of slack for each). agenerate's requests each have a thread: with asyncio's pool (cpu + 4 threads) the
+    later prompts also waited for a thread, a wait the engine's queue clock does not see (row 8 timed out)."""
     import time
 
     from slime.rollout.custom import run_generate_fn
@@ -153,10 +153,66 @@ def test_the_timeout_of_a_prompt_does_not_count_its_wait_for_a_busy_engine(token
             time.sleep(0.4)
             return [[Generation([7, 8], [-0.5, -0.5], "length")]]
 
-    prompts = prompts_of(tokenizer, [f"{i}+1=" for i in range(5)])
+    prompts = prompts_of(tokenizer, [f"{i}+1=" for i in range(12)])
     groups = run_generate_fn(one_turn_async, "custom_rollouts:one_turn_async", SlowEngine(), prompts,
                              SamplingParams(max_new_tokens=4, n=1), tokenizer, timeout=1.2)
-    assert [len(g) for g in groups] == [1] * 5
+    assert [len(g) for g in groups] == [1] * 12
+
+
+def test_an_async_generate_fn_has_every_request_in_flight_at_once(tokenizer):
+    """On an engine that takes concurrent requests (SGLang), the documented "every prompt concurrently": the
+    engine lets no request return before all 40 are in (a barrier), which asyncio's pool of cpu + 4 threads
+    never reached."""
+    import threading
+
+    from slime.rollout.custom import run_generate_fn
+    from custom_rollouts import one_turn_async
+
+    all_in = threading.Barrier(40, timeout=30)
+
+    class ConcurrentEngine:
+        thread_safe = True
+
+        def generate(self, prompts, params, mm=None):
+            all_in.wait()
+            return [[Generation([7, 8], [-0.5, -0.5], "length")]]
+
+    prompts = prompts_of(tokenizer, [f"{i}+1=" for i in range(40)])
+    groups = run_generate_fn(one_turn_async, "custom_rollouts:one_turn_async", ConcurrentEngine(), prompts,
+                             SamplingParams(max_new_tokens=4, n=1), tokenizer, timeout=60)
+    assert [len(g) for g in groups] == [1] * 40
+
+
+@pytest.mark.parametrize("where", ["generate_fn", "reward"])
+def test_a_tool_that_never_answers_in_a_thread_of_async_code_ends_in_the_timeout(tokenizer, where):
+    """asyncio.to_thread(blocking_tool) in an async generate function or reward: at the timeout the coroutine was
+    cancelled, but asyncio.run then waited for its thread pool, i.e. for the tool, for ever; the run hung instead
+    of stopping with the timeout's error."""
+    import threading
+
+    from slime.data.sample import Sample
+    from slime.rollout.custom import run_generate_fn
+    from custom_rollouts import tool_never_answers
+
+    class Engine:
+        def generate(self, prompts, params, mm=None):
+            return [[Generation([7, 8], [-0.5, -0.5], "length")]]
+
+    def call():
+        if where == "generate_fn":
+            run_generate_fn(tool_never_answers, "custom_rollouts:tool_never_answers", Engine(),
+                            prompts_of(tokenizer, ["1+1="]), SamplingParams(max_new_tokens=4, n=1), tokenizer,
+                            timeout=0.5)
+        else:
+            make_reward_fn("reward_fns_for_test:tool_never_answers", timeout=0.5).score(
+                [Sample(prompt_ids=[1], prompt_text="q", index=3)])
+
+    raised = []
+    worker = threading.Thread(target=lambda: raised.append(pytest.raises(TimeoutError, call)), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "still waiting for the tool's thread after the timeout"
+    assert "did not return within" in str(raised[0].value)
 
 
 def test_dynamic_sampling_that_keeps_no_group_says_why(hf_engine, tokenizer):

@@ -34,7 +34,7 @@ import torch
 from slime.data.prompts import Prompt
 from slime.data.sample import Sample, as_token_tensor
 from slime.rollout.engine import Generation, RolloutEngine, SamplingParams
-from slime.rollout.rewards import in_daemon_thread
+from slime.rollout.rewards import in_daemon_thread, run_user_coroutine
 
 
 class Trajectory:
@@ -74,9 +74,10 @@ class Trajectory:
         return gen
 
     async def agenerate(self, **kwargs) -> Generation:
-        """`generate` for async generate functions: the request runs in a worker thread, so the groups'
-        trajectories wait on the engine concurrently."""
-        return await asyncio.to_thread(self.generate, **kwargs)
+        """`generate` for async generate functions: the request runs in a thread of its own, so the groups'
+        trajectories wait on the engine concurrently, all of them (a pool's few threads would queue requests
+        before the engine, and that wait would count against rollout.generate_fn_timeout)."""
+        return await in_daemon_thread(lambda _: self.generate(**kwargs), None, name="agenerate")
 
     def observe(self, ids: list[int]) -> None:
         """Append tokens the policy did not choose (a tool's output, the user's next message): no loss. What does
@@ -208,7 +209,7 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
                                    "answers?) or raise the timeout")
         return await asyncio.gather(*(one(ctx) for ctx in contexts))
 
-    groups = asyncio.run(all_groups())
+    groups = run_user_coroutine(all_groups())
     seen: set[int] = set()
     for ctx, group in zip(contexts, groups):
         if not isinstance(group, (list, tuple)) or len(group) != params.n or \

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import difflib
 import importlib
 import importlib.util
@@ -398,7 +399,7 @@ class RewardFn:
         else:
             raise RuntimeError("RewardFn.score() called inside a running event loop; "
                                "use `await reward_fn(samples)` there instead")
-        return asyncio.run(self(samples))
+        return run_user_coroutine(self(samples))
 
     async def _score_groups(self, samples: list[Sample], sem: asyncio.Semaphore) -> list[float]:
         (name, fn), = self.fns.items()
@@ -442,6 +443,45 @@ class RewardFn:
             except Exception as e:  # the user's own error, with which function and which sample (its traceback below)
                 raise RuntimeError(f"reward function {name} raised {type(e).__name__}: {e} for sample "
                                    f"index={sample.index} (prompt {sample.prompt_text[-80:]!r})") from e
+
+
+class DaemonThreads(concurrent.futures.ThreadPoolExecutor):
+    """The default executor of the event loops that run user code (asyncio.to_thread, run_in_executor(None, ...)):
+    a daemon thread per call, and a shutdown that does not wait. With asyncio's own pool, asyncio.run waits at its
+    end for every thread the user's coroutine started: a blocking tool that never answers, called through
+    asyncio.to_thread, held the run for ever after its caller's timeout instead of raising the timeout's error.
+    (A ThreadPoolExecutor subclass: Python 3.11's loops accept no other default executor.)"""
+
+    def __init__(self):
+        super().__init__(max_workers=1)  # no worker thread is ever started: submit() is replaced
+
+    def submit(self, fn, /, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def work():
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 -- handed to the awaiting coroutine as is
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
+        threading.Thread(target=work, name="user-code", daemon=True).start()
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        pass  # a thread still running is abandoned: it is a daemon, and its result goes nowhere
+
+
+def run_user_coroutine(coro) -> Any:
+    """asyncio.run(coro) with DaemonThreads as the loop's default executor."""
+    async def main():
+        asyncio.get_running_loop().set_default_executor(DaemonThreads())
+        return await coro
+
+    return asyncio.run(main())
 
 
 def in_daemon_thread(fn: Callable, arg: Any, name: str = "reward") -> asyncio.Future:
