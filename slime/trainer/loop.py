@@ -206,8 +206,8 @@ def run(cfg: Config) -> dict:
         sync_weights(actor, engine, version=start_step, bucket_mb=bucket_mb)  # the engine starts from the trainer's weights
 
     if start_step >= cfg.train.num_steps:
-        logger.warning("%s already holds a run finished at step %d: nothing to do (raise train.num_steps, "
-                       "pick another log.run_dir, or set checkpoint.resume=false)", run_dir, start_step)
+        logger.warning("%s already holds a run finished at step %d: nothing to do (raise train.num_steps, or "
+                       "pick another log.run_dir)", run_dir, start_step)
     log = MetricsLogger(cfg.log, run_config=cfg.to_dict(), enabled=dims.is_main, total_steps=cfg.train.num_steps,
                         resume_step=start_step)
     logger.info("%s for %d steps on %d rank(s): %d prompts x %d samples per step; %d prompts dropped as too long",
