@@ -27,3 +27,6 @@ def setup_logging(level: int = logging.INFO) -> None:
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers", "datasets", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*torch.utils.checkpoint.*")
+    # DeepSpeed's ZeRO-3 calls torch's deprecated all_gather_into_tensor / reduce_scatter_tensor, and the
+    # warning came back at every step on every rank (a third of a short run's lines)
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
