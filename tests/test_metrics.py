@@ -70,3 +70,14 @@ def test_a_resumed_run_goes_on_in_its_wandb_run_without_sending_a_step_twice(tmp
     log.log(2, {"train/loss": 2.0})
     log.close()
     assert sent == [2]
+
+
+def test_the_plot_leaves_out_a_torn_line_and_null_values(tmp_path):
+    """`python -m slime.utils.plot` is how a killed run's plot is made, and a kill can tear the last line."""
+    from slime.utils.plot import plot_metrics
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "train/loss": 1.5, "rollout/reward_mean": null}\n'
+                       '{"step": 2, "train/loss": 1.25, "rollout/reward_mean": 0.5}\n{"step": 3, "train/lo')
+    out = plot_metrics(metrics, tmp_path / "m.png")
+    assert out is not None and out.read_bytes().startswith(b"\x89PNG")

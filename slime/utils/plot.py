@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_KEYS = ["rollout/reward_mean", "eval/accuracy", "eval/reward_mean", "rollout/response_len", "train/loss",
                 "train/entropy"]
@@ -18,7 +21,15 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path, keys: list[str]
     # own), no figure registry to close, a little less to import at the end of every run.
     from matplotlib.figure import Figure
 
-    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    rows = []
+    for n, line in enumerate(Path(metrics_path).read_text(errors="replace").splitlines(), 1):
+        try:
+            row = json.loads(line) if line.strip() else None
+        except ValueError:  # a torn line (a run killed mid-write, a full disk): the others still plot
+            logger.warning("%s:%d: not a JSON record; left out of the plot", metrics_path, n)
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
+            rows.append(row)
     series = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in keys}  # null: not finite
     series = {k: v for k, v in series.items() if v}
     if not series:
