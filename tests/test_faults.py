@@ -87,6 +87,32 @@ def test_a_step_without_a_token_to_learn_from_is_said(model, task_dir, tmp_path)
     assert "actor: this step has no token to learn from (every response token has loss mask 0" in out
 
 
+def test_an_eval_budget_past_the_context_length_is_warned(model, task_dir, tmp_path):
+    """The training prompts and rollout.max_response_len were checked against the model's context (512 here);
+    the eval file and eval.max_response_len were not, and evaluation generated past it without a word."""
+    proc = launch(model, task_dir, tmp_path / "run", f"eval.path={task_dir / 'eval.jsonl'}", "eval.max_prompts=2",
+                  "eval.max_response_len=600", "train.num_steps=1", "checkpoint.export_hf=false", nproc=1)
+    out = proc.stdout + proc.stderr
+    assert "the longest eval prompt (" in out and "plus up to 600 new tokens passes the model's context length" in out
+    assert "Lower data.max_prompt_len or eval.max_response_len" in out
+
+
+def test_an_evaluation_with_no_prompt_left_says_so():
+    """Every eval prompt skipped (images that failed when drawn, say): a ZeroDivisionError, before."""
+    from slime.config import load_config
+    from slime.trainer.evaluate import EvalSet, evaluate
+    from one_rank import OneRank
+
+    class Engine:
+        def wake(self):
+            pass
+
+    cfg = load_config(None, ["model.path=m", "data.path=d.jsonl", "eval.path=eval.jsonl"])
+    with pytest.raises(RuntimeError, match=r"evaluation on eval.jsonl: no prompt left to evaluate \(skipped: "
+                                           r"\{'image_unreadable': 3\}\)"):
+        evaluate(Engine(), EvalSet([], {"image_unreadable": 3}), cfg, None, None, OneRank())
+
+
 def test_a_run_whose_rewards_overflow_stops_with_the_message(model, task_dir, tmp_path):
     proc = launch(model, task_dir, tmp_path / "run", "rollout.reward.fn=e2e_rewards:huge", "train.num_steps=2",
                   check=False)

@@ -67,16 +67,17 @@ def check_stop_ids(cfg: ModelConfig, stop_ids) -> None:
                          "this model's tokenizer")
 
 
-def warn_past_context(cfg: ModelConfig, longest_prompt: int, max_new_tokens: int, logger) -> bool:
+def warn_past_context(cfg: ModelConfig, longest_prompt: int, max_new_tokens: int, logger,
+                      what: str = "prompt", lower: str = "data.max_prompt_len or rollout.max_response_len") -> bool:
     """Warn (True) when the longest prompt plus the response budget passes the model's context length: rope
     models still run there, untrained, on the hf engine, and an SGLang server refuses or cuts such requests."""
     limit = context_length(cfg)
     if limit is None or longest_prompt + max_new_tokens <= limit:
         return False
-    logger.warning("the longest prompt (%d tokens) plus up to %d new tokens passes the model's context length "
+    logger.warning("the longest %s (%d tokens) plus up to %d new tokens passes the model's context length "
                    "(max_position_embeddings=%d in %s/config.json): positions past it are untrained, and an SGLang "
-                   "engine refuses or cuts such requests. Lower data.max_prompt_len or rollout.max_response_len",
-                   longest_prompt, max_new_tokens, limit, cfg.path)
+                   "engine refuses or cuts such requests. Lower %s", what, longest_prompt, max_new_tokens, limit,
+                   cfg.path, lower)
     return True
 
 

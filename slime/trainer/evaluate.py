@@ -22,6 +22,8 @@ class EvalSet:
     """This rank's share: empty where the file has fewer prompts than ranks (the rank still takes part)."""
     skipped: dict[str, int]
     """Prompts of the file left out, by reason, over every rank: reported as eval/skipped_<reason>."""
+    longest_prompt: int = 0
+    """Tokens of the longest prompt evaluated, over every rank."""
 
 
 def load_eval_prompts(cfg: Config, tokenizer, dims: ParallelDims, processor=None) -> EvalSet:
@@ -50,7 +52,8 @@ def load_eval_prompts(cfg: Config, tokenizer, dims: ParallelDims, processor=None
         counts = dims.all_reduce_sum(counts, group=dims.world_group)
     for reason, n in zip(reasons, counts):
         skipped[reason] += int(n)
-    return EvalSet(mine, {r: n for r, n in sorted(skipped.items()) if n})
+    return EvalSet(mine, {r: n for r, n in sorted(skipped.items()) if n},
+                   longest_prompt=max((len(p.prompt_ids) for p in prompts), default=0))
 
 
 def evaluate(engine, evalset: EvalSet, cfg: Config, tokenizer, reward_fn, dims: ParallelDims) -> dict:
@@ -64,6 +67,9 @@ def evaluate(engine, evalset: EvalSet, cfg: Config, tokenizer, reward_fn, dims: 
     n, correct, reward, length = dims.all_reduce_sum([
         len(samples), sum(s.reward >= cfg.eval.accuracy_threshold for s in samples),
         sum(s.reward for s in samples), sum(len(s.response_ids) for s in samples)], group=dims.world_group)
+    if not n:  # every prompt of the file left out (images that failed when drawn, ...)
+        raise RuntimeError(f"evaluation on {cfg.eval.path}: no prompt left to evaluate (skipped: "
+                           f"{evalset.skipped or 'none'}); fix the file or set eval.path=null")
     return {"eval/accuracy": correct / n, "eval/reward_mean": reward / n, "eval/response_len": length / n,
             "eval/num_prompts": n, **{f"eval/skipped_{r}": k for r, k in evalset.skipped.items()},
             "time/eval": time.time() - start}

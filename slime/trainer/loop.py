@@ -176,6 +176,10 @@ def run(cfg: Config) -> dict:
     if dims.is_main:
         warn_past_context(cfg.model, max((len(p.prompt_ids) for p in data.prompts), default=0),
                           cfg.rollout.max_response_len, logger)
+        if evalset is not None:
+            warn_past_context(cfg.model, evalset.longest_prompt, cfg.eval.max_response_len or
+                              cfg.rollout.max_response_len, logger, what=f"eval prompt ({cfg.eval.path})",
+                              lower="data.max_prompt_len or eval.max_response_len")
     # A colocated engine starts before the trainer and releases its memory at once, so the trainer's
     # states and the engine's cache are never on the GPU together (the trainer offloads around rollout).
     engine = make_engine(cfg.rollout, cfg.model, tokenizer, dims, run_dir=str(run_dir)) \
