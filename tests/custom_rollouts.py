@@ -69,7 +69,17 @@ def masks_everything(ctx: RolloutContext):
 
 
 def text_reward(ctx: RolloutContext):
-    return _two_token_samples(ctx, lambda s: s.metadata.update(given_reward="n/a"))
+    return _two_token_samples(ctx, lambda s: setattr(s, "given_reward", "n/a"))
+
+
+def grades_the_first_sample(ctx: RolloutContext):
+    """Its own reward for the first sample of each group, none for the others."""
+    out = []
+    for k in range(ctx.n):
+        traj = ctx.trajectory()
+        traj.generate(max_new_tokens=2)
+        out.append(traj.sample(reward=0.5 if k == 0 else None))
+    return out
 
 
 def past_the_limit(ctx: RolloutContext):

@@ -106,17 +106,50 @@ def test_generate_fn_reward_and_errors(hf_engine, tokenizer):
 
 
 def test_a_given_reward_must_be_finite(hf_engine, tokenizer):
-    with pytest.raises(ValueError, match=r"rollout.generate_fn custom_rollouts:infinite_reward returned inf for "
-                                         r"sample index=0"):
+    with pytest.raises(ValueError, match=r"Trajectory.sample\(reward=inf\) for prompt row 0: the reward must be a "
+                                         r"finite number"):
         generate_rollout(hf_engine, prompts_of(tokenizer, ["1+1="]), SamplingParams(max_new_tokens=4, n=2), tokenizer,
                          make_reward_fn("exact_match"), first_group_id=0, generate_fn="custom_rollouts:infinite_reward")
 
 
 
+def test_a_given_reward_key_in_the_data_does_not_stand_in_for_the_reward(hf_engine, tokenizer):
+    """The generate function's own grade was a metadata key, and a data row's metadata is copied into its samples:
+    a row with {"given_reward": 0.5} skipped the reward function, without or with a generate function."""
+    prompts = prompts_of(tokenizer, ["1+1="], labels=["never"])
+    prompts[0].metadata["given_reward"] = 0.5
+    for generate_fn in (None, "custom_rollouts:two_turns"):
+        samples = generate_rollout(hf_engine, prompts, SamplingParams(max_new_tokens=4, n=2), tokenizer,
+                                   make_reward_fn("exact_match"), first_group_id=0, generate_fn=generate_fn)
+        assert [s.reward for s in samples] == [0.0, 0.0], generate_fn  # exact_match of "never": scored, 0
+
+
+@pytest.mark.parametrize("reward", ["0.75", True, float("nan"), "n/a"])
+def test_the_reward_a_trajectory_is_given_must_be_a_finite_number(tokenizer, reward):
+    from slime.rollout.custom import RolloutContext
+
+    ctx = RolloutContext(prompts_of(tokenizer, ["1+1="])[0], SamplingParams(max_new_tokens=4, n=1), tokenizer, None)
+    with pytest.raises((TypeError, ValueError), match=r"Trajectory.sample\(reward=.*\) for prompt row 0: the reward "
+                                                     r"must be a finite number"):
+        ctx.trajectory().sample(reward=reward)
+
+
+def test_a_group_reward_is_not_given_part_of_a_group(hf_engine, tokenizer):
+    """A generate function grading some samples of a group: a group-level reward function was called with the
+    rest only (3 of 4), and ranked the wrong set."""
+    from slime.rollout.rewards import RewardFn
+
+    reward_fn = RewardFn("reward_fns_for_test:async_group_size", granularity="group")
+    with pytest.raises(ValueError, match=r"custom_rollouts:grades_the_first_sample graded some samples of prompt row "
+                                         r"0 but not all.*scores whole groups"):
+        generate_rollout(hf_engine, prompts_of(tokenizer, ["1+1="]), SamplingParams(max_new_tokens=4, n=4), tokenizer,
+                         reward_fn, first_group_id=0, generate_fn="custom_rollouts:grades_the_first_sample")
+
+
 @pytest.mark.parametrize("fn, error, words", [
     ("one_sample_repeated", ValueError, "returned one Sample object twice (prompt row 0)"),
     ("mask_of_fives", ValueError, "has response mask values [5]"),
-    ("text_reward", TypeError, "set metadata given_reward='n/a' for sample index=0"),
+    ("text_reward", TypeError, "set given_reward='n/a' for sample index=0"),
     ("float_ids", ValueError, "has token ids that are not non-negative integers"),
     ("past_the_limit", ValueError, "has 10 response tokens, more than rollout.max_response_len=4"),
     ("nan_logprobs", ValueError, "has rollout logprobs [nan, nan]"),
@@ -449,8 +482,8 @@ def test_calculator_tool_appends_its_result_as_an_observation(tokenizer):
     assert first.response_ids[:len(call) + len(result)] == call + result
     assert first.response_mask == [1] * len(call) + [0] * len(result) + [1] * (len(first.response_ids) - len(call) - len(result))
     assert engine.contexts[1] == prompt.prompt_ids + call + result  # the second turn saw the observation's ids
-    assert first.metadata["given_reward"] == 1.0 and first.metadata["tool_calls"] == 1
-    assert second.metadata["given_reward"] == 0.0  # called the tool on 3*4, answered 12: wrong for 12+7
+    assert first.given_reward == 1.0 and first.metadata["tool_calls"] == 1
+    assert second.given_reward == 0.0  # called the tool on 3*4, answered 12: wrong for 12+7
 
 
 # ----------------------------------------------------------------------------- reward servers

@@ -34,6 +34,9 @@ class Sample:
     """Ground truth for rule-based rewards (answer string, list of answers, ...)."""
     metadata: dict = dataclasses.field(default_factory=dict)
     reward: float = 0.0
+    given_reward: float | None = None
+    """The reward a generate function gave the sample (`Trajectory.sample(reward=...)`); the reward function scores
+    the samples without one."""
     task_reward: float | None = None
     """The reward before DAPO's overlong penalty (rollout.overlong_penalty), where one is added; dynamic sampling
     filters on it."""

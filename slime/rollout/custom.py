@@ -25,6 +25,8 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
+import math
+import numbers
 import threading
 import time
 from typing import Any, Callable
@@ -97,7 +99,11 @@ class Trajectory:
                    label=p.label, metadata={**p.metadata, **(metadata or {}), "turns": self.turns},
                    finish_reason=self.finish_reason)
         if reward is not None:
-            s.metadata["given_reward"] = float(reward)
+            if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+                error = ValueError if isinstance(reward, numbers.Real) and not isinstance(reward, bool) else TypeError
+                raise error(f"Trajectory.sample(reward={reward!r:.60}) for prompt row {p.index}: the reward must be "
+                            "a finite number (or None, for the reward function to score the sample)")
+            s.given_reward = float(reward)
         return s
 
 

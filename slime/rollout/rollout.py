@@ -53,15 +53,21 @@ def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: Sampl
             s.group_id, s.index = first_group_id + g, first_index + len(samples)
             s.mm = None if prompt.mm is None else prompt.mm.without_images()
             samples.append(s)
-    # A generate function may grade its own samples (metadata given_reward); the reward function scores the rest.
-    to_score = [s for s in samples if "given_reward" not in s.metadata]
+    # A generate function may grade its own samples (Sample.given_reward); the reward function scores the rest.
+    to_score = [s for s in samples if s.given_reward is None]
+    if to_score and len(to_score) < len(samples) and getattr(reward_fn, "granularity", "sample") == "group":
+        mixed = next(s for s in to_score if any(o.given_reward is not None for o in samples
+                                                if o.group_id == s.group_id))
+        raise ValueError(f"rollout.generate_fn {generate_fn} graded some samples of prompt row "
+                         f"{prompts[mixed.group_id - first_group_id].index} but not all, and the reward function "
+                         f"{reward_fn.spec} scores whole groups: grade all of a group's samples or none")
     for sample, reward in zip(to_score, reward_fn.score(to_score) if to_score else []):
         sample.reward = float(reward)
     for s in samples:
-        if "given_reward" in s.metadata:
-            given = s.metadata["given_reward"]
+        if s.given_reward is not None:
+            given = s.given_reward
             if isinstance(given, bool) or not isinstance(given, numbers.Real):
-                raise TypeError(f"rollout.generate_fn {generate_fn} set metadata given_reward={given!r:.60} for sample "
+                raise TypeError(f"rollout.generate_fn {generate_fn} set given_reward={given!r:.60} for sample "
                                 f"index={s.index} (prompt {s.prompt_text[-80:]!r}); it must be a number")
             check_finite(given, f"rollout.generate_fn {generate_fn}", s)
             s.reward = float(given)
