@@ -134,6 +134,26 @@ def test_the_reward_a_trajectory_is_given_must_be_a_finite_number(tokenizer, rew
         ctx.trajectory().sample(reward=reward)
 
 
+def test_a_turn_at_another_temperature_than_the_trainers_is_refused(tokenizer):
+    """Its logprobs were the engine's at the turn's temperature, the trainer's at rollout.temperature: TIS
+    weights 0.5-1.05 on a tiny model for identical weights. Evaluation (temperature 0, nothing trained) may."""
+    from slime.rollout.custom import RolloutContext
+
+    class Engine:
+        def generate(self, prompts, params, mm=None):
+            return [[Generation([7, 8], [-0.5, -0.5], "length")]]
+
+    prompt = prompts_of(tokenizer, ["1+1="])[0]
+    train = RolloutContext(prompt, SamplingParams(max_new_tokens=4, temperature=1.0, n=1), tokenizer, Engine())
+    with pytest.raises(ValueError, match=r"Trajectory.generate\(temperature=0.3\) for prompt row 0: the trainer "
+                                         r"scores .* at rollout.temperature=1.0"):
+        train.trajectory().generate(temperature=0.3)
+    assert train.trajectory().generate(temperature=1.0).response_ids == [7, 8]
+    assert train.generate(prompt.prompt_ids, max_new_tokens=2, temperature=0.3).response_ids == [7, 8]
+    evaluation = RolloutContext(prompt, SamplingParams(max_new_tokens=4, temperature=0.0, n=1), tokenizer, Engine())
+    assert evaluation.trajectory().generate(temperature=0.7).response_ids == [7, 8]
+
+
 def test_a_group_reward_is_not_given_part_of_a_group(hf_engine, tokenizer):
     """A generate function grading some samples of a group: a group-level reward function was called with the
     rest only (3 of 4), and ranked the wrong set."""

@@ -61,7 +61,16 @@ class Trajectory:
 
     def generate(self, *, max_new_tokens: int | None = None, stop_token_ids: tuple[int, ...] | list[int] = (),
                  temperature: float | None = None) -> Generation:
-        """The policy's next turn from everything so far; its tokens carry loss and logprobs."""
+        """The policy's next turn from everything so far; its tokens carry loss and logprobs. `temperature` may
+        differ from rollout.temperature only in evaluation (greedy, nothing trained): the trainer scores every
+        generated token at rollout.temperature, and TIS and the PPO ratio would compare logprobs of two
+        distributions. (`RolloutContext.generate` takes any temperature, for text the trajectory observes.)"""
+        run_t = self.ctx.params.temperature
+        if temperature is not None and temperature != run_t and run_t != 0:
+            raise ValueError(f"Trajectory.generate(temperature={temperature}) for prompt row {self.ctx.prompt.index}: "
+                             f"the trainer scores the trajectory's generated tokens at rollout.temperature={run_t}, so "
+                             "their rollout logprobs must be sampled at it too; generate text at another temperature "
+                             "with ctx.generate() and add it with trajectory.observe() (no loss)")
         budget = self.remaining if max_new_tokens is None else min(max_new_tokens, self.remaining)
         if budget <= 0:
             self.finish_reason = "length"
