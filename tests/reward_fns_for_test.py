@@ -93,3 +93,10 @@ async def tool_never_answers(sample: Sample) -> float:
     """A blocking call made the usual way from async code (asyncio.to_thread) that never returns."""
     await asyncio.to_thread(threading.Event().wait)
     return 1.0
+
+
+def numpy_values(sample: Sample):
+    """What numpy code returns: np.bool_ for a comparison, a 0-d array for a reduction."""
+    import numpy as np
+
+    return np.bool_(sample.response_text == "a") if sample.index == 0 else np.array(0.25)

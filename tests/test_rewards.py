@@ -17,8 +17,8 @@ def _user_fns_importable(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
 
 
-def S(response: str, label=None, group_id: int = 0) -> Sample:
-    return Sample(prompt_ids=[1], response_text=response, label=label, group_id=group_id)
+def S(response: str, label=None, group_id: int = 0, index: int = 0) -> Sample:
+    return Sample(prompt_ids=[1], response_text=response, label=label, group_id=group_id, index=index)
 
 
 GARBAGE = ["", "}{", "\\boxed{", "\\boxed{}}}", "<answer>", "</answer><answer>", "$$$",
@@ -270,7 +270,7 @@ def test_a_spec_that_may_load_passes_the_early_check(spec):
 
 
 @pytest.mark.parametrize("fn_name,granularity,match", [
-    ("returns_string", "sample", "returns_string returned str"),
+    ("returns_string", "sample", r"returns_string returned str \('1.0'\) for sample index=0"),
     ("dict_without_reward", "sample", "dict_without_reward returned a dict without a 'reward'"),
     ("wrong_length_group", "group", "wrong_length_group must return a list with one value"),
 ])
@@ -278,6 +278,12 @@ def test_bad_return_values_name_the_function(fn_name, granularity, match):
     fn = make_reward_fn(f"reward_fns_for_test:{fn_name}", granularity=granularity)
     with pytest.raises(TypeError, match=match):
         fn.score([S("a", group_id=0), S("b", group_id=0)])
+
+
+def test_numpy_rewards_are_their_numbers():
+    """np.bool_ was refused with "returned bool_", though a Python bool passes."""
+    fn = make_reward_fn("reward_fns_for_test:numpy_values")
+    assert fn.score([S("a", index=0), S("b", index=1)]) == [1.0, 0.25]
 
 
 def test_non_finite_reward_is_rejected():

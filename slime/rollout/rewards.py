@@ -300,9 +300,12 @@ def _as_reward(value: Any, fn_name: str, sample: Sample | None = None) -> tuple[
                 raise TypeError(f"reward function {fn_name} returned non-number {type(v).__name__}"
                                 f" for extra key {k!r}; extras must be numbers")
             check_finite(v, f"{fn_name} (extra key {k!r})", sample)  # a metric: NaN would poison its mean
+    if not isinstance(value, numbers.Real) and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()  # numpy's bool_, a 0-d array or tensor: the Python number it holds
     if not isinstance(value, numbers.Real):
-        raise TypeError(f"reward function {fn_name} returned {type(value).__name__} "
-                        f"({value!r:.80}); return a float or a dict with a 'reward' key")
+        where = f" for sample index={sample.index}" if sample is not None else ""
+        raise TypeError(f"reward function {fn_name} returned {type(value).__name__} ({value!r:.80}){where}; return a "
+                        "float or a dict with a 'reward' key")
     check_finite(value, fn_name, sample)
     return float(value), {k: float(v) for k, v in extras.items()}
 
