@@ -154,6 +154,21 @@ def test_a_turn_at_another_temperature_than_the_trainers_is_refused(tokenizer):
     assert evaluation.trajectory().generate(temperature=0.7).response_ids == [7, 8]
 
 
+def test_observed_ids_may_be_numpy_integers_but_not_text(tokenizer):
+    """A tool's ids from numpy (np.int64) were taken by observe() and then refused by the sample check as "not
+    non-negative integers"; text given to observe() went in character by character."""
+    import numpy as np
+
+    from slime.rollout.custom import RolloutContext
+
+    ctx = RolloutContext(prompts_of(tokenizer, ["1+1="])[0], SamplingParams(max_new_tokens=8, n=1), tokenizer, None)
+    traj = ctx.trajectory()
+    traj.observe(np.array([5, 6]))
+    assert traj.response_ids == [5, 6] and all(type(t) is int for t in traj.response_ids)
+    with pytest.raises(TypeError, match=r"observe\(\) for prompt row 0 takes token ids.*tokenize text"):
+        traj.observe("19")
+
+
 def test_a_group_reward_is_not_given_part_of_a_group(hf_engine, tokenizer):
     """A generate function grading some samples of a group: a group-level reward function was called with the
     rest only (3 of 4), and ranked the wrong set."""

@@ -27,6 +27,7 @@ import dataclasses
 import inspect
 import math
 import numbers
+import operator
 import threading
 import time
 from typing import Any, Callable
@@ -93,7 +94,12 @@ class Trajectory:
     def observe(self, ids: list[int]) -> None:
         """Append tokens the policy did not choose (a tool's output, the user's next message): no loss. What does
         not fit in rollout.max_response_len is cut, and the sample then ends at its length limit."""
-        ids, room = list(ids), max(self.remaining, 0)
+        try:  # numpy's or torch's integers as Python ints; a float is refused
+            ids = [operator.index(t) for t in ids]
+        except TypeError:
+            raise TypeError(f"trajectory.observe() for prompt row {self.ctx.prompt.index} takes token ids (integers), "
+                            f"got {list(ids)[:5]!r:.80}; tokenize text with ctx.tokenizer first") from None
+        room = max(self.remaining, 0)
         if len(ids) > room:
             ids, self.finish_reason = ids[:room], "length"
         self.response_ids += ids
