@@ -31,7 +31,8 @@ def test_two_rank_grpo_run_writes_metrics_checkpoint_and_export(tiny_model, task
     assert "step 2/2" in proc.stdout
     assert "Warning" not in proc.stdout + proc.stderr  # e.g. torch's FutureWarning at each ZeRO-3 collective
     assert (run_dir / "checkpoints/step_2").is_dir()
-    assert (run_dir / "hf/config.json").is_file()
+    exported = json.loads((run_dir / "hf/config.json").read_text())
+    assert exported["use_cache"] is json.loads((tiny_model / "config.json").read_text()).get("use_cache", True)
     assert (run_dir / "metrics.png").read_bytes().startswith(b"\x89PNG")
 
 

@@ -1,6 +1,7 @@
 """Write an HF model directory from checkpoint-named tensors (what `from_pretrained` and SGLang read)."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -16,9 +17,10 @@ EXPORT_MARKER = "slime_export.json"  # written last: the step the export holds
 
 
 def save_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], *, model, extra_savers: Iterable = (),
-                max_shard_size: str = "5GB", marker: dict | None = None) -> Path:
-    """Safetensors shards (+ index when several) of `state`, the model's config and generation config,
-    and whatever `extra_savers` (tokenizer, processor) write with their own `save_pretrained`."""
+                max_shard_size: str = "5GB", marker: dict | None = None, config_updates: dict | None = None) -> Path:
+    """Safetensors shards (+ index when several) of `state`, the model's config (with `config_updates`: the
+    trainer's use_cache=False is not the model's) and generation config, and whatever `extra_savers` (tokenizer,
+    processor) write with their own `save_pretrained`."""
     final = Path(out_dir)
     # Written whole beside the folder, then renamed into place: a kill or a full disk mid-way leaves the earlier
     # export (or none) as it was, never a folder of some new shards (or an old shard read with new ones).
@@ -33,7 +35,9 @@ def save_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], *, model, e
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
                  "weight_map": split.tensor_to_filename}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
-    model.config.save_pretrained(out)
+    config = copy.deepcopy(model.config)
+    config.update(config_updates or {})
+    config.save_pretrained(out)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(out)
     for saver in extra_savers:

@@ -94,6 +94,7 @@ class PolicyEngine:
             shard = SequenceShard(dims.sp_group, dims.sp_rank, dims.sp)
             attention = register_ulysses_attention(attention, shard)
         hf, self.adapter = load_model(model, attn_implementation=attention, dtype=dtype, backbone_only=role == "critic")
+        self._use_cache = hf.config.use_cache  # the model's, written back in its export
         hf.config.use_cache = False
         # The fused chains (train.fuse_elementwise) also make the oneDNN linears' weight-gradient transposes.
         fuse_why = "train.compile=true" if train.compile else fused.resolve(train.fuse_elementwise, hf, dims.device)
@@ -368,5 +369,6 @@ class PolicyEngine:
                 state.update((name, t.cpu()) for name, t in bucket)
         if self.dims.is_main:
             save_hf_dir(out_dir, state, model=self.engine.module.hf, extra_savers=savers,
-                        marker=None if step is None else {"step": step})
+                        marker=None if step is None else {"step": step},
+                        config_updates={"use_cache": self._use_cache})
         self.dims.barrier()
