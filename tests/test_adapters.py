@@ -4,6 +4,7 @@ For every family (tiny random configs built offline), the reference is the unwra
 `save_pretrained`: its safetensors keys and shapes. The trainer side runs on 2 ZeRO-3 ranks.
 """
 import json
+import os
 
 import pytest
 import torch
@@ -193,3 +194,29 @@ def test_an_export_that_fails_midway_leaves_the_earlier_one_whole(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
     assert all(torch.equal(reloaded[k], state[k]) for k in state if k in reloaded)
     assert exported_step(tmp_path / "nowhere") is None
+
+
+def test_an_export_killed_while_it_replaces_the_earlier_one_leaves_one_whole(tmp_path, monkeypatch):
+    """The new folder took the export's name in two renames (the earlier one aside, the new one in): a kill
+    between them left no export at all. They are exchanged in one step now."""
+    from slime.models import export
+    from slime.models.export import exported_step, save_hf_dir
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m", arch="qwen3", seed=0))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    save_hf_dir(tmp_path / "out", state, model=model, marker={"step": 3})
+    renames = []
+
+    def killed_at_the_second(src, dst):  # a kill after the earlier export went aside
+        renames.append((src, dst))
+        if len(renames) == 2:
+            raise KeyboardInterrupt
+        os.rename(src, dst)
+
+    monkeypatch.setattr(export.os, "replace", killed_at_the_second)
+    try:
+        save_hf_dir(tmp_path / "out", state, model=model, marker={"step": 5})
+    except KeyboardInterrupt:
+        pass
+    assert exported_step(tmp_path / "out") in (3, 5)
+    assert not list(tmp_path.glob(".out.*"))

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -18,9 +20,9 @@ EXPORT_MARKER = "slime_export.json"  # written last: the step the export holds
 
 def save_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], *, model, extra_savers: Iterable = (),
                 max_shard_size: str = "5GB", marker: dict | None = None, config_updates: dict | None = None) -> Path:
-    """Safetensors shards (+ index when several) of `state`, the model's config (with `config_updates`: the
-    trainer's use_cache=False is not the model's) and generation config, and whatever `extra_savers` (tokenizer,
-    processor) write with their own `save_pretrained`."""
+    """Safetensors shards (+ index when several) of `state`, the model's config (with `config_updates`, where
+    None removes the key: the trainer's use_cache=False is not the model's) and generation config, and whatever
+    `extra_savers` (tokenizer, processor) write with their own `save_pretrained`."""
     final = Path(out_dir)
     # Written whole beside the folder, then renamed into place: a kill or a full disk mid-way leaves the earlier
     # export (or none) as it was, never a folder of some new shards (or an old shard read with new ones).
@@ -36,7 +38,11 @@ def save_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], *, model, e
                  "weight_map": split.tensor_to_filename}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
     config = copy.deepcopy(model.config)
-    config.update(config_updates or {})
+    for key, value in (config_updates or {}).items():
+        if value is not None:
+            setattr(config, key, value)
+        elif key in vars(config):
+            delattr(config, key)
     config.save_pretrained(out)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
         model.generation_config.save_pretrained(out)
@@ -44,13 +50,44 @@ def save_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], *, model, e
         saver.save_pretrained(out)
     if marker is not None:
         (out / EXPORT_MARKER).write_text(json.dumps(marker))
-    previous = final.with_name(f".{final.name}.previous")
-    shutil.rmtree(previous, ignore_errors=True)
-    if final.exists():
-        os.replace(final, previous)
-    os.replace(out, final)
-    shutil.rmtree(previous, ignore_errors=True)
+    for f in out.iterdir():  # on disk before the folder takes the export's name (as checkpoints are)
+        _fsync(f)
+    _fsync(out)
+    if final.exists() and _exchange(out, final):  # one step: there is always a whole export at `final`
+        shutil.rmtree(out)  # the earlier export, now
+    else:
+        previous = final.with_name(f".{final.name}.previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        if final.exists():
+            os.replace(final, previous)
+        os.replace(out, final)
+        shutil.rmtree(previous, ignore_errors=True)
+    _fsync(final.parent)
     return final
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux's renameat2 with RENAME_EXCHANGE); False where the system or the file
+    system has no such call."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, f"exchanging {a} and {b}: {os.strerror(err)}")
 
 
 def exported_step(out_dir: str | Path) -> int | None:

@@ -94,7 +94,8 @@ class PolicyEngine:
             shard = SequenceShard(dims.sp_group, dims.sp_rank, dims.sp)
             attention = register_ulysses_attention(attention, shard)
         hf, self.adapter = load_model(model, attn_implementation=attention, dtype=dtype, backbone_only=role == "critic")
-        self._use_cache = hf.config.use_cache  # the model's, written back in its export
+        # the model's, written back in its export (None: its config has none; a VL model's text config has it)
+        self._use_cache = getattr(hf.config, "use_cache", None)
         hf.config.use_cache = False
         # The fused chains (train.fuse_elementwise) also make the oneDNN linears' weight-gradient transposes.
         fuse_why = "train.compile=true" if train.compile else fused.resolve(train.fuse_elementwise, hf, dims.device)
