@@ -200,6 +200,18 @@ def test_a_kill_between_the_rename_and_latest_resumes_from_the_new_folder_but_a_
     assert path == ckpt / "step_3" and len(notes) == 1 and "step_5" in notes[0]
 
 
+def test_an_empty_or_damaged_latest_is_ignored_and_named(tmp_path, caplog):
+    """An empty `latest` was tried as the tag "", i.e. the checkpoints folder itself ("no manifest.json")."""
+    ckpt = tmp_path / "checkpoints"
+    save(ckpt, 3, keep=3)
+    save(ckpt, 5, keep=3)
+    for text in ("", "\x00\x00garbage"):
+        (ckpt / "latest").write_text(text)
+        with caplog.at_level("ERROR"):
+            assert find_checkpoint(ckpt) == (ckpt / "step_5", [])
+        assert "not a step_N tag: ignored" in caplog.text
+
+
 def test_a_save_clears_what_killed_saves_of_other_steps_left(tmp_path):
     ckpt = tmp_path / "checkpoints"
     for step in (3, 7):  # two saves killed mid-way (a stop's save cut off by the launcher's SIGKILL)

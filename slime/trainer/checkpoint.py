@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -200,6 +201,9 @@ def candidates(ckpt_dir: Path) -> list[str]:
     if not latest.is_file():
         return folders
     tag = latest.read_bytes().decode("utf-8", "replace").strip()  # damage: the fallback finds older ones
+    if not re.fullmatch(r"step_\d+", tag):  # empty or damaged: "" would name the checkpoints folder itself
+        logger.error("checkpoint pointer %s holds %r, not a step_N tag: ignored", latest, tag[:80])
+        return folders
     written = latest.stat().st_mtime
     later = [t for t in folders if _step_of(t) > _step_of(tag) and (ckpt_dir / t).stat().st_ctime > written]
     return later + [tag] + [t for t in folders if t != tag and t not in later]
@@ -230,7 +234,8 @@ def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> d
         for note in notes:
             logger.error("checkpoint not usable, skipped: %s", note)
         if path is not None and notes:
-            logger.warning("resuming from the older checkpoint %s", path)
+            newer = any(_step_of(t) > _step_of(path.name) and (ckpt_dir / t).is_dir() for t in tags)
+            logger.warning("resuming from %s checkpoint %s", "the older" if newer else "the", path)
     if path is None:
         if notes:
             raise RuntimeError(f"{ckpt_dir} holds checkpoints but none is usable:\n  " + "\n  ".join(notes) +
