@@ -141,3 +141,13 @@ async def tool_never_answers(ctx: RolloutContext):
     await traj.agenerate(max_new_tokens=2)
     await asyncio.to_thread(threading.Event().wait)
     return [traj.sample(reward=0.0)]
+
+
+def grades_the_first_prompt(ctx: RolloutContext):
+    """Its own reward for every sample of prompt row 0, none for the other prompts' samples."""
+    out = []
+    for _ in range(ctx.n):
+        traj = ctx.trajectory()
+        traj.generate(max_new_tokens=2)
+        out.append(traj.sample(reward=0.5 if ctx.prompt.index == 0 else None))
+    return out

@@ -55,9 +55,9 @@ def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: Sampl
             samples.append(s)
     # A generate function may grade its own samples (Sample.given_reward); the reward function scores the rest.
     to_score = [s for s in samples if s.given_reward is None]
-    if to_score and len(to_score) < len(samples) and getattr(reward_fn, "granularity", "sample") == "group":
-        mixed = next(s for s in to_score if any(o.given_reward is not None for o in samples
-                                                if o.group_id == s.group_id))
+    graded_groups = {s.group_id for s in samples if s.given_reward is not None}
+    mixed = next((s for s in to_score if s.group_id in graded_groups), None)
+    if mixed is not None and getattr(reward_fn, "granularity", "sample") == "group":
         raise ValueError(f"rollout.generate_fn {generate_fn} graded some samples of prompt row "
                          f"{prompts[mixed.group_id - first_group_id].index} but not all, and the reward function "
                          f"{reward_fn.spec} scores whole groups: grade all of a group's samples or none")
