@@ -265,7 +265,8 @@ class AlgoConfig:
         "grpo", "How rewards become advantages (gae trains a critic).")
     normalize_std: bool = field(True, "GRPO: divide by the group's reward std.")
     policy_loss: Literal["ppo", "gspo", "cispo", "sft"] = field(
-        "ppo", "Policy loss; 'sft' trains on prompt + label (cross-entropy on response tokens, no rollout).")
+        "ppo", "Policy loss; 'sft' trains on prompt + label (cross-entropy on response tokens at temperature 1, "
+               "no rollout).")
     clip_low: float | None = field(0.2, "Clip range below ratio 1 (null = no lower bound, CISPO).")
     clip_high: float = field(0.2, "Clip range above ratio 1 (clip-higher when > clip_low).")
     dual_clip: float | None = field(None, "Dual-clip constant c > 1 bounding the loss of negative advantages.")

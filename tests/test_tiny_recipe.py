@@ -68,3 +68,19 @@ def test_main_config_uses_shipped_files_with_a_disjoint_eval_split():
                        for path in (cfg.data.path, cfg.eval.path))
     assert len(held_out) >= 200 and cfg.eval.max_prompts in (0, *range(200, len(held_out) + 1))
     assert not set(train) & set(held_out)
+
+
+def test_sft_learns_at_temperature_one_whatever_the_rollout_temperature(tmp_path):
+    """SFT divided the logits by rollout.temperature: its loss was CE(softmax(z / T)), with T from a config
+    copied from an RL recipe, and the model fitted logits T times too large."""
+    data = tmp_path / "data"
+    write_data(data)
+    init = make_tiny_model(tmp_path / "init", **MODEL)
+    losses = {}
+    for t in (1.0, 0.7):
+        run_ranks([str(REPO / "run.py"), "--config", str(REPO / "examples/tiny_arith_sft.yaml"), f"model.path={init}",
+                   f"log.run_dir={tmp_path / str(t)}", f"data.path={data / 'train.jsonl'}", "eval.path=null",
+                   "train.num_steps=1", "rollout.batch_size=8", f"rollout.temperature={t}",
+                   "checkpoint.export_hf=false"], nproc=1)
+        losses[t] = [r["train/loss"] for r in read_metrics(tmp_path / str(t)) if "train/loss" in r]
+    assert losses[0.7] == losses[1.0]

@@ -146,8 +146,10 @@ class PolicyEngine:
     # Builders from the run config: which sub-configs each role reads.
     @classmethod
     def actor(cls, cfg: Config, dims: ParallelDims) -> "PolicyEngine":
-        return cls("actor", model=cfg.model, train=cfg.train, dims=dims, temperature=cfg.rollout.temperature,
-                   lr=cfg.train.lr)
+        # RL scores the responses at the temperature they were sampled at; SFT's cross-entropy is the model's own
+        # (at rollout.temperature it would fit logits T times too large, and log that as train/loss)
+        temperature = 1.0 if cfg.algo.policy_loss == "sft" else cfg.rollout.temperature
+        return cls("actor", model=cfg.model, train=cfg.train, dims=dims, temperature=temperature, lr=cfg.train.lr)
 
     @classmethod
     def reference(cls, cfg: Config, dims: ParallelDims) -> "PolicyEngine":
