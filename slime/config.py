@@ -203,6 +203,10 @@ class RolloutConfig:
     def __post_init__(self):
         if self.over_sample_factor < 1:
             raise ValueError("rollout.over_sample_factor must be >= 1")
+        if self.dynamic_sampling and self.n_samples_per_prompt == 1:
+            raise ValueError("rollout.dynamic_sampling=true keeps groups whose rewards differ, and a group of "
+                             "rollout.n_samples_per_prompt=1 never has two: raise n_samples_per_prompt or turn "
+                             "dynamic sampling off")
         penalty = self.overlong_penalty
         if penalty.max_len and penalty.max_len - penalty.buffer_len >= self.max_response_len:
             raise ValueError(f"rollout.overlong_penalty: max_len={penalty.max_len} - buffer_len={penalty.buffer_len} >= "

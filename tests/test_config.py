@@ -115,6 +115,10 @@ def test_min_lr_above_lr_is_refused_where_the_schedule_decays_to_it():
     # a group baseline of one sample: every advantage 0
     (["algo.advantage_estimator=reinforce_pp_baseline", "rollout.n_samples_per_prompt=1"],
      ["reinforce_pp_baseline", "n_samples_per_prompt >= 2"]),
+    # dynamic sampling keeps groups whose rewards differ: a group of one never has two (it ran out of attempts,
+    # blaming the reward function)
+    (["algo.advantage_estimator=reinforce_pp", "rollout.dynamic_sampling=true", "rollout.n_samples_per_prompt=1"],
+     ["rollout.dynamic_sampling=true", "rollout.n_samples_per_prompt=1"]),
 ])
 def test_algo_settings_that_would_train_on_nothing_or_noise_are_refused(overrides, words):
     with pytest.raises(ValueError) as err:

@@ -97,6 +97,19 @@ def test_an_eval_budget_past_the_context_length_is_warned(model, task_dir, tmp_p
     assert "Lower data.max_prompt_len or eval.max_response_len" in out
 
 
+def test_dynamic_sampling_that_would_draw_more_prompts_than_the_file_has_is_refused_at_start(model, tmp_path):
+    """10 prompts, a batch of 4 x over_sample_factor 3: the first attempt draws 12; this failed after the models
+    loaded, with "cannot draw 12 prompts over 2 ranks from 10"."""
+    data = tmp_path / "small.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(10)))
+    proc = launch(model, tmp_path, tmp_path / "run", f"data.path={data}", "rollout.batch_size=4",
+                  "rollout.dynamic_sampling=true", "rollout.over_sample_factor=3", "train.num_steps=1", nproc=1,
+                  check=False)
+    assert proc.returncode != 0
+    assert ("small.jsonl has 10 usable prompts, but dynamic sampling draws up to 12 at once (rollout.batch_size=4 x "
+            "rollout.over_sample_factor=3" in proc.stdout + proc.stderr)
+
+
 def test_an_evaluation_with_no_prompt_left_says_so():
     """Every eval prompt skipped (images that failed when drawn, say): a ZeroDivisionError, before."""
     from slime.config import load_config

@@ -10,6 +10,7 @@ import functools
 import hashlib
 import importlib.util
 import logging
+import math
 import os
 import random
 import re
@@ -172,6 +173,13 @@ def run(cfg: Config) -> dict:
             logger.warning("%s: %d prompt(s) another rank could not load (an image fetch that failed there) are "
                            "left out on this rank too, so that every rank draws from the same list", cfg.data.path,
                            dropped)
+    if cfg.rollout.dynamic_sampling:  # the first attempt draws the most: over_sample_factor x the whole batch
+        most = math.ceil(cfg.rollout.batch_size * cfg.rollout.over_sample_factor / dims.dp) * dims.dp
+        if most > len(data.prompts):
+            raise ValueError(f"{cfg.data.path} has {len(data.prompts)} usable prompts, but dynamic sampling draws up "
+                             f"to {most} at once (rollout.batch_size={cfg.rollout.batch_size} x "
+                             f"rollout.over_sample_factor={cfg.rollout.over_sample_factor:g}, rounded up to a multiple "
+                             f"of dp={dims.dp}): lower one of them")
     evalset = load_eval_prompts(cfg, tokenizer, dims, processor) if cfg.eval.path else None
     if dims.is_main:
         warn_past_context(cfg.model, max((len(p.prompt_ids) for p in data.prompts), default=0),
