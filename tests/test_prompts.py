@@ -79,6 +79,17 @@ def test_bad_rows_name_file_and_line(tmp_path, tok):
         load_prompts(DataConfig(path=str(tmp_path / "p.csv")), tok)
 
 
+def test_the_ranks_shares_in_rank_order_are_the_one_rank_batch(task_dir, tok):
+    """The trainer lays the global batch out rank after rank and cuts mini-batches from it in order: with rank r
+    drawing positions r, r + dp, ... (as before), mini-batch m of train.num_mini_batches=2 held other prompts at
+    dp=2 than at dp=1, against the docs' "mini-batch m is the same samples whatever dp is"."""
+    cfg = DataConfig(path=str(task_dir / "train.jsonl"))
+    one = PromptSource(cfg, tok, batch_size=8, dp_rank=0, dp_size=1, seed=3)
+    two = [PromptSource(cfg, tok, batch_size=8, dp_rank=r, dp_size=2, seed=3) for r in range(2)]
+    for _ in range(3):
+        assert [p.index for p in one.next_batch()] == [p.index for s in two for p in s.next_batch()]
+
+
 def test_ranks_get_disjoint_shares_and_resume_continues(task_dir, tok, caplog):
     cfg = DataConfig(path=str(task_dir / "train.jsonl"))
     sources = [PromptSource(cfg, tok, batch_size=8, dp_rank=r, dp_size=2, seed=3) for r in range(2)]

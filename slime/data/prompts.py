@@ -456,8 +456,11 @@ class PromptSource:
             self.epoch, self.offset = self.epoch + 1, n - len(ids)
             self._order = self._make_order()
             ids += self._order[:self.offset]
-        drawn, skipped = with_pixels([self.prompts[i] for i in ids[self.dp_rank::self.dp_size]], self.cfg,
-                                     self.processor, self.cfg.path)
+        # rank r takes the r-th contiguous part: the global batch, rank after rank, is then the draw's order, so
+        # the trainer's mini-batches (contiguous in it) hold the same prompts whatever dp is
+        share = n // self.dp_size
+        mine = ids[self.dp_rank * share:(self.dp_rank + 1) * share]
+        drawn, skipped = with_pixels([self.prompts[i] for i in mine], self.cfg, self.processor, self.cfg.path)
         self.skipped_when_drawn += skipped
         return drawn
 
