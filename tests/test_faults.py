@@ -110,6 +110,24 @@ def test_dynamic_sampling_that_would_draw_more_prompts_than_the_file_has_is_refu
             "rollout.over_sample_factor=3" in proc.stdout + proc.stderr)
 
 
+def test_a_second_run_in_a_run_dir_in_use_is_refused(model, task_dir, tmp_path):
+    """Two runs started in one log.run_dir both exited 0: the second resumed from the first one's checkpoint
+    while it still trained, and both wrote metrics.jsonl (step 100 twice). The first holds run_dir/.lock."""
+    import fcntl
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(run_dir / ".lock", "a+") as held:  # as the first run's rank 0 holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("pid 4242 on node-a\n")
+        held.flush()
+        proc = launch(model, task_dir, run_dir, "train.num_steps=1", nproc=1, check=False)
+    assert proc.returncode != 0
+    assert f"log.run_dir={run_dir} is in use by another run (pid 4242 on node-a)" in proc.stdout + proc.stderr
+    launch(model, task_dir, run_dir, "train.num_steps=1", nproc=1)  # released: the next run goes ahead
+    assert (run_dir / ".lock").read_text().startswith("pid ")
+
+
 def test_an_evaluation_with_no_prompt_left_says_so():
     """Every eval prompt skipped (images that failed when drawn, say): a ZeroDivisionError, before."""
     from slime.config import load_config

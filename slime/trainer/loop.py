@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -14,6 +15,7 @@ import math
 import os
 import random
 import re
+import socket
 import time
 from pathlib import Path
 
@@ -142,6 +144,33 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
                          "checkpoint.resume=true to continue it")
 
 
+_RUN_DIR_LOCKS: dict[Path, object] = {}  # run dir -> its open lock file, held until the process exits
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Rank 0 holds an exclusive lock on run_dir/.lock while its process lives: a second run started in the same
+    directory would resume from the first one's checkpoints while they are written, and both would write its
+    metrics and checkpoints. It is refused, naming the holder (flock: released by the kernel however the
+    holder ends, so a killed run leaves no stale lock)."""
+    key = run_dir.resolve()
+    if key in _RUN_DIR_LOCKS:  # this process holds it already (run() called again)
+        return
+    f = open(run_dir / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip()
+        f.close()
+        raise ValueError(f"log.run_dir={run_dir} is in use by another run ({holder or 'a process holds its .lock'}): "
+                         "wait for it to end, or give this one another log.run_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    _RUN_DIR_LOCKS[key] = f
+
+
 def run(cfg: Config) -> dict:
     """Train for cfg.train.num_steps; returns the last logged metrics."""
     if not torch.cuda.is_available():  # before the process group's threads run any op, or allocate
@@ -153,6 +182,8 @@ def run(cfg: Config) -> dict:
     seed_everything(cfg.train.seed + dims.rank)  # per-rank sampling streams, reproducible
     run_dir, sft = Path(cfg.log.run_dir), cfg.algo.policy_loss == "sft"
     check_run_dir(cfg, run_dir)
+    if dims.is_main:
+        lock_run_dir(run_dir)
     check_reward_spec(cfg.rollout.reward.fn)  # before the models load: a typo found in seconds, not minutes
     stop = StopRequest.install()
     exit_with_launcher()  # under run.sh: a kill -9 of it must not leave the ranks training
