@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import logging
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -714,7 +715,17 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         if (value is None or isinstance(value, str)) and "#" in text and text.strip()[:1] not in ("'", '"'):
             value = text.strip()  # a comment on a command line is text: "Be brief. #1 rule" lost its "#1 rule"
         _set_dotted(raw, key.strip(), value)
+    for dotted in PATH_KEYS:  # a shell leaves "~" in `log.run_dir=~/runs` (not a variable name) and YAML always does
+        *sections, key = dotted.split(".")
+        node = raw
+        for section in sections:
+            node = node.get(section) if isinstance(node, dict) else None
+        if isinstance(node, dict) and isinstance(node.get(key), str) and node[key].startswith("~"):
+            node[key] = os.path.expanduser(node[key])
     return _build(Config, raw)
+
+
+PATH_KEYS = ("model.path", "data.path", "eval.path", "algo.critic.path", "log.run_dir", "train.ds_config")
 
 
 def describe(cls: type = Config, prefix: str = "") -> str:

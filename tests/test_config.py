@@ -352,3 +352,14 @@ def test_gspo_with_ppo_sized_clips_is_warned_about(caplog):
                            "algo.clip_high=4e-4", "algo.loss_agg=seq_mean_token_mean"])
         load_config(None, ["model.path=m", "data.path=d.jsonl"])  # PPO's 0.2 is PPO's
     assert "GSPO" not in caplog.text
+
+
+def test_a_home_path_is_expanded(tmp_path, monkeypatch):
+    """`log.run_dir=~/runs` reaches us with its "~" (a shell expands it only at a word's start), as YAML's always
+    does: the outputs went to a folder named "~" in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  path: ~/models/m\neval:\n  path: ~/e.jsonl\n")
+    c = load_config(cfg, ["data.path=~/d.jsonl", "log.run_dir=~/runs/a", "algo.critic.path=~/critic"])
+    assert (c.model.path, c.data.path, c.eval.path, c.log.run_dir, c.algo.critic.path) == (
+        f"{tmp_path}/models/m", f"{tmp_path}/d.jsonl", f"{tmp_path}/e.jsonl", f"{tmp_path}/runs/a", f"{tmp_path}/critic")
