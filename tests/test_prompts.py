@@ -48,6 +48,22 @@ def test_a_prompt_path_that_is_a_folder_or_missing_says_so(tmp_path, tok):
         load_prompts(DataConfig(path=str(tmp_path)), tok)
     with pytest.raises(FileNotFoundError, match="nope.jsonl does not exist"):
         load_prompts(DataConfig(path=str(tmp_path / "nope.jsonl")), tok)
+    # a relative path: where it was looked for (run.sh runs from the repository, not the user's directory)
+    with pytest.raises(FileNotFoundError, match=r"^nope.jsonl does not exist \(/.*/nope.jsonl: relative paths are read "
+                                                r"from /"):
+        load_prompts(DataConfig(path="nope.jsonl"), tok)
+
+
+def test_a_gguf_file_as_model_path_names_the_two_settings(tmp_path):
+    from slime.config import ModelConfig
+    from slime.models.loading import check_model_path
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    with pytest.raises(FileNotFoundError, match=r"is a GGUF file: set model.path to its folder and "
+                                                r"model.gguf_file=m.gguf"):
+        check_model_path(ModelConfig(path=str(tmp_path / "m.gguf")))
+    with pytest.raises(FileNotFoundError, match=r"model.path=nope is not a directory \(/.*/nope: relative paths"):
+        check_model_path(ModelConfig(path="nope"))
 
 
 def test_what_would_be_silently_dropped_is_refused(tmp_path, tok):

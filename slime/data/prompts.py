@@ -122,7 +122,8 @@ def load_rows(path: str) -> list[tuple[int, dict]]:
         raise IsADirectoryError(f"{path} is a directory; data.path (and eval.path) name one prompt file: .jsonl, .json "
                                 "or .parquet")
     if not p.is_file():
-        raise FileNotFoundError(f"{path} does not exist (data.path / eval.path name a prompt file)")
+        where = "" if p.is_absolute() else f" ({p.resolve()}: relative paths are read from {Path.cwd()})"
+        raise FileNotFoundError(f"{path} does not exist{where} (data.path / eval.path name a prompt file)")
     if p.suffix == ".jsonl":
         return read_jsonl(p)
     if p.suffix == ".json":

@@ -19,9 +19,13 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 def check_model_path(cfg: ModelConfig) -> None:
     path = Path(cfg.path)
+    if path.is_file() and path.suffix == ".gguf":
+        raise FileNotFoundError(f"model.path={cfg.path} is a GGUF file: set model.path to its folder and "
+                                f"model.gguf_file={path.name}, or convert it with data_tools/gguf_to_hf.py")
     if not path.is_dir():
-        raise FileNotFoundError(f"model.path={cfg.path} is not a directory; point it at an HF model directory "
-                                "(config.json + weights + tokenizer)")
+        where = "" if path.is_absolute() else f" ({path.resolve()}: relative paths are read from {Path.cwd()})"
+        raise FileNotFoundError(f"model.path={cfg.path} is not a directory{where}; point it at an HF model "
+                                "directory (config.json + weights + tokenizer)")
     if cfg.gguf_file is None and not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.path={cfg.path} has no config.json; an HF model directory holds config.json, "
                                 "the weights and the tokenizer (or set model.gguf_file for a GGUF model)")
