@@ -20,6 +20,7 @@ one layer's worth. Real runs add the CUDA context and fragmentation: the warning
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
@@ -200,6 +201,11 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
 
 
 def report(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> str:
+    from slime.models.loading import check_model_path
+    from slime.rollout.rewards import check_reward_spec
+
+    check_model_path(cfg.model)  # config.json is all a dry run reads: a missing folder is said as such
+    check_reward_spec(cfg.rollout.reward.fn)
     p = plan(cfg, num_gpus, gpu_gib)
     g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
     lines = [
@@ -224,5 +230,8 @@ def report(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> str:
         lines.append(f"per GPU, rollout: hf engine weights {g(p['engine_weights'])}")
     lines.append(f"CPU memory at load: about {g(p['cpu_load_bytes_per_node'])} per node (each rank reads the model)")
     lines += [f"note: {n}" for n in p["notes"]]
+    for key, path in (("data.path", cfg.data.path), ("eval.path", cfg.eval.path)):  # a dry run may come before the data
+        if path and not Path(path).is_file():
+            lines.append(f"note: {key}={path} is not a file here yet: the run needs it")
     lines += [f"WARNING: {w}" for w in p["warnings"]] or [f"fits in {g(p['gpu_bytes'])} per GPU"]
     return "\n".join(lines)

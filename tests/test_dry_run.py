@@ -127,3 +127,17 @@ def test_an_sglang_pool_smaller_than_the_weights_is_refused():
                       [f"model.path={REPO / 'examples/model_configs/qwen3-8b'}", "rollout.sglang.mem_fraction=0.15"])
     with pytest.raises(ValueError, match=r"mem_fraction=0.15 of 80 GiB = 12.0 GiB\) does not hold the model's bf16"):
         plan(cfg, 8, 80.0)
+
+
+def test_the_dry_run_names_a_missing_model_an_unknown_reward_and_data_not_there_yet(tmp_path, capsys):
+    """It printed "Repo id must be in the form 'repo_name'" for a missing model folder, and "fits" for a reward
+    name that the run refuses at once."""
+    recipe = ["--config", str(REPO / "examples/gpu_qwen3_4b_grpo_gsm8k.yaml"), "--dry-run", "--num-gpus", "8"]
+    with pytest.raises(SystemExit, match=r"dry run: model.path=.*nope is not a directory"):
+        run_py_main()([*recipe, f"model.path={tmp_path / 'nope'}"])
+    model = f"model.path={REPO / 'examples/model_configs/qwen3-4b'}"
+    with pytest.raises(SystemExit, match=r"dry run: .*nosuch"):
+        run_py_main()([*recipe, model, "rollout.reward.fn=nosuch"])
+    capsys.readouterr()
+    run_py_main()([*recipe, model, f"data.path={tmp_path / 'later.jsonl'}"])
+    assert f"note: data.path={tmp_path / 'later.jsonl'} is not a file here yet: the run needs it" in capsys.readouterr().out
