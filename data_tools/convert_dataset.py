@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -151,14 +152,26 @@ def convert(kind: str, rows: Iterable[dict], out: Path, *, split: str = "train")
         (out.parent / "images").mkdir(exist_ok=True)
         fn = lambda row, i: geometry3k(row, i, image_dir=out.parent / "images", split=split)  # noqa: E731
     written = skipped = 0
-    with open(out, "w") as f:
-        for i, row in enumerate(rows):
-            converted = fn(row, i)
-            if converted is None:
-                skipped += 1
-                continue
-            f.write(json.dumps(converted, ensure_ascii=False) + "\n")
-            written += 1
+    partial = out.with_name(f".{out.name}.partial")  # renamed into place once whole: no half file left behind
+    try:
+        with open(partial, "w") as f:
+            for i, row in enumerate(rows):
+                try:
+                    converted = fn(row, i)
+                except KeyError as e:
+                    raise ValueError(f"row {i} has no column {e}, which the {kind} converter reads; its columns: "
+                                     f"{sorted(row)}. Is --source a {kind} dataset?") from None
+                if converted is None:
+                    skipped += 1
+                    continue
+                f.write(json.dumps(converted, ensure_ascii=False) + "\n")
+                written += 1
+        if not written:
+            raise ValueError(f"no row of {skipped} had a usable answer: nothing written to {out}. Is --source a "
+                             f"{kind} dataset?")
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
     return written, skipped
 
 
@@ -172,7 +185,10 @@ def main() -> None:
     args = ap.parse_args()
     config = args.config or ("main" if args.kind == "gsm8k" and not Path(args.source).exists() else None)
     rows = load(args.source, args.split, config, exclude=args.out)
-    written, skipped = convert(args.kind, rows, args.out, split=args.split)
+    try:
+        written, skipped = convert(args.kind, rows, args.out, split=args.split)
+    except ValueError as e:
+        sys.exit(f"convert_dataset: {args.source}: {e}")
     print(f"wrote {written} rows to {args.out}; skipped {skipped} without a usable answer")
 
 

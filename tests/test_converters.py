@@ -129,3 +129,20 @@ def test_a_local_folder_reads_the_split_of_one_subset(tmp_path):
     (flat / "test.jsonl").write_text(json.dumps({"problem": "p", "solution": r"\boxed{1}"}) + "\n")
     with pytest.raises(SystemExit, match="mixes parquet and json files"):
         load(str(flat), "test", exclude=out)
+
+
+def test_a_source_of_another_kind_fails_by_name_and_leaves_no_file(tmp_path):
+    """A dataset of another kind (other columns, or no usable answer in any row) exited 0 after writing an empty
+    file, or raised a bare KeyError and left an empty one; a later run then called the file empty."""
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(ValueError, match=r"row 0 has no column 'answer', which the gsm8k converter reads; its "
+                                         r"columns: \['question', 'solution'\]"):
+        convert("gsm8k", [{"question": "1+1?", "solution": "2"}], out)
+    assert not out.exists() and not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match=r"no row of 2 had a usable answer: nothing written"):
+        convert("gsm8k", [{"question": "1+1?", "answer": "no marker"}] * 2, out)
+    assert not list(tmp_path.iterdir())
+    out.write_text("kept\n")  # an earlier good output stays until a conversion succeeds
+    with pytest.raises(ValueError):
+        convert("gsm8k", [{"question": "1+1?", "answer": "no marker"}], out)
+    assert out.read_text() == "kept\n"
