@@ -128,6 +128,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    heads = 4  # tiny_config's
+    if args.hidden < heads * 2 or args.hidden % (heads * 2):
+        ap.error(f"--hidden {args.hidden} must be a positive multiple of {heads * 2} ({heads} heads of an even size, "
+                 "which rotary embeddings need)")
+    if args.layers < 1:
+        ap.error(f"--layers {args.layers} must be >= 1")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        ap.error(f"--out {args.out} is a file; give a directory")
     path = make_tiny_model(args.out, arch=args.arch, seed=args.seed, hidden=args.hidden, layers=args.layers)
     print(f"wrote {path}")
 

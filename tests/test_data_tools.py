@@ -115,3 +115,14 @@ def test_tools_that_replace_a_folder_refuse_one_holding_other_files(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 1 and "holds files this tool did not write" in out.stderr
     assert (data / "train.jsonl").is_file() and not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--hidden", "30"], "--hidden 30 must be a positive multiple of 8"),  # wrote a model whose forward failed
+    (["--hidden", "0"], "--hidden 0 must be a positive multiple of 8"),  # a ZeroDivisionError
+    (["--layers", "0"], "--layers 0 must be >= 1"),
+])
+def test_make_tiny_model_refuses_sizes_it_cannot_build(tmp_path, args, words):
+    proc = subprocess.run([sys.executable, str(ROOT / "data_tools/make_tiny_model.py"), "--out", str(tmp_path / "m"),
+                           *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and words in proc.stderr and not (tmp_path / "m").exists()
