@@ -185,6 +185,24 @@ def test_client_retries_while_alive_and_reports_a_dead_server(tmp_path):
         SGLangClient(f"http://127.0.0.1:{free_port()}", timeout=5, max_retries=3, log_path=str(log)).post("/generate")
 
 
+def test_a_python_without_sglang_is_named_before_any_server_starts(tmp_path):
+    """rollout.engine=sglang where SGLang is not installed: each server died on its import, and the cause came
+    four times inside tracebacks, with no word of what to install or set."""
+    without = tmp_path / "python"
+    without.write_text("#!/bin/sh\nexit 1\n")  # find_spec('sglang') is None
+    without.chmod(0o755)
+    server = SGLangServer(str(without), "m", port=free_port(), args=[], env={}, log_path=tmp_path / "s.log")
+    with pytest.raises(SGLangServerError, match=r"python cannot import sglang\. Install it .*rollout.sglang.python"):
+        server.check_installed()
+    server = SGLangServer(str(tmp_path / "nope"), "m", port=free_port(), args=[], env={}, log_path=tmp_path / "s.log")
+    with pytest.raises(SGLangServerError, match=r"cannot run the Python for the SGLang servers, .*nope"):
+        server.check_installed()
+    (tmp_path / "sglang").mkdir()  # a package of that name on the server's PYTHONPATH: found
+    (tmp_path / "sglang" / "__init__.py").write_text("")
+    SGLangServer(sys.executable, "m", port=free_port(), args=[], env={"PYTHONPATH": str(tmp_path)},
+                 log_path=tmp_path / "s.log").check_installed()
+
+
 def test_server_that_exits_at_start_is_reported_with_its_log(tmp_path):
     """A stand-in for the server's python that fails at start: the error carries its exit code and last words."""
     python = tmp_path / "python"

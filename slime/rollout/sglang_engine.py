@@ -160,6 +160,8 @@ class SGLangEngine:
                                           args=server_args(cfg, dtype=resolve_dtype(model_cfg.dtype),
                                                            gpu_id=self._gpu_of(e), colocated=self.colocated),
                                           log_path=log_dir / f"engine{e}.log")
+                    if not self._servers:
+                        server.check_installed()
                     server.start()
                     self._servers.append(server)
                 for e, server in zip(mine, self._servers):  # they start in parallel; wait for each

@@ -81,6 +81,23 @@ class SGLangServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def check_installed(self) -> None:
+        """SGLang importable by the server's Python, said before a server starts (else each server died on its
+        import, reported in tracebacks with its log's tail)."""
+        python = self.cmd[0]
+        probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('sglang') is None)"
+        try:
+            code = subprocess.run([python, "-c", probe], env=self.env, stdin=subprocess.DEVNULL,
+                                  capture_output=True, timeout=120).returncode
+        except OSError as e:
+            raise SGLangServerError(f"rollout.engine=sglang: cannot run the Python for the SGLang servers, {python} "
+                                    f"({e.strerror}); set rollout.sglang.python (or SLIME_SGLANG_PYTHON) to a Python "
+                                    "that has SGLang") from None
+        if code:
+            raise SGLangServerError(f"rollout.engine=sglang: {python} cannot import sglang. Install it (pip install -e "
+                                    "\".[gpu]\" on a GPU machine; docs/sglang.md for CPU), point rollout.sglang.python "
+                                    "(or SLIME_SGLANG_PYTHON) at a Python that has it, or use rollout.engine=hf")
+
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
