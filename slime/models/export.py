@@ -14,6 +14,8 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
+from slime.utils.fs import fsync_path
+
 
 EXPORT_MARKER = "slime_export.json"  # written last: the step the export holds
 
@@ -51,8 +53,8 @@ def save_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], *, model, e
     if marker is not None:
         (out / EXPORT_MARKER).write_text(json.dumps(marker))
     for f in out.iterdir():  # on disk before the folder takes the export's name (as checkpoints are)
-        _fsync(f)
-    _fsync(out)
+        fsync_path(f)
+    fsync_path(out)
     if final.exists() and _exchange(out, final):  # one step: there is always a whole export at `final`
         shutil.rmtree(out)  # the earlier export, now
     else:
@@ -62,16 +64,8 @@ def save_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], *, model, e
             os.replace(final, previous)
         os.replace(out, final)
         shutil.rmtree(previous, ignore_errors=True)
-    _fsync(final.parent)
+    fsync_path(final.parent)
     return final
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _exchange(a: Path, b: Path) -> bool:

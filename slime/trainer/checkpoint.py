@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from slime.utils.fs import fsync_path
+
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -60,15 +62,6 @@ def _sha256(path: Path, sync: bool = False) -> str:
         if sync:
             os.fsync(f.fileno())
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make the entries of a folder (files created, renamed or removed in it) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_durably(path: Path, text: str) -> None:
@@ -127,12 +120,12 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
                     "files": files}
         _write_durably(staging / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
         for folder in sorted({p.parent for p in everything} | {staging}, key=lambda p: -len(p.parts)):
-            _fsync_dir(folder)
+            fsync_path(folder)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
         _write_durably(ckpt_dir / "latest.tmp", tag)
         os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
-        _fsync_dir(ckpt_dir)
+        fsync_path(ckpt_dir)
         saved = sorted((p for p in ckpt_dir.glob("step_*") if _step_of(p.name) >= 0), key=lambda p: _step_of(p.name))
         # Folders above `step` are from an abandoned timeline (resume fell back past them as corrupt): left in
         # place they would count among the newest kept and push out the checkpoint just written.
