@@ -151,3 +151,8 @@ def grades_the_first_prompt(ctx: RolloutContext):
         traj.generate(max_new_tokens=2)
         out.append(traj.sample(reward=0.5 if ctx.prompt.index == 0 else None))
     return out
+
+
+def tool_raises(ctx: RolloutContext):
+    """A user error inside the function (a tool's output it did not expect)."""
+    raise KeyError("missing")

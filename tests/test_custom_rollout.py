@@ -169,6 +169,23 @@ def test_observed_ids_may_be_numpy_integers_but_not_text(tokenizer):
         traj.observe("19")
 
 
+@pytest.mark.parametrize("timeout", [0, 30])
+def test_a_generate_functions_own_error_keeps_its_type_and_names_the_prompt(tokenizer, timeout):
+    """It came out bare (KeyError 'missing'), naming neither the function nor the prompt row; reward functions'
+    errors name both."""
+    import sys
+
+    from slime.rollout.custom import run_generate_fn
+    from custom_rollouts import tool_raises
+
+    with pytest.raises(KeyError) as e:
+        run_generate_fn(tool_raises, "custom_rollouts:tool_raises", None, prompts_of(tokenizer, ["1+1="]),
+                        SamplingParams(max_new_tokens=4, n=1), tokenizer, timeout=timeout)
+    if sys.version_info >= (3, 11):  # exception notes
+        assert "raised by rollout.generate_fn custom_rollouts:tool_raises for prompt row 0 ('1+1=')" in \
+            e.value.__notes__
+
+
 def test_a_group_reward_is_not_given_part_of_a_group(hf_engine, tokenizer):
     """A generate function grading some samples of a group: a group-level reward function was called with the
     rest only (3 of 4), and ranked the wrong set."""

@@ -213,16 +213,26 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
     async def all_groups():
         at_once = asyncio.Semaphore(len(contexts) if is_async else 64 if lock is None else 1)
 
+        async def finished(ctx, call):
+            """The call's result; the user's own exception as it is, with the function and the prompt row added."""
+            try:
+                return await call
+            except Exception as e:
+                if hasattr(e, "add_note"):  # Python 3.11+
+                    e.add_note(f"raised by rollout.generate_fn {spec} for prompt row {ctx.prompt.index} "
+                               f"({ctx.prompt.prompt_text[-80:]!r})")
+                raise
+
         async def one(ctx):
             async with at_once:
                 call = asyncio.ensure_future(fn(ctx) if is_async else in_daemon_thread(fn, ctx, name="generate_fn"))
                 if not timeout:
-                    return await call
+                    return await finished(ctx, call)
                 start = time.monotonic()
                 while (left := start + timeout + ctx.queue.seconds() - time.monotonic()) > 0:
                     done, _ = await asyncio.wait({call}, timeout=left)
                     if done:
-                        return call.result()
+                        return await finished(ctx, call)
                 call.cancel()
                 raise TimeoutError(f"rollout.generate_fn {spec} did not return within rollout.generate_fn_timeout="
                                    f"{timeout:g}s for prompt row {ctx.prompt.index} "
