@@ -181,7 +181,7 @@ def test_an_image_resized_since_load_is_skipped_when_drawn_and_ids_stay_apart(tm
     rows = [{"prompt": f"<image>{Q} {k}", "images": [png(tmp_path / f"{k}.png")], "label": "red"} for k in range(4)]
     source = PromptSource(DataConfig(path=str(rows_file(tmp_path, rows)), shuffle=False), tok, batch_size=4,
                           dp_rank=1, dp_size=2, seed=0, processor=proc)
-    png(tmp_path / "1.png", size=(200, 120))  # rank 1 draws rows 1 and 3
+    png(tmp_path / "2.png", size=(200, 120))  # rank 1 draws rows 2 and 3
 
     class Engine:
         weight_version = 0
