@@ -2,7 +2,7 @@
 lines) and .parquet (through `datasets`), text or image-text rows, tokenised once, sharded over dp, resumable.
 
 Every rank holds the same filtered, tokenised list and the same shuffled order (seeded by
-train.seed and the epoch); rank r takes positions r, r+dp, ... of each global batch. The state is
+train.seed and the epoch); rank r takes the r-th contiguous part of each global batch. The state is
 (epoch, offset) into that order, so resuming continues with exactly the next batch.
 
 Image-text rows (see slime/multimodal/schema.py) are checked at load: every image is decoded once
