@@ -362,4 +362,5 @@ def test_a_home_path_is_expanded(tmp_path, monkeypatch):
     cfg.write_text("model:\n  path: ~/models/m\neval:\n  path: ~/e.jsonl\n")
     c = load_config(cfg, ["data.path=~/d.jsonl", "log.run_dir=~/runs/a", "algo.critic.path=~/critic"])
     assert (c.model.path, c.data.path, c.eval.path, c.log.run_dir, c.algo.critic.path) == (
-        f"{tmp_path}/models/m", f"{tmp_path}/d.jsonl", f"{tmp_path}/e.jsonl", f"{tmp_path}/runs/a", f"{tmp_path}/critic")
+        f"{tmp_path}/models/m", f"{tmp_path}/d.jsonl", f"{tmp_path}/e.jsonl", f"{tmp_path}/runs/a",
+        f"{tmp_path}/critic")

@@ -197,8 +197,8 @@ def test_a_group_reward_is_not_given_part_of_a_group(hf_engine, tokenizer):
         generate_rollout(hf_engine, prompts_of(tokenizer, ["1+1="]), SamplingParams(max_new_tokens=4, n=4), tokenizer,
                          reward_fn, first_group_id=0, generate_fn="custom_rollouts:grades_the_first_sample")
     # whole groups graded, whole groups not: the group function gets the ungraded groups, whole
-    samples = generate_rollout(hf_engine, prompts_of(tokenizer, ["1+1=", "2+2="]), SamplingParams(max_new_tokens=4, n=4),
-                               tokenizer, reward_fn, first_group_id=0,
+    samples = generate_rollout(hf_engine, prompts_of(tokenizer, ["1+1=", "2+2="]),
+                               SamplingParams(max_new_tokens=4, n=4), tokenizer, reward_fn, first_group_id=0,
                                generate_fn="custom_rollouts:grades_the_first_prompt")
     assert [s.reward for s in samples] == [0.5] * 4 + [4.0] * 4
 

@@ -140,4 +140,5 @@ def test_the_dry_run_names_a_missing_model_an_unknown_reward_and_data_not_there_
         run_py_main()([*recipe, model, "rollout.reward.fn=nosuch"])
     capsys.readouterr()
     run_py_main()([*recipe, model, f"data.path={tmp_path / 'later.jsonl'}"])
-    assert f"note: data.path={tmp_path / 'later.jsonl'} is not a file here yet: the run needs it" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"note: data.path={tmp_path / 'later.jsonl'} is not a file here yet: the run needs it" in out
