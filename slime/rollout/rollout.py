@@ -123,6 +123,11 @@ def groups_with_signal(samples: list[Sample]) -> list[list[Sample]]:
     return [g for g in groups.values() if max(map(task, g)) > min(map(task, g))]
 
 
+def over_sampled(need: int, factor: float, dp: int) -> int:
+    """Prompts dynamic sampling draws for `need` more groups: factor x need, rounded up to a multiple of dp."""
+    return math.ceil(need * factor / dp) * dp
+
+
 def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfig, tokenizer, reward_fn,
                     dims: ParallelDims, *, step: int) -> tuple[list[Sample], dict]:
     """This rank's share of the step's batch (its own generations) and global rollout metrics."""
@@ -132,7 +137,7 @@ def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfi
     engine.wake()
     while True:
         need = cfg.batch_size - n_kept_groups
-        n_prompts = math.ceil(need * cfg.over_sample_factor / dims.dp) * dims.dp if cfg.dynamic_sampling else None
+        n_prompts = over_sampled(need, cfg.over_sample_factor, dims.dp) if cfg.dynamic_sampling else None
         samples = _draw_and_generate(engine, data, cfg, tokenizer, reward_fn, dims, step=step, attempt=attempts,
                                      n_prompts=n_prompts)
         generated += samples

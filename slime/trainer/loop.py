@@ -11,7 +11,6 @@ import functools
 import hashlib
 import importlib.util
 import logging
-import math
 import os
 import random
 import re
@@ -30,7 +29,7 @@ from slime.models.export import exported_step
 from slime.models.loading import check_stop_ids, load_processor, load_tokenizer, warn_past_context
 from slime.rollout.engine import make_engine
 from slime.rollout.rewards import check_reward_spec, needs_label, reward_fn_from_config
-from slime.rollout.rollout import RolloutAhead, collect_rollout
+from slime.rollout.rollout import RolloutAhead, collect_rollout, over_sampled
 from slime.trainer.advantages import compute_advantages
 from slime.trainer.checkpoint import load_checkpoint, save_checkpoint
 from slime.trainer.layout import RankBatch, distribute
@@ -205,7 +204,7 @@ def run(cfg: Config) -> dict:
                            "left out on this rank too, so that every rank draws from the same list", cfg.data.path,
                            dropped)
     if cfg.rollout.dynamic_sampling:  # the first attempt draws the most: over_sample_factor x the whole batch
-        most = math.ceil(cfg.rollout.batch_size * cfg.rollout.over_sample_factor / dims.dp) * dims.dp
+        most = over_sampled(cfg.rollout.batch_size, cfg.rollout.over_sample_factor, dims.dp)
         if most > len(data.prompts):
             raise ValueError(f"{cfg.data.path} has {len(data.prompts)} usable prompts, but dynamic sampling draws up "
                              f"to {most} at once (rollout.batch_size={cfg.rollout.batch_size} x "
