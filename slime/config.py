@@ -689,6 +689,9 @@ def _load_yaml(text):
     return yaml.load(text, Loader=_StrictLoader)
 
 
+PATH_KEYS = ("model.path", "data.path", "eval.path", "algo.critic.path", "log.run_dir", "train.ds_config")
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     """Read YAML `path` (may be None), apply `a.b=value` overrides (values parsed as YAML), validate."""
     raw: dict = {}
@@ -724,8 +727,6 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             node[key] = os.path.expanduser(node[key])
     return _build(Config, raw)
 
-
-PATH_KEYS = ("model.path", "data.path", "eval.path", "algo.critic.path", "log.run_dir", "train.ds_config")
 
 
 def describe(cls: type = Config, prefix: str = "") -> str:
