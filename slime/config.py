@@ -728,7 +728,6 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     return _build(Config, raw)
 
 
-
 def describe(cls: type = Config, prefix: str = "") -> str:
     """Every section and field with its default and doc, for `run.py --help`."""
     lines = []
