@@ -77,7 +77,10 @@ def main() -> None:
     except FileNotFoundError as e:
         ap.error(str(e))
     existed = is_hf_dir(args.out) and not args.overwrite
-    gguf_to_hf(gguf, args.out, overwrite=args.overwrite)
+    try:
+        gguf_to_hf(gguf, args.out, overwrite=args.overwrite)
+    except FileNotFoundError as e:
+        ap.error(str(e))
     print(f"{'kept existing' if existed else 'wrote'} {args.out} (from {gguf})")
 
 

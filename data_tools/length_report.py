@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -49,6 +50,16 @@ def report(data: str, model: str, *, max_tokens: int, response_len: int, dp: int
             "p99": percentile(lengths, 0.99), "max": max(lengths), "packed": packed, "padded": padded}
 
 
+FLAGS = {"model.path": "--model", "data.path": "--data", "train.max_tokens_per_gpu": "--max-tokens-per-gpu",
+         "rollout.max_response_len": "--response-len", "rollout.batch_size": "--batch",
+         "rollout.n_samples_per_prompt": "--n"}
+
+
+def as_flags(message: str) -> str:
+    """A message from the trainer's code, naming this tool's flags where it names the settings they stand for."""
+    return re.sub("|".join(map(re.escape, FLAGS)), lambda m: FLAGS[m.group(0)], message)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True)
@@ -60,8 +71,11 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8, help="rollout.n_samples_per_prompt")
     ap.add_argument("--micro-batch-size", type=int, default=8, help="for the padded comparison")
     args = ap.parse_args()
-    r = report(args.data, args.model, max_tokens=args.max_tokens_per_gpu, response_len=args.response_len, dp=args.dp,
-               batch=args.batch, n=args.n, micro_batch_size=args.micro_batch_size)
+    try:
+        r = report(args.data, args.model, max_tokens=args.max_tokens_per_gpu, response_len=args.response_len,
+                   dp=args.dp, batch=args.batch, n=args.n, micro_batch_size=args.micro_batch_size)
+    except (ValueError, OSError) as e:  # the trainer's messages, with this tool's flags for its settings
+        ap.error(as_flags(str(e)))
     print(f"{args.data}: {r['prompts']} prompts (dropped as too long: {r['too_long']}, skipped: {r['skipped'] or 0})")
     print(f"prompt tokens: min {r['min']}  median {r['median']}  p90 {r['p90']}  p99 {r['p99']}  max {r['max']}")
     pk, pd = r["packed"], r["padded"]

@@ -51,8 +51,8 @@ def make_split(*, n_train: int, n_eval: int, seed: int = 0, min_digits: int = 1,
         raise ValueError(f"ops {ops!r} must be a non-empty string of characters from {''.join(OPS)}")
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r} is not one of {FORMATS}")
-    if n_train < 0 or n_eval < 0:
-        raise ValueError(f"n_train and n_eval must be >= 0, got {n_train}, {n_eval}")
+    if n_train < 1 or n_eval < 0:
+        raise ValueError(f"need n_train >= 1 (a run reads the train file) and n_eval >= 0, got {n_train}, {n_eval}")
     ops = "".join(dict.fromkeys(ops))  # '++-' must not make '+' twice as likely
     n = _operand_count(min_digits, max_digits)
     space = sum(n * (n + 1) // 2 if op == "-" else n * n for op in ops)
@@ -110,10 +110,11 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", train), ("eval", eval_)):
+        if not rows:  # --n-eval 0: no eval file (an empty one is an error where a run reads it)
+            continue
         write_jsonl(rows, args.out_dir / f"{name}.jsonl")
         print(f"wrote {len(rows)} rows to {args.out_dir / f'{name}.jsonl'}")
-    if train or eval_:
-        print(f"example: {(train or eval_)[0]}")
+    print(f"example: {train[0]}")
 
 
 if __name__ == "__main__":

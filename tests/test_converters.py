@@ -2,6 +2,9 @@
 length/packing report on a converted file."""
 import io
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import datasets
 import pytest
@@ -9,6 +12,8 @@ from PIL import Image
 
 from data_tools.convert_dataset import convert, last_boxed, load
 from slime.config import DataConfig
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_parquet(path, columns, features=None):
@@ -92,6 +97,20 @@ def test_length_report_on_a_converted_file(tmp_path, tiny_model):
     assert r["prompts"] == 40 and r["min"] <= r["median"] <= r["p90"] <= r["max"]
     assert r["packed"]["real_token_fraction"] == 1.0 and 0 < r["packed"]["budget_fill"] <= 1.0
     assert r["padded"]["real_token_fraction"] < 1.0  # padding wastes what packing does not
+
+
+def test_length_report_errors_name_its_own_flags(tmp_path, tiny_model):
+    """The trainer's messages name trainer settings; this tool's say its flags, and come without a traceback."""
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "one two three four five six seven"}\n')
+    tool = [sys.executable, str(ROOT / "data_tools" / "length_report.py"), "--dp", "1", "--batch", "2", "--n", "2"]
+    short = subprocess.run(tool + ["--data", str(data), "--model", str(tiny_model), "--max-tokens-per-gpu", "4"],
+                           capture_output=True, text=True)
+    assert short.returncode == 2 and "Traceback" not in short.stderr, short.stderr
+    assert "Raise --max-tokens-per-gpu to at least" in short.stderr and "--response-len" in short.stderr
+    missing = subprocess.run(tool + ["--data", str(data), "--model", str(tmp_path / "nope")],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and f"--model={tmp_path / 'nope'} is not a directory" in missing.stderr
 
 
 def test_converters_skip_rows_without_a_usable_answer(tmp_path):

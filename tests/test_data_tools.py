@@ -64,6 +64,7 @@ def test_eval_split_independent_of_n_train():
     (dict(n_train=1, n_eval=1, ops="+/"), "ops"),
     (dict(n_train=1, n_eval=1, min_digits=3, max_digits=2), "min_digits"),
     (dict(n_train=1, n_eval=1, fmt="markdown"), "format"),
+    (dict(n_train=0, n_eval=5), "n_train >= 1"),
 ])
 def test_bad_arguments(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -84,6 +85,15 @@ def test_cli_writes_jsonl(tmp_path):
     bad = subprocess.run(cmd[:-2] + ["--ops", "/", "--out-dir", str(tmp_path / "c")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "ops" in bad.stderr
+    subprocess.run(cmd[:4] + ["--n-eval", "0", "--out-dir", str(tmp_path / "d")], check=True, capture_output=True)
+    assert (tmp_path / "d" / "train.jsonl").is_file() and not (tmp_path / "d" / "eval.jsonl").exists()
+
+
+def test_gguf_to_hf_names_a_missing_file_without_a_traceback(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "data_tools" / "gguf_to_hf.py"), "--out", str(tmp_path / "o"),
+                          "--gguf", str(tmp_path / "none.gguf")], capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"GGUF file {tmp_path / 'none.gguf'} does not exist" in out.stderr
 
 
 def test_tools_that_replace_a_folder_refuse_one_holding_other_files(tmp_path):
