@@ -135,6 +135,29 @@ def test_epoch_rolls_over_with_new_order(tmp_path, tok):
     assert src.epoch == 1 and len(set(first)) == 8 and first != second
 
 
+def test_a_batch_spanning_two_epochs_holds_no_prompt_twice_and_resumes_the_same(tmp_path, tok):
+    """10 prompts, batches of 4: every third batch takes the epoch's last 2 and the next epoch's first 2. The next
+    epoch starts with prompts not in that tail (its shuffled order alone repeated one here), still drawing each
+    prompt once per epoch; a resume after such a batch draws what the run would have."""
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"{i}+0=", "label": str(i)} for i in range(10)])
+    cfg = DataConfig(path=str(path))
+    src = PromptSource(cfg, tok, batch_size=4, dp_rank=0, dp_size=1, seed=0)
+    batches = [[p.index for p in src.next_batch()] for _ in range(15)]  # 60 prompts: 6 epochs
+    assert all(len(set(b)) == 4 for b in batches), batches
+    drawn = [i for b in batches for i in b]
+    assert all(sorted(drawn[e * 10:(e + 1) * 10]) == list(range(10)) for e in range(6))
+    plain = PromptSource(cfg, tok, batch_size=4, dp_rank=0, dp_size=1, seed=0)
+    plain._front = []
+    plain.epoch = 1
+    assert set(drawn[8:10]) & set(plain._make_order()[:2])  # the seeded order alone: a prompt twice in batch 3
+    src = PromptSource(cfg, tok, batch_size=4, dp_rank=0, dp_size=1, seed=0)
+    for _ in range(3):
+        src.next_batch()
+    fresh = PromptSource(cfg, tok, batch_size=4, dp_rank=0, dp_size=1, seed=0)
+    fresh.load_state_dict(src.state_dict())
+    assert [[p.index for p in fresh.next_batch()] for _ in range(4)] == batches[3:7]
+
+
 def test_jsonl_lines_end_only_at_newline(tmp_path, tok):
     """U+2028 and U+0085 inside a string are legal JSON, and json.dumps(ensure_ascii=False) writes them raw."""
     rows = [{"prompt": "a\u2028b", "label": "1"}, {"prompt": "c\u0085d", "label": "2"}, {"prompt": "e", "label": "3"}]

@@ -422,7 +422,7 @@ class PromptSource:
         if len(self.prompts) < batch_size:
             raise ValueError(f"{cfg.path} has {len(self.prompts)} usable prompts, fewer than "
                              f"rollout.batch_size={batch_size}")
-        self.epoch, self.offset = 0, 0
+        self.epoch, self.offset, self._front = 0, 0, []
         self._order = self._make_order()
 
     def keep_only(self, rows: set[int]) -> int:
@@ -440,10 +440,13 @@ class PromptSource:
         return before - len(self.prompts)
 
     def _make_order(self) -> list[int]:
+        """The epoch's seeded order, its first prompts `_front`: when a batch spans two epochs, the new epoch
+        starts with prompts not in the old one's tail (where there are enough), so no batch holds a prompt twice."""
         order = list(range(len(self.prompts)))
         if self.cfg.shuffle:
             random.Random(self.seed * 100003 + self.epoch).shuffle(order)
-        return order
+        front = set(self._front)
+        return self._front + [i for i in order if i not in front]
 
     def next_batch(self, n: int | None = None) -> list[Prompt]:
         """This rank's share of the next n prompts (default rollout.batch_size); epochs roll over.
@@ -455,6 +458,8 @@ class PromptSource:
         self.offset += n
         if len(ids) < n:  # the epoch's tail is used, and the batch is filled from the next epoch's order
             self.epoch, self.offset = self.epoch + 1, n - len(ids)
+            self._front, tail = [], set(ids)
+            self._front = [i for i in self._make_order() if i not in tail][:self.offset]
             self._order = self._make_order()
             ids += self._order[:self.offset]
         # rank r takes the r-th contiguous part: the global batch, rank after rank, is then the draw's order, so
@@ -475,7 +480,7 @@ class PromptSource:
     def state_dict(self) -> dict:
         """Where the order stands, and this rank's prompts skipped when drawn (a checkpoint records their sum over
         ranks: `with_skips_of_all_ranks`)."""
-        return {"epoch": self.epoch, "offset": self.offset, "order": self._order_settings(),
+        return {"epoch": self.epoch, "offset": self.offset, "front": self._front, "order": self._order_settings(),
                 "skipped_when_drawn": {r: n for r, n in self.skipped_when_drawn.items() if n}}
 
     @staticmethod
@@ -488,7 +493,7 @@ class PromptSource:
     def load_state_dict(self, state: dict) -> None:
         """A checkpoint's state: its skip counts (the sum over the ranks that wrote it) go to dp rank 0, so the
         cumulative `data/skipped_*` continue where they were."""
-        self.epoch, self.offset = state["epoch"], state["offset"]
+        self.epoch, self.offset, self._front = state["epoch"], state["offset"], list(state.get("front", []))
         self.skipped_when_drawn = collections.Counter(state.get("skipped_when_drawn", {}) if self.dp_rank == 0 else {})
         self._order = self._make_order()
         saved, now = state.get("order"), self._order_settings()  # no "order" in checkpoints of older versions
