@@ -110,6 +110,22 @@ def test_dynamic_sampling_that_would_draw_more_prompts_than_the_file_has_is_refu
             "rollout.over_sample_factor=3" in proc.stdout + proc.stderr)
 
 
+def test_a_prompt_longer_than_a_micro_batch_is_refused_at_start(model, tmp_path):
+    """A prompt past parallel.sp x train.max_tokens_per_gpu can never train: this failed only at the step that drew
+    it, after its rollout, suggesting a budget sized to that one sample."""
+    data = tmp_path / "long.jsonl"
+    rows = [{"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(8)] + [{"prompt": "9+1=" * 40, "label": "x"}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    proc = launch(model, tmp_path, tmp_path / "run", f"data.path={data}", "rollout.batch_size=4",
+                  "train.max_tokens_per_gpu=100", "rollout.max_response_len=8", "data.max_prompt_len=512",
+                  "train.num_steps=1", nproc=1,
+                  check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "1 prompt(s) are longer than a training micro-batch holds" in out, out[-3000:]
+    assert "(line 9); a step that draws one would stop. Raise train.max_tokens_per_gpu to 1" in out
+    assert "rollout:" not in out  # before any rollout
+
+
 def test_a_second_run_in_a_run_dir_in_use_is_refused(model, task_dir, tmp_path):
     """Two runs started in one log.run_dir both exited 0: the second resumed from the first one's checkpoint
     while it still trained, and both wrote metrics.jsonl (step 100 twice). The first holds run_dir/.lock."""

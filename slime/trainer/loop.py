@@ -170,6 +170,21 @@ def lock_run_dir(run_dir: Path) -> None:
     _RUN_DIR_LOCKS[key] = f
 
 
+def check_prompts_fit(prompts: list, cfg: Config) -> None:
+    """A prompt longer than a training micro-batch holds stops the step that draws it, after its rollout (the
+    layout's check): said here, before the models load, for the prompts of the file that can never fit."""
+    budget = cfg.parallel.sp * cfg.train.max_tokens_per_gpu
+    over = [p for p in prompts if len(p.prompt_ids) > budget]
+    if over:
+        longest = max(over, key=lambda p: len(p.prompt_ids))
+        n = len(longest.prompt_ids)
+        raise ValueError(f"{cfg.data.path}: {len(over)} prompt(s) are longer than a training micro-batch holds "
+                         f"(parallel.sp x train.max_tokens_per_gpu = {budget} tokens), the longest {n} tokens (line "
+                         f"{longest.index + 1}); a step that draws one would stop. Raise train.max_tokens_per_gpu to "
+                         f"{-(-(n + cfg.rollout.max_response_len - 1) // cfg.parallel.sp)} (that prompt with "
+                         f"rollout.max_response_len), or set data.max_prompt_len below {budget} to drop them")
+
+
 def run(cfg: Config) -> dict:
     """Train for cfg.train.num_steps; returns the last logged metrics."""
     if not torch.cuda.is_available():  # before the process group's threads run any op, or allocate
@@ -203,6 +218,8 @@ def run(cfg: Config) -> dict:
             logger.warning("%s: %d prompt(s) another rank could not load (an image fetch that failed there) are "
                            "left out on this rank too, so that every rank draws from the same list", cfg.data.path,
                            dropped)
+    if not sft and cfg.train.packing:
+        check_prompts_fit(data.prompts, cfg)
     if cfg.rollout.dynamic_sampling:  # the first attempt draws the most: over_sample_factor x the whole batch
         most = over_sampled(cfg.rollout.batch_size, cfg.rollout.over_sample_factor, dims.dp)
         if most > len(data.prompts):
