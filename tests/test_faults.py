@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from conftest import REPO, run_ranks
 from slime.algorithms.policy_loss import aggregate_loss, cispo_policy_loss, gspo_policy_loss, ppo_policy_loss
 from slime.config import DataConfig, load_config
 from slime.rollout.rewards import make_reward_fn
+from slime.utils.net import reserved_port
 
 
 # -- non-finite values ----------------------------------------------------------------------------------
@@ -651,8 +653,8 @@ def test_an_export_the_finished_run_did_not_complete_is_made_by_the_rerun(model,
 def test_run_sh_launches_on_the_visible_gpus(tmp_path):
     """DeepSpeed's --num_gpus N takes GPUs 0..N-1 and drops CUDA_VISIBLE_DEVICES: a user who picked GPUs 4,5 got
     0,1 (another job's). run.sh names the visible GPUs with --include, and refuses more ranks than the node has
-    GPUs (scripts/run-qwen3-30B-A3B.sh started its 16 on one node). A stub deepspeed records its arguments; a
-    stub python says there are 4 GPUs."""
+    GPUs (scripts/run-qwen3-30B-A3B.sh started its 16 on one node), or a MASTER_PORT another run listens on. A
+    stub deepspeed records its arguments; a stub python says there are 4 GPUs."""
     import shutil
 
     real_python = shutil.which("python") or sys.executable
@@ -664,18 +666,28 @@ def test_run_sh_launches_on_the_visible_gpus(tmp_path):
     for stub in stubs.iterdir():
         stub.chmod(0o755)
 
-    base = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NPROC")}
-    base["PATH"] = f"{stubs}:{base['PATH']}"
+    with reserved_port() as port:  # held from others; run.sh checks that no one listens on it
+        base = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "NPROC")}
+        base["PATH"] = f"{stubs}:{base['PATH']}"
+        base["MASTER_PORT"] = str(port)
 
-    def launch(**env):
-        out = subprocess.run(["bash", str(REPO / "run.sh"), str(REPO / "examples/cpu_tiny_grpo.yaml")],
-                             env={**base, **env}, capture_output=True, text=True, timeout=60)
-        return out, (tmp_path / "args").read_text().split() if out.returncode == 0 else None
+        def launch(**env):
+            out = subprocess.run(["bash", str(REPO / "run.sh"), str(REPO / "examples/cpu_tiny_grpo.yaml")],
+                                 env={**base, **env}, capture_output=True, text=True, timeout=60)
+            return out, (tmp_path / "args").read_text().split() if out.returncode == 0 else None
 
-    out, args = launch()
-    assert out.returncode == 0 and args[:2] == ["--num_gpus", "4"], out.stderr
-    out, args = launch(CUDA_VISIBLE_DEVICES="4,5,6,7", NPROC="2")
-    assert out.returncode == 0 and args[:2] == ["--include", "localhost:4,5"], out.stderr
-    out, _ = launch(NPROC="16")  # a two-node recipe started on one node: ranks 4-15 would have no GPU
-    assert out.returncode == 2 and "NPROC=16 ranks, but this node shows 4 GPU(s)" in out.stderr
-    assert "docs/multi_node.md" in out.stderr
+        out, args = launch()
+        assert out.returncode == 0 and args[:2] == ["--num_gpus", "4"], out.stderr
+        out, args = launch(CUDA_VISIBLE_DEVICES="4,5,6,7", NPROC="2")
+        assert out.returncode == 0 and args[:2] == ["--include", "localhost:4,5"], out.stderr
+        out, _ = launch(NPROC="16")  # a two-node recipe started on one node: ranks 4-15 would have no GPU
+        assert out.returncode == 2 and "NPROC=16 ranks, but this node shows 4 GPU(s)" in out.stderr
+        assert "docs/multi_node.md" in out.stderr
+        with socket.socket() as taken:  # another run's rank 0 listens on the port: torch's EADDRINUSE from every rank
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            busy = taken.getsockname()[1]
+            out, _ = launch(MASTER_PORT=str(busy))
+        assert out.returncode == 2 and f"run.sh: MASTER_PORT={busy} is in use" in out.stderr
+        assert "Give this run a free port of its own, e.g. MASTER_PORT=" in out.stderr
+        assert launch(MASTER_PORT="29x")[0].returncode == 2
