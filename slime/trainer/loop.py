@@ -325,12 +325,15 @@ def run(cfg: Config) -> dict:
                     local, metrics = ahead.take(trainer_version=step)
                     metrics["time/rollout"] = time.time() - t0  # the wait for the batch generated during the last step
                     if step > start_step:  # the previous update, now that nothing generates
+                        phase.now = "weight sync (the previous step's update)"
                         metrics.update(sync_weights(actor, engine, version=step, bucket_mb=bucket_mb))
                         metrics.update(engine.metrics())
                     for done_before in pending_eval:
+                        phase.now = f"evaluation (of step {done_before})"
                         run_eval(done_before)
                     pending_eval.clear()
                     if step + 1 < cfg.train.num_steps:
+                        phase.now = "rollout (starting the next batch)"
                         ahead.start(step + 1)  # with the weights of `step` updates, while this step trains
                 else:
                     if colocate:
