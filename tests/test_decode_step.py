@@ -97,20 +97,22 @@ def test_decode_step_gives_the_models_logits(arch, overrides, pack, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("keys", [1, 7, 40])
-def test_fused_decode_attention_is_the_matmuls_and_sdpa(dtype, tol, keys):
+@pytest.mark.parametrize("keys,dv", [(1, 16), (7, 16), (40, 16), (7, 8)])
+def test_fused_decode_attention_is_the_matmuls_and_sdpa(dtype, tol, keys, dv):
     """decode_attention_fused against the engine's batched matmuls and against sdpa, one query per row over a cache
-    view (strided, as the engine's preallocated layers give), GQA, rows whose first keys are padding."""
+    view (strided, as the engine's preallocated layers give), GQA, rows whose first keys are padding; values
+    narrower than the keys (DeepSeek's attention) too: the output has their width."""
     g = torch.Generator().manual_seed(keys)
     b, heads, kv_heads, d = 3, 4, 2, 16
-    cache_k, cache_v = (torch.randn(b, kv_heads, keys + 5, d, generator=g).to(dtype) for _ in range(2))
+    cache_k = torch.randn(b, kv_heads, keys + 5, d, generator=g).to(dtype)
+    cache_v = torch.randn(b, kv_heads, keys + 5, dv, generator=g).to(dtype)
     k, v = cache_k[:, :, :keys], cache_v[:, :, :keys]
     q = torch.randn(b, heads, 1, d, generator=g).to(dtype)
     mask = torch.ones(b, 1, 1, keys, dtype=torch.bool)
     mask[1, ..., :keys // 2] = False
     mask[2, ..., :keys - 1] = False  # only its newest key
     got = decode_attention_fused(q, k, v, mask, 0.3)
-    assert got.shape == (b, 1, heads, d) and got.dtype == dtype
+    assert got.shape == (b, 1, heads, dv) and got.dtype == dtype
     torch.testing.assert_close(got, _decode_attention(q, k, v, mask, 0.3), rtol=tol, atol=tol)
     want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
                                                             scale=0.3, enable_gqa=True).transpose(1, 2)

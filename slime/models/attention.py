@@ -242,15 +242,16 @@ def gqa_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, sca
 
 
 def _decode_attention(query, key, value, mask, scaling):
-    """One query per row (a decode step): (B, H, 1, D) against (B, Hkv, L, D), mask (B, 1, 1, L) bool or None ->
-    (B, 1, H, D). Two batched matmuls over each row's KV heads, the query heads of a group stacked as rows; about
-    20% faster here than sdpa's CPU kernel, whose fixed cost per (row, head) dominates at one query."""
+    """One query per row (a decode step): (B, H, 1, D) against keys (B, Hkv, L, D) and values (B, Hkv, L, Dv), mask
+    (B, 1, 1, L) bool or None -> (B, 1, H, Dv) (DeepSeek's values are narrower than its queries and keys). Two
+    batched matmuls over each row's KV heads, the query heads of a group stacked as rows; about 20% faster here
+    than sdpa's CPU kernel, whose fixed cost per (row, head) dominates at one query."""
     b, h, _, d = query.shape
     scores = torch.matmul(query.reshape(b, key.shape[1], h // key.shape[1], d), key.transpose(-1, -2))
     scores = scores.mul_(d ** -0.5 if scaling is None else scaling)
     if mask is not None:
         scores = scores.masked_fill_(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1), value).reshape(b, 1, h, d)
+    return torch.matmul(scores.softmax(-1), value).reshape(b, 1, h, value.shape[-1])  # V's heads may be narrower
 
 
 # Below this many (row, key) pairs a compiled call's fixed cost (its guards and wrapper: ~20 us more than the
@@ -276,7 +277,7 @@ def decode_attention_fused(query, key, value, mask, scaling):
     scores = (q.unsqueeze(3) * key.unsqueeze(2)).sum(-1) * (d ** -0.5 if scaling is None else scaling)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(-1).unsqueeze(-1) * value.unsqueeze(2)).sum(3).reshape(b, 1, h, d)
+    return (scores.softmax(-1).unsqueeze(-1) * value.unsqueeze(2)).sum(3).reshape(b, 1, h, value.shape[-1])
 
 
 AttentionInterface.register(GQA_SDPA, gqa_sdpa_forward)
