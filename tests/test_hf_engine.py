@@ -461,3 +461,21 @@ def test_stop_ids_past_the_vocabulary_are_refused(tiny_model):
     with pytest.raises(ValueError, match=rf"rollout.stop_token_ids=\[5, {vocab}\]: \[{vocab}\] are past the model's "
                                          rf"vocabulary of {vocab} tokens"):
         check_stop_ids(cfg, [5, vocab])
+
+
+def test_a_moe_checkpoint_saved_with_router_logits_on_generates(tmp_path):
+    """A MoE config.json with output_router_logits=true (a training setting) made the model's forward compute its
+    load-balancing loss at each one-token decode step, against the whole attention mask: a shape error at the
+    first step (HF's generate fails the same way). The engine turns it off on its own copy; the trainer asks for
+    router logits per call."""
+    import json
+    import shutil
+
+    off = make_tiny_model(tmp_path / "off", arch="qwen3_moe", seed=1)
+    on = shutil.copytree(off, tmp_path / "on")
+    config = json.loads((on / "config.json").read_text())
+    (on / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
+    params = SamplingParams(max_new_tokens=5, temperature=0, n=2, ignore_eos=True)
+    gens = [HFEngine(ModelConfig(path=str(path), dtype="float32"), AutoTokenizer.from_pretrained(path),
+                     device=torch.device("cpu")).generate(PROMPTS[:2], params) for path in (on, off)]
+    assert gens[0] == gens[1] and len(gens[0][0][0].response_ids) == 5

@@ -244,6 +244,35 @@ def test_a_seeded_image_text_generation_ignores_the_global_generator(vl_model, t
         torch.testing.assert_close(torch.tensor(g.logprobs), want, rtol=1e-4, atol=1e-4)
 
 
+def test_an_abort_cuts_an_image_text_generation_running(vl_model, monkeypatch):
+    """The image-text path runs HF's generate, which ran to max_new_tokens after abort() (a one-step-off batch
+    being stopped waited the whole batch out) and called the rows "length". It now ends after the step in which
+    the abort came, "abort"; the next call runs in full."""
+    from slime.config import ModelConfig
+    from slime.rollout.engine import SamplingParams
+    from slime.rollout.hf_engine import HFEngine, SeededSampling
+
+    engine = HFEngine(ModelConfig(path=str(vl_model), dtype="float32"), AutoTokenizer.from_pretrained(vl_model),
+                      device=torch.device("cpu"))
+    samples = vl_samples(vl_model, text_only=0)[:2]
+    prompts, mm = [s.prompt_ids for s in samples], [s.mm for s in samples]
+    params = SamplingParams(max_new_tokens=20, n=2, ignore_eos=True)
+    sample, calls = SeededSampling.__call__, []
+
+    def sample_then_abort(self, *args):  # another thread aborts during the second step
+        calls.append(1)
+        if len(calls) == 2:
+            engine.abort()
+        return sample(self, *args)
+
+    monkeypatch.setattr(SeededSampling, "__call__", sample_then_abort)
+    gens = [g for group in engine.generate(prompts, params, mm) for g in group]
+    assert [(len(g.response_ids), g.finish_reason) for g in gens] == [(2, "abort")] * 4 and len(calls) == 2
+    monkeypatch.undo()
+    gens = [g for group in engine.generate(prompts, params, mm) for g in group]
+    assert [(len(g.response_ids), g.finish_reason) for g in gens] == [(20, "length")] * 4
+
+
 def test_a_context_with_an_image_token_no_image_fills_is_refused_by_name(vl_model):
     """A multi-turn generate function that sends the model's own image token back as context: the image tokens
     outnumber what the images fill, which HF's rope index met with a bare StopIteration."""

@@ -23,7 +23,8 @@ import types
 from typing import Iterable
 
 import torch
-from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import (DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
+                          StoppingCriteriaList)
 from transformers.cache_utils import DynamicLayer
 
 from slime.models import fused
@@ -45,6 +46,17 @@ def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass(eq=False)
 class _Call:
     aborted: bool = False
+
+
+class _AbortedCall(StoppingCriteria):
+    """Ends HF's generate (the image-text path) after the step in which the call was aborted, as the text path's
+    own loop does."""
+
+    def __init__(self, call: _Call):
+        self.call = call
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.call.aborted, dtype=torch.bool, device=input_ids.device)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -178,6 +190,9 @@ class HFEngine:
                  decode_step: bool = True, packed_weights: bool = True, compiled: bool | str = "auto"):
         self.model, self.adapter = load_model(model_cfg, attn_implementation=GQA_SDPA, dtype=resolve_dtype(model_cfg.dtype))
         self.model.to(device).eval()
+        for config in (self.model.config, getattr(self.model.config, "text_config", None)):
+            if getattr(config, "output_router_logits", False):  # a MoE checkpoint's training setting: the
+                config.output_router_logits = False  # aux loss over one-token steps fails (HF's generate too)
         onednn = device.type == "cpu" and resolve_cpu_linear(model_cfg.cpu_linear) == "onednn" and \
             use_onednn_linears(self.model, fallback=torch._C._nn.linear)
         if not onednn:
@@ -305,7 +320,8 @@ class HFEngine:
                                    eos_token_id=stops or [NO_TOKEN],
                                    pad_token_id=self.pad_id, return_dict_in_generate=True)
         res = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg,
-                                  logits_processor=LogitsProcessorList([sampler]), **extra)
+                                  logits_processor=LogitsProcessorList([sampler]),
+                                  stopping_criteria=StoppingCriteriaList([_AbortedCall(call)]), **extra)
         new = res.sequences[:, width:].cpu()  # (B*n, L)
         token_logps = torch.stack(sampler.logprobs, 1).cpu()[:, :new.shape[1]]
         if not torch.isfinite(token_logps).all():
@@ -315,7 +331,7 @@ class HFEngine:
         for row in range(new.shape[0]):
             toks = new[row].tolist()
             end = next((j + 1 for j, t in enumerate(toks) if t in stop_set), None)
-            reason = "stop" if end is not None else "length"
+            reason = "stop" if end is not None else "abort" if call.aborted else "length"
             end = end or len(toks)
             gens.append(Generation(toks[:end], token_logps[row, :end].tolist(), reason))
         return [gens[k:k + params.n] for k in range(0, len(gens), params.n)]  # n generations per prompt, in order
