@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import struct
 import time
 import warnings
 from pathlib import Path
@@ -120,12 +121,14 @@ def read_image(ref: Any, base_dir: str | Path, *, max_pixels: int, timeout: floa
     if isinstance(ref, Image.Image):
         img = ref
     else:
+        source = _source(ref, Path(base_dir), timeout, _max_bytes(max_pixels))  # its own ImageErrors pass
         try:
-            img = Image.open(_source(ref, Path(base_dir), timeout, _max_bytes(max_pixels)))
-        except (UnidentifiedImageError, OSError) as e:
-            raise ImageError("corrupt_image", f"{describe(ref)} is not a readable image: {e}") from None
+            img = Image.open(source)
         except Image.DecompressionBombError as e:
             raise ImageError("too_large", f"{describe(ref)}: {e}") from None
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, struct.error) as e:
+            # Pillow's decoders refuse a bad header with any of these (a truncated PPM header: ValueError)
+            raise ImageError("corrupt_image", f"{describe(ref)} is not a readable image: {e}") from None
     width, height = img.size
     if max(width, height) > MAX_ASPECT_RATIO * max(min(width, height), 1):
         raise ImageError("bad_aspect", f"{describe(ref)} is {width}x{height}: the image processor takes no aspect "
@@ -141,13 +144,15 @@ def read_image(ref: Any, base_dir: str | Path, *, max_pixels: int, timeout: floa
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img.load()  # a truncated file fails here, not later inside the processor
             img = ImageOps.exif_transpose(img)
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombWarning) as e:
+            if img.mode == "La":  # premultiplied: Pillow converts it to LA only
+                img = img.convert("LA")
+            if img.mode in ("RGBA", "RGBa", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
+                # On white, as Qwen's own qwen_vl_utils does: convert("RGB") keeps whatever colour lies under
+                # transparent pixels (black, often: a black-on-transparent diagram became a black square).
+                img = Image.alpha_composite(Image.new("RGBA", img.size, (255, 255, 255, 255)), img.convert("RGBA"))
+            return img.convert("RGB")
+    except (OSError, SyntaxError, ValueError, EOFError, struct.error, Image.DecompressionBombWarning) as e:
         raise ImageError("corrupt_image", f"{describe(ref)} could not be decoded: {e}") from None
-    if img.mode in ("RGBA", "LA", "PA") or (img.mode == "P" and "transparency" in img.info):
-        # On white, as Qwen's own qwen_vl_utils does: convert("RGB") keeps whatever colour lies under transparent
-        # pixels (black, often: a black-on-transparent diagram became a black square).
-        img = Image.alpha_composite(Image.new("RGBA", img.size, (255, 255, 255, 255)), img.convert("RGBA"))
-    return img.convert("RGB")
 
 
 def to_png_base64(img: Image.Image) -> str:

@@ -78,6 +78,9 @@ class DataConfig:
         if not 0 < self.image_fetch_timeout < math.inf:
             raise ValueError(f"data.image_fetch_timeout={self.image_fetch_timeout} must be a finite number of seconds "
                              "> 0")
+        if not self.image_placeholder:
+            raise ValueError("data.image_placeholder is empty: it marks where each image goes in the prompt text "
+                             "(default '<image>')")
 
 
 @dataclasses.dataclass

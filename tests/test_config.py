@@ -68,6 +68,7 @@ def test_int_is_accepted_for_float():
     ("rollout.overlong_penalty.max_len=20480", ["max_len=20480 - buffer_len=0 >= rollout.max_response_len",
                                                "never applies"]),
     ("data.image_fetch_timeout=0", ["data.image_fetch_timeout=0"]),
+    ("data.image_placeholder=", ["data.image_placeholder is empty"]),
     ("data.max_prompt_len=0", ["data.max_prompt_len=0"]),
     ("train.logits_chunk_size=0", ["train.logits_chunk_size=0"]),
     ("train.lr=-0.001", ["train.lr=-0.001"]),

@@ -132,6 +132,26 @@ def test_a_decompression_bomb_is_refused_before_decoding(tmp_path, vl):
     assert e.value.reason == "too_large" and "3000x3000" in str(e.value)
 
 
+def test_headers_pillow_refuses_with_other_errors_are_corrupt_images_and_premultiplied_modes_load(tmp_path, vl):
+    """Pillow refuses some bad headers with a plain ValueError (a truncated PPM header): it escaped the loader,
+    one bad row stopping the run instead of being skipped. And "La", a supported mode, failed its RGB conversion."""
+    from slime.multimodal.images import ImageError, read_image
+
+    (tmp_path / "cut.ppm").write_bytes(b"P6\n32")
+    (tmp_path / "garbled.ppm").write_bytes(b"P6\n3x 24\n255\n")
+    for name in ("cut.ppm", "garbled.ppm"):
+        with pytest.raises(ImageError, match=f"{name} is not a readable image") as e:
+            read_image(name, tmp_path, max_pixels=10**6)
+        assert e.value.reason == "corrupt_image"
+    path = rows_file(tmp_path, [{"prompt": f"<image>{Q}", "images": [png(tmp_path / "good.png")], "label": "red"},
+                                {"prompt": f"<image>{Q}", "images": ["cut.ppm"], "label": "red"}])
+    prompts, report = load_prompts(DataConfig(path=str(path), max_skipped_frac=1.0), vl[1], processor=vl[2])
+    assert len(prompts) == 1 and dict(report.skipped) == {"corrupt_image": 1}
+    for mode in ("La", "RGBa"):  # alpha 0 everywhere: white, as the other modes with alpha
+        rgb = read_image(Image.new(mode, (30, 20)), tmp_path, max_pixels=10**6)
+        assert rgb.mode == "RGB" and rgb.getpixel((3, 3)) == (255, 255, 255), mode
+
+
 def test_image_rows_need_an_image_text_model(tmp_path, tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
     png(tmp_path / "a.png")
