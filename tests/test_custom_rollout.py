@@ -725,8 +725,70 @@ def test_reward_model_scores_batches_as_one_by_one(tiny_rm):
         want = [model(**tok(s.prompt_text + s.response_text, return_tensors="pt", add_special_tokens=False)
                       ).logits[0, 0].item() for s in samples]
     assert got == pytest.approx(want, abs=1e-5)
-    assert rm.score_texts([samples[4].prompt_text + samples[4].response_text]) == pytest.approx(want[4:], abs=1e-5)
+    text = samples[4].prompt_text + samples[4].response_text
+    assert rm.score_texts([text]) == [{"reward": pytest.approx(want[4], abs=1e-5), "rm_truncated": 0.0}]
     assert len(set(round(w, 4) for w in want)) == 5  # a random head: the texts get different scores
+
+
+def test_reward_model_reads_the_policys_tokens_end_of_turn_included(tiny_model, tiny_rm, tmp_path):
+    """It read prompt_text + response_text, the response decoded without special tokens: the end-of-turn token,
+    where a reward model trained on chat text reads its score, was gone (and a multi-turn response's role markers,
+    and a SentencePiece response's leading space). It now reads the policy's ids decoded together. Its tokenizer
+    pads with EOS here (as where it has no pad token): the model's own pooling would read a text ending in EOS
+    before it."""
+    import shutil
+
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    policy = AutoTokenizer.from_pretrained(tiny_model)
+    rm_dir = shutil.copytree(tiny_rm, tmp_path / "rm-eos-pads")
+    config = json.loads((rm_dir / "tokenizer_config.json").read_text())
+    (rm_dir / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": policy.eos_token}))
+    eos = policy.eos_token_id
+    samples = [Sample(prompt_ids=policy("3+4=", add_special_tokens=False).input_ids, response_ids=ids,
+                      prompt_text="3+4=", response_text=policy.decode(ids, skip_special_tokens=True), index=i)
+               for i, ids in enumerate([[20, 21, eos], [20, eos], [22, 23, 24, 25]])]
+    rm = RewardModel(f"model:{rm_dir}", batch_size=3, tokenizer=policy)
+    assert rm.tokenizer.pad_token_id == eos
+    texts = rm.texts(samples)
+    assert texts[0] == policy.decode(samples[0].prompt_ids + [20, 21, eos]) and texts[0].endswith(policy.eos_token)
+    model = AutoModelForSequenceClassification.from_pretrained(rm_dir).eval()
+    model.config.pad_token_id = None  # one text at a time: the score at its very last token
+    with torch.no_grad():
+        want = [model(**rm.tokenizer(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0].item()
+                for t in texts]
+    got = make_reward_fn(f"model:{rm_dir}", batch_size=3, tokenizer=policy).score(samples)
+    assert got == pytest.approx(want, abs=1e-5)
+
+
+def test_reward_model_reads_a_sample_past_its_context_from_its_end_and_counts_it(tiny_rm, caplog):
+    """A sample longer than the reward model's positions failed with a bare IndexError (learned positions) or was
+    scored past the context without a word (rotary ones)."""
+    from transformers import AutoModelForSequenceClassification
+
+    rm = RewardModel(f"model:{tiny_rm}", batch_size=2)
+    assert rm.max_len == 512  # make_tiny_model's max_position_embeddings
+    long = "1+2=" * 200  # 800 tokens
+    with caplog.at_level("WARNING"):
+        got = rm.score_texts(["1+2=", long])
+    assert [g["rm_truncated"] for g in got] == [0.0, 1.0] and "reads 512 tokens at most" in caplog.text
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_rm).eval()
+    ids = rm.tokenizer(long, add_special_tokens=False, return_tensors="pt").input_ids[:, -512:]
+    with torch.no_grad():
+        assert got[1]["reward"] == pytest.approx(model(input_ids=ids).logits[0, 0].item(), abs=1e-5)
+
+
+def test_a_checkpoint_without_a_trained_score_head_is_refused(tiny_model, tmp_path):
+    """A causal LM's checkpoint whose config says num_labels=1 (a value-head export, say) loaded as a sequence
+    classifier with a random head: a different reward on every load, and on every rank."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    lm = shutil.copytree(tiny_model, tmp_path / "lm")
+    AutoConfig.from_pretrained(tiny_model, num_labels=1).save_pretrained(lm)
+    with pytest.raises(ValueError, match=r"lacks \['score.weight'\], which would start random"):
+        make_reward_fn(f"model:{lm}")
 
 
 def test_reward_model_must_have_one_output(tiny_model, tmp_path):

@@ -18,9 +18,10 @@
   A reward is never silently zero.
 - ``"model:PATH"``: `RewardModel`, a Hugging Face sequence-classification checkpoint with one output
   (``num_labels=1``) loaded on every rank and scored there on that rank's samples, ``batch_size`` at a
-  time, in eval mode under no_grad. It reads ``prompt_text + response_text`` with its own tokenizer (the
-  prompt as the policy saw it, chat template included), so a reward model trained on another template
-  should be served remotely instead.
+  time, in eval mode under no_grad. It reads the policy's prompt and response tokens decoded together (chat
+  template and end-of-turn token included, as the policy saw them) with its own tokenizer, so a reward model
+  trained on another template should be served remotely instead. A sample past its context is read from its
+  end (counted: ``reward/rm_truncated``).
 """
 from __future__ import annotations
 
@@ -184,7 +185,7 @@ class RewardModel:
     batched = True
 
     def __init__(self, spec: str, *, batch_size: int = 16, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, tokenizer=None) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.path = spec[len(MODEL_PREFIX):] if spec.startswith(MODEL_PREFIX) else spec
@@ -196,31 +197,66 @@ class RewardModel:
             dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-            self.model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=dtype)
+            self.model, loading = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=dtype,
+                                                                                     output_loading_info=True)
         except (OSError, ValueError) as e:
             raise ValueError(f"reward model {spec!r}: cannot load a sequence-classification checkpoint from "
                              f"{self.path!r}: {e}") from e
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward model {spec!r} has num_labels={self.model.config.num_labels}; a reward model "
                              "has one output (num_labels=1), its score")
-        if self.tokenizer.pad_token_id is None:  # batches are right-padded; the model reads the last real token
+        if loading["missing_keys"]:  # e.g. a causal LM's checkpoint: its score head would be random on every load
+            raise ValueError(f"reward model {spec!r}: the checkpoint lacks {sorted(loading['missing_keys'])[:4]}, "
+                             "which would start random: give a trained sequence-classification checkpoint")
+        if self.tokenizer.pad_token_id is None:  # batches are right-padded; the score is read at each row's end
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.tokenizer.padding_side = "right"
         self.model.to(device).eval()
         self.device, self.batch_size = device, batch_size
+        self.policy_tokenizer = tokenizer
+        limits = [getattr(self.model.config.get_text_config(), "max_position_embeddings", None),
+                  self.tokenizer.model_max_length]
+        self.max_len = min((n for n in limits if isinstance(n, int) and 0 < n < 10**9), default=None)
+        self._warned_long = False
 
     def texts(self, samples: list[Sample]) -> list[str]:
-        return [s.prompt_text + s.response_text for s in samples]
+        """What the policy's sequence was, as text: with the policy's tokenizer, its prompt and response tokens
+        decoded together, special tokens kept (the end-of-turn token where a reward model trained on chat text
+        reads its score, and a multi-turn response's role markers); decoded apart, a SentencePiece response would
+        lose its leading space. An image-text prompt keeps its text (not one pad token per image patch)."""
+        tok = self.policy_tokenizer
+        if tok is None:
+            return [s.prompt_text + s.response_text for s in samples]
+        return [tok.decode(list(s.prompt_ids) + list(s.response_ids), skip_special_tokens=False) if s.mm is None
+                else s.prompt_text + tok.decode(s.response_ids, skip_special_tokens=False) for s in samples]
 
     @torch.no_grad()
-    def score_texts(self, texts: list[str]) -> list[float]:
+    def score_texts(self, texts: list[str]) -> list[dict[str, float]]:
+        """{"reward": the score at each text's last token, "rm_truncated": 1.0 where the text was longer than the
+        reward model's context and only its end was read}."""
+        from transformers.modeling_layers import GenericForSequenceClassification
+
         out = []
         for i in range(0, len(texts), self.batch_size):
-            enc = self.tokenizer(texts[i:i + self.batch_size], return_tensors="pt", padding=True,
-                                 add_special_tokens=False).to(self.device)
-            out += self.model(**enc).logits[:, 0].float().tolist()
+            ids = self.tokenizer(texts[i:i + self.batch_size], add_special_tokens=False).input_ids
+            cut = [self.max_len is not None and len(row) > self.max_len for row in ids]
+            if any(cut) and not self._warned_long:
+                self._warned_long = True
+                logger.warning("reward model %s reads %d tokens at most; a sample of %d is read from its end only "
+                               "(counted in reward/rm_truncated)", self.path, self.max_len, max(map(len, ids)))
+            ids = [row[-self.max_len:] if c else row for row, c in zip(ids, cut)]
+            enc = self.tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(self.device)
+            if isinstance(self.model, GenericForSequenceClassification):
+                # The score at each row's last real token: the model's own pooling takes the last token that is
+                # not the pad id, which a text ending in EOS (the pad id, where there is no other) is not.
+                hidden = getattr(self.model, self.model.base_model_prefix)(**enc).last_hidden_state
+                last = enc["attention_mask"].sum(-1) - 1
+                scores = self.model.score(hidden[torch.arange(len(ids), device=hidden.device), last])[:, 0]
+            else:
+                scores = self.model(**enc).logits[:, 0]
+            out += [{"reward": v, "rm_truncated": float(c)} for v, c in zip(scores.float().tolist(), cut)]
         return out
 
-    async def score_batch(self, samples: list[Sample]) -> list[float]:
+    async def score_batch(self, samples: list[Sample]) -> list[dict[str, float]]:
         return self.score_texts(self.texts(samples))

@@ -268,12 +268,12 @@ def _kind(name: str) -> str | None:
     return "user" if ":" in name else None
 
 
-def _resolve(name: str, batched: dict) -> Callable:
+def _resolve(name: str, batched: dict, tokenizer=None) -> Callable:
     kind = _kind(name)
     if kind == "remote":
         return RemoteReward(name, **batched)
-    if kind == "model":
-        return RewardModel(name, batch_size=batched["batch_size"])
+    if kind == "model":  # it reads the policy's tokens as text: the policy's tokenizer decodes them
+        return RewardModel(name, batch_size=batched["batch_size"], tokenizer=tokenizer)
     if kind == "builtin":
         return BUILTIN_REWARDS[name]
     if kind == "user":
@@ -336,7 +336,7 @@ class RewardFn:
 
     def __init__(self, spec: str | dict[str, float], *, granularity: str = "sample",
                  max_concurrency: int = 32, timeout: float | None = None, batch_size: int = 16,
-                 max_retries: int = 3, retry_backoff: float = 1.0) -> None:
+                 max_retries: int = 3, retry_backoff: float = 1.0, tokenizer=None) -> None:
         if granularity not in GRANULARITIES:
             raise ValueError(f"reward granularity {granularity!r} is not one of {GRANULARITIES}")
         if max_concurrency < 1:
@@ -361,7 +361,7 @@ class RewardFn:
         self.weights = {name: float(w) for name, w in weights.items()}
         batched = dict(batch_size=batch_size, timeout=60.0 if timeout is None else timeout,
                        max_retries=max_retries, retry_backoff=retry_backoff, max_concurrency=max_concurrency)
-        self.fns = {name: _resolve(name, batched) for name in weights}
+        self.fns = {name: _resolve(name, batched, tokenizer) for name in weights}
         self._max_concurrency = max_concurrency
         self.timeout = timeout
 
@@ -551,7 +551,9 @@ def check_reward_spec(spec: str | dict, key: str = "rollout.reward.fn") -> None:
                              + f"; {_SPEC_HELP}")
 
 
-def reward_fn_from_config(cfg) -> RewardFn:
-    """The run's reward from its `rollout.reward` section."""
+def reward_fn_from_config(cfg, tokenizer=None) -> RewardFn:
+    """The run's reward from its `rollout.reward` section; `tokenizer` is the policy's (a reward model decodes the
+    policy's tokens with it)."""
     return make_reward_fn(cfg.fn, granularity=cfg.granularity, timeout=cfg.timeout, max_concurrency=cfg.max_concurrency,
-                          batch_size=cfg.batch_size, max_retries=cfg.max_retries, retry_backoff=cfg.retry_backoff)
+                          batch_size=cfg.batch_size, max_retries=cfg.max_retries, retry_backoff=cfg.retry_backoff,
+                          tokenizer=tokenizer)

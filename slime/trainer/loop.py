@@ -249,7 +249,7 @@ def run(cfg: Config) -> dict:
     phase = Phase()
     with phase.guard(0, cfg.train.dist_timeout_minutes):  # imports the user's reward module
         phase.now = "loading the reward function"
-        reward_fn = reward_fn_from_config(cfg.rollout.reward)
+        reward_fn = reward_fn_from_config(cfg.rollout.reward, tokenizer)
 
     identity, start_step = checkpoint_identity(cfg), 0
     if cfg.checkpoint.resume:
