@@ -57,6 +57,10 @@ def test_extract_answer(text, expected):
     ("#### 1,000", "1000"),
     ("19", 19),
     ("\\boxed{3}", ["2", "3"]),
+    ("\\boxed{\\$5}", "5"),                  # an escaped dollar sign is no math delimiter
+    ("\\boxed{3.50}", "\\$3.50"),            # a MATH-style currency label
+    ("\\boxed{0.00001}", 0.00001),           # a float label is compared as its digits, not '1e-05'
+    ("\\boxed{100000000000000000000}", 1e20),
 ])
 def test_math_correct(response, label):
     assert math_reward(S(response, label))["reward"] == 1.0
@@ -68,6 +72,7 @@ def test_math_correct(response, label):
     ("\\boxed{x^2-1}", "x^2+1"),
     ("I think 20", "19"),
     ("\\boxed{4}", ["2", "3"]),
+    ("\\boxed{e+20}", 1e20),                 # str(1e20) is '1e+20', which math-verify read as 1 times e+20
 ])
 def test_math_wrong(response, label):
     assert math_reward(S(response, label))["reward"] == 0.0
@@ -128,6 +133,7 @@ def test_a_label_the_builtin_rewards_cannot_compare_is_an_error_not_its_repr(lab
     ("\\boxed{1/2}", "0.5", 0.0),          # no maths: that is what "math" is for
     ("-0", "0", 1.0),
     ("12345678901234567890123456789012", "12345678901234567890123456789013", 0.0),
+    ("0.00001", 0.00001, 1.0),                 # a float label from JSON: not '1e-05'
 ])
 def test_exact_match(response, label, expected):
     assert exact_match_reward(S(response, label)) == expected

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import decimal
 import difflib
 import importlib
 import importlib.util
@@ -90,11 +91,19 @@ def _labels(sample: Sample, reward: str) -> list[str]:
                         f"answer with a string or a number, or a list of them, not a {type(bad[0]).__name__}; fix "
                         "the prompt file's 'label' field (data.label_key), or score it with a reward function of "
                         "your own")
-    return [str(x) for x in answers]
+    return [_positional(x) if isinstance(x, float) else str(x) for x in answers]
+
+
+def _positional(x: float) -> str:
+    """A float label as its digits: str(0.00001) is '1e-05' (and math-verify reads 1e+20 as 1 times e+20)."""
+    if not math.isfinite(x):
+        return str(x)
+    return format(decimal.Decimal(repr(x)), "f")
 
 
 # ----------------------------------------------------------------------------- built-ins
 
+_MATH_DELIMITER = re.compile(r"(?<!\\)\$|\\\(|\\\[")
 _NUMBER = re.compile(r"[+-]?(\d+(\.\d*)?|\.\d+)")
 _THOUSANDS = re.compile(r"[+-]?\d{1,3}(,\d{3})+(\.\d*)?")
 
@@ -142,7 +151,7 @@ def _mv_parse(text: str, timeout: int | None, *, bare: bool) -> list:
     so it is wrapped in $...$ first; free text is left to math-verify's own extraction."""
     from math_verify import parse  # imported when first used: with sympy ~0.35 s of every process's start
 
-    has_delims = "$" in text or "\\(" in text or "\\[" in text
+    has_delims = _MATH_DELIMITER.search(text) is not None  # an escaped \$ is a dollar sign, not a delimiter
     candidates = [f"${text}$", text] if bare and not has_delims else [text]
     for candidate in candidates:
         parsed = parse(candidate, parsing_timeout=timeout, raise_on_error=True)
