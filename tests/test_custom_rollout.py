@@ -635,6 +635,41 @@ def remote(server, **kw):
     return make_reward_fn(server.url, **{k: v for k, v in opts.items()})
 
 
+def test_remote_reward_keeps_its_connections_alive():
+    """Sessions were kept per worker thread, and the threads are new for every call: each batch opened a new
+    connection (and TLS handshake). 12 batches, one in flight at a time, over 2 score() calls: one connection."""
+    connections = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive
+
+        def setup(self):
+            connections.append(self.client_address)
+            super().setup()
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            out = json.dumps({"rewards": [1.0] * len(body["samples"])}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        fn = make_reward_fn(f"http://127.0.0.1:{httpd.server_address[1]}/score", batch_size=1, max_concurrency=1)
+        assert fn.score(text_samples(6)) == [1.0] * 6 and fn.score(text_samples(6)) == [1.0] * 6
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert len(connections) == 1
+
+
 def test_remote_reward_scores_in_batches_with_extras(server):
     samples = text_samples(7)
     rewards = remote(server).score(samples)

@@ -29,8 +29,8 @@ import asyncio
 import json
 import logging
 import math
+import queue
 import random
-import threading
 import time
 from typing import Any
 
@@ -84,13 +84,9 @@ class RemoteReward:
                              f"retry_backoff >= 0, timeout > 0")
         self.url, self.batch_size, self.timeout = url, batch_size, timeout
         self.max_retries, self.retry_backoff, self.max_concurrency = max_retries, retry_backoff, max_concurrency
-        self._local = threading.local()  # one pooled session per worker thread
-
-    @property
-    def _session(self) -> requests.Session:
-        if not hasattr(self._local, "session"):
-            self._local.session = requests.Session()
-        return self._local.session
+        # Sessions (each a pool of kept-alive connections) taken by one request at a time: the worker threads are
+        # new for every call (rewards.DaemonThreads), so sessions per thread connected afresh for every batch.
+        self._idle: queue.SimpleQueue[requests.Session] = queue.SimpleQueue()
 
     def payload(self, samples: list[Sample]) -> dict:
         return {"samples": [{"index": s.index, "prompt": s.prompt_text, "response": s.response_text,
@@ -127,8 +123,12 @@ class RemoteReward:
 
     def _attempt(self, body: dict, batch: list[Sample]) -> list[Any]:
         deadline = time.monotonic() + self.timeout
+        try:
+            session = self._idle.get_nowait()
+        except queue.Empty:
+            session = requests.Session()
         try:  # requests' timeout bounds each wait (connecting, each read); the deadline bounds the whole answer
-            with self._session.post(self.url, json=body, timeout=self.timeout, stream=True) as r:
+            with session.post(self.url, json=body, timeout=self.timeout, stream=True) as r:
                 status, content = r.status_code, self._read(r, deadline)
         except (requests.Timeout, urllib3.exceptions.TimeoutError):
             raise _Retryable(f"no answer within rollout.reward.timeout={self.timeout}s") from None
@@ -136,6 +136,8 @@ class RemoteReward:
             raise _Retryable(f"cannot connect ({type(e).__name__})") from None
         except (requests.RequestException, urllib3.exceptions.HTTPError) as e:  # e.g. an answer cut short
             raise _Retryable(f"{type(e).__name__}: {str(e)[:200]}") from None
+        finally:
+            self._idle.put(session)
         text = content.decode("utf-8", errors="replace")
         if status >= 500 or status == 429:
             raise _Retryable(f"HTTP {status}: {text[:200]!r}")
