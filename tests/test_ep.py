@@ -144,19 +144,24 @@ def test_ep_needs_a_supported_moe_family(tiny_model, tmp_path):
         expert_parallel_settings(2, "qwen2")
 
 
-def test_grpo_loop_with_ep2(moe_models, task_dir, tmp_path):
+def test_grpo_loop_with_ep2_and_a_resume_at_another_ep_refused(moe_models, task_dir, tmp_path):
+    """A checkpoint of ep=2 resumed at ep=1 failed inside DeepSpeed (missing and unexpected expert keys; the other
+    way, KeyError 'num_experts'), naming no setting: the manifest records parallel.ep."""
     run_dir = tmp_path / "run"
-    run_ranks([str(REPO / "run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"),
-               f"model.path={moe_models['qwen3_moe']}", f"data.path={task_dir / 'train.jsonl'}",
-               f"log.run_dir={run_dir}", "eval.path=null", "rollout.reward.fn=e2e_rewards:digit_fraction",
-               "rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=6",
-               "train.lr=5e-3", "train.max_tokens_per_gpu=64", "train.num_steps=3", "parallel.ep=2",
-               "checkpoint.save_final=false", "checkpoint.export_hf=false"])
+    args = [str(REPO / "run.py"), "--config", str(REPO / "examples/cpu_tiny_grpo.yaml"),
+            f"model.path={moe_models['qwen3_moe']}", f"data.path={task_dir / 'train.jsonl'}",
+            f"log.run_dir={run_dir}", "eval.path=null", "rollout.reward.fn=e2e_rewards:digit_fraction",
+            "rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.max_response_len=6",
+            "train.lr=5e-3", "train.max_tokens_per_gpu=64", "checkpoint.export_hf=false"]
+    run_ranks(args + ["train.num_steps=3", "parallel.ep=2"])
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[0]["train/ppo_kl"] == 0.0 and all(r["train/grad_norm"] > 0 for r in rows)
     assert rows[0]["rollout/train_logprob_abs_diff"] < 1e-5  # the hf engine got every expert
     assert all("train/expert_imbalance" in r for r in rows)
+    proc = run_ranks(args + ["train.num_steps=4", "parallel.ep=1"], check=False)
+    assert proc.returncode != 0 and ("was written with parallel.ep=2, this run has parallel.ep=1; resume with "
+                                     "parallel.ep=2" in proc.stdout + proc.stderr), proc.stderr[-3000:]
 
 
 @pytest.mark.four_ranks

@@ -247,6 +247,11 @@ def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> d
         raise ValueError(f"{path} holds ZeRO-{saved_stage} states but train.ds_config sets ZeRO stage "
                          f"{identity.get('zero_stage')}; DeepSpeed lays the states out per stage, so resume with a "
                          f"ZeRO-{saved_stage} config (or start a new log.run_dir)")
+    saved_ep = manifest.get("parallel_ep", 1)  # recorded since resuming at another ep was refused
+    if saved_ep != identity.get("parallel_ep", 1):
+        raise ValueError(f"{path} was written with parallel.ep={saved_ep}, this run has parallel.ep="
+                         f"{identity.get('parallel_ep', 1)}; resume with parallel.ep={saved_ep} (expert parallelism "
+                         "lays the experts' modules and states out per ep), or start a new log.run_dir")
     if manifest.get("world_size") != dims.world_size:
         raise ValueError(f"{path} was written by {manifest.get('world_size')} ranks, this run has {dims.world_size}; "
                          "resume with the same number of ranks (DeepSpeed's ZeRO partitions are per rank)")
