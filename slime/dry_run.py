@@ -14,7 +14,7 @@ engine and the trainer take turns on the GPU:
 
 Activations are a first-order estimate: per token and layer the bf16 tensors autograd keeps for a
 decoder layer with flash attention (no T^2 term): 2 x (4 H + 2 q + 2 kv + 3 I) bytes, I the MLP width
-(top-k x expert width for a mixture of experts); with gradient checkpointing, each layer's input plus
+(top-k x expert width, plus a shared expert's, for a mixture of experts); with gradient checkpointing, each layer's input plus
 one layer's worth. Real runs add the CUDA context and fragmentation: the warning leaves a margin.
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ MARGIN = 0.9  # warn when an estimate passes 90% of the GPU
 class ModelShape:
     params: int
     largest_layer: int
+    largest_dense_layer: int  # the largest module that is not experts (expert parallelism does not split it)
     expert_params: int
     hidden: int
     layers: int
@@ -63,14 +64,19 @@ def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
     with torch.device("meta"):
         model = getattr(transformers, adapter.auto_class).from_config(config, trust_remote_code=trust_remote_code)
     params = sum(p.numel() for p in model.parameters())  # shared (tied) weights once
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    sizes = {name: sum(p.numel() for p in m.parameters(recurse=False)) for name, m in model.named_modules()}
+    largest = max(sizes.values())
+    dense = max(n for name, n in sizes.items() if ".experts" not in f"{name}.")
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     text = config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     top_k = getattr(text, "num_experts_per_tok", None)
-    moe_width = getattr(text, "moe_intermediate_size", None)
-    mlp = top_k * moe_width if top_k and moe_width else text.intermediate_size
-    return ModelShape(params=params, largest_layer=largest, expert_params=experts, hidden=text.hidden_size,
+    mlp = text.intermediate_size
+    if top_k and experts:  # per token: top-k experts (Mixtral's width is intermediate_size), plus a shared expert
+        mlp = top_k * (getattr(text, "moe_intermediate_size", None) or text.intermediate_size) + \
+            (getattr(text, "shared_expert_intermediate_size", None) or 0)
+    return ModelShape(params=params, largest_layer=largest, largest_dense_layer=dense, expert_params=experts,
+                      hidden=text.hidden_size,
                       layers=text.num_hidden_layers, q_dim=text.num_attention_heads * head_dim,
                       kv_dim=text.num_key_value_heads * head_dim, mlp_width=mlp, vocab=text.vocab_size,
                       model_type=config.model_type, num_heads=text.num_attention_heads,
@@ -145,8 +151,8 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
     stage = zero_stage(build_ds_config(cfg.train, bf16=cfg.model.dtype != "float32"))  # as on GPUs ("auto": bf16)
     needs_ref = cfg.algo.needs_reference and not sft
     check_stage(stage, cfg.train, sp=sp, ep=ep, offload_params=needs_ref and cfg.algo.ref_offload)
-    actor = model_states_bytes(stage, shape.params, shape.largest_layer // max(ep if shape.expert_params else 1, 1),
-                               num_gpus)
+    gathered = max(shape.largest_dense_layer, shape.largest_layer // ep) if shape.expert_params else shape.largest_layer
+    actor = model_states_bytes(stage, shape.params, gathered, num_gpus)  # under ep, a rank gathers its experts only
     ref = 0
     if needs_ref:
         if stage < 3:  # a replicated reference

@@ -104,6 +104,30 @@ def test_too_few_gpus_warns_and_bad_layouts_fail():
         plan(cfg, 24)
 
 
+def test_moe_shapes_count_top_k_experts_a_shared_expert_and_the_layer_ep_leaves_whole(tmp_path):
+    """Mixtral keeps its expert width in intermediate_size, and was counted as one expert per token; Qwen2-MoE's
+    shared expert runs on every token and was left out. Under ep the largest gathered layer was the experts' share
+    even where a module ep does not split (Qwen3-30B-A3B's 311M embedding) is larger."""
+    from transformers import MixtralConfig, Qwen2MoeConfig
+
+    from slime.dry_run import model_shape
+
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    MixtralConfig(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, **common).save_pretrained(
+        tmp_path / "mixtral")
+    Qwen2MoeConfig(intermediate_size=160, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                   num_experts=4, num_experts_per_tok=2, **common).save_pretrained(tmp_path / "qwen2_moe")
+    assert model_shape(str(tmp_path / "mixtral")).mlp_width == 2 * 96
+    assert model_shape(str(tmp_path / "qwen2_moe")).mlp_width == 2 * 32 + 48
+    qwen3 = model_shape(str(REPO / "examples/model_configs/qwen3-30b-a3b"))
+    assert qwen3.mlp_width == 8 * 768 and qwen3.largest_dense_layer == 151936 * 2048  # the embedding
+    cfg = load_config(REPO / "examples/gpu_qwen3_30b_a3b_moe.yaml",
+                      [f"model.path={REPO / 'examples/model_configs/qwen3-30b-a3b'}"])
+    p = plan(cfg, 16)
+    assert cfg.parallel.ep == 8 and qwen3.largest_layer // 8 < qwen3.largest_dense_layer
+    assert p["actor_states"] == 4 * qwen3.largest_dense_layer + 18 * p["params"] // 16
+
+
 def test_a_budget_below_the_longest_sample_is_a_warning():
     """The run found it at the step that drew such a sample, after its rollout; the dry run says it before."""
     cfg = load_config(REPO / "examples/cpu_tiny_grpo.yaml", [f"model.path={REPO / 'assets/tiny-arith'}",
