@@ -86,3 +86,8 @@ def test_compile_refused_under_zero3():
         check_stage(3, TrainConfig(compile=True), sp=1, ep=1, offload_params=False)
     check_stage(2, TrainConfig(compile=True), sp=1, ep=1, offload_params=False)
     check_stage(3, TrainConfig(compile=False), sp=1, ep=1, offload_params=False)
+    # With sp or ep, each stage refused one of the two, advising the other stage: say the combination can't run
+    for stage in (2, 3):
+        with pytest.raises(ValueError, match=r"train.compile=true cannot be combined with parallel.sp > 1 \(Ulysses\) "
+                                             r"and parallel.ep > 1 \(AutoEP\).*set train.compile=false"):
+            check_stage(stage, TrainConfig(compile=True), sp=2, ep=2, offload_params=False)

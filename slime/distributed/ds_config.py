@@ -105,6 +105,12 @@ def _check_top_level_keys(ds: dict, path: Path) -> None:
 def check_stage(stage: int, train: TrainConfig, *, sp: int, ep: int, offload_params: bool) -> None:
     """ZeRO-1/2 keep a full copy of the parameters on every rank; what needs partitioned parameters is refused, and
     so is compiling layers whose parameters ZeRO-3 gathers."""
+    needs = [what for what, on in (("parallel.sp > 1 (Ulysses)", sp > 1),
+                                   ("parallel.ep > 1 (AutoEP)", ep > 1),
+                                   ("algo.ref_offload=true (parameter offload)", offload_params)) if on]
+    if train.compile and needs:  # each stage refused one of them: the other stage's advice never ended anywhere
+        raise ValueError(f"train.compile=true cannot be combined with {' and '.join(needs)}: compiling needs ZeRO-2's "
+                         "whole parameters, and they need ZeRO-3; set train.compile=false")
     if stage == 3:
         if train.compile:
             raise ValueError(f"train.compile=true needs whole parameters: train.ds_config={train.ds_config} sets ZeRO "
@@ -112,9 +118,6 @@ def check_stage(stage: int, train: TrainConfig, *, sp: int, ep: int, offload_par
                              "traces into (recompiling, for little gain). Use ds_configs/zero2.json, or "
                              "train.compile=false")
         return
-    needs = [what for what, on in (("parallel.sp > 1 (Ulysses)", sp > 1),
-                                   ("parallel.ep > 1 (AutoEP)", ep > 1),
-                                   ("algo.ref_offload=true (parameter offload)", offload_params)) if on]
     if needs:
         raise ValueError(f"train.ds_config={train.ds_config} sets ZeRO stage {stage}, but {' and '.join(needs)} "
                          f"{'is' if len(needs) == 1 else 'are'} built and tested on ZeRO-3 only; use "
