@@ -41,11 +41,20 @@ def main(argv: list[str] | None = None) -> None:
 
     with long_lived_imports():  # no full collections during the imports; their objects frozen after
         from slime.distributed.parallel_dims import leave
-        from slime.trainer.loop import run
+        from slime.trainer.loop import run, started
         from slime.utils.logging import setup_logging
 
     setup_logging()
-    run(cfg)
+    try:
+        run(cfg)
+    except (ValueError, TypeError, OSError) as e:
+        # A start-up error (a path, a setting, the data) names what to fix: its message, without the traceback
+        # every rank would print. Past start-up, or with SLIME_TRACEBACK=1, the traceback as usual.
+        if started() or os.environ.get("SLIME_TRACEBACK") == "1":
+            raise
+        rank = os.environ.get("RANK", "0")
+        hint = " (SLIME_TRACEBACK=1 shows where it was raised)" if rank == "0" else ""
+        sys.exit(f"[rank{rank}] start-up error: {type(e).__name__}: {e}{hint}")
     mark = os.environ.get("SLIME_DONE_FILE")  # run.sh's: exit code 0 without it is a process that ended early
     if mark and os.environ.get("RANK", "0") == "0":
         Path(mark).write_text("finished\n")

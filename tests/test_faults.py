@@ -110,6 +110,13 @@ def test_dynamic_sampling_that_would_draw_more_prompts_than_the_file_has_is_refu
     assert proc.returncode != 0
     assert ("small.jsonl has 10 usable prompts, but dynamic sampling draws up to 12 at once (rollout.batch_size=4 x "
             "rollout.over_sample_factor=3" in proc.stdout + proc.stderr)
+    # A start-up error is its message, one line per rank; each rank printed its traceback before
+    assert "[rank0] start-up error: ValueError: " in proc.stderr and "Traceback" not in proc.stderr
+    assert "SLIME_TRACEBACK=1 shows where it was raised" in proc.stderr
+    proc = launch(model, tmp_path, tmp_path / "run2", f"data.path={data}", "rollout.batch_size=4",
+                  "rollout.dynamic_sampling=true", "rollout.over_sample_factor=3", "train.num_steps=1", nproc=1,
+                  check=False, env={"SLIME_TRACEBACK": "1"})
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "start-up error" not in proc.stderr
 
 
 def test_a_prompt_longer_than_a_micro_batch_is_refused_at_start(model, tmp_path):

@@ -186,8 +186,19 @@ def check_prompts_fit(prompts: list, cfg: Config) -> None:
                          f"rollout.max_response_len), or set data.max_prompt_len below {budget} to drop them")
 
 
+_started = False
+
+
+def started() -> bool:
+    """Whether this process's run got past its start-up (models, data, checkpoint, logger): run.py prints an error
+    of start-up (a path, a setting, the data) as its message alone, one line per rank."""
+    return _started
+
+
 def run(cfg: Config) -> dict:
     """Train for cfg.train.num_steps; returns the last logged metrics."""
+    global _started
+    _started = False
     if not torch.cuda.is_available():  # before the process group's threads run any op, or allocate
         logger.info("CPU threads: %s", main_thread_only())
         if cfg.train.cpu_malloc == "retain":
@@ -270,6 +281,7 @@ def run(cfg: Config) -> dict:
                        "pick another log.run_dir)", run_dir, start_step)
     log = MetricsLogger(cfg.log, run_config=cfg.to_dict(), enabled=dims.is_main, total_steps=cfg.train.num_steps,
                         resume_step=start_step)
+    _started = True
     logger.info("%s for %d steps on %d rank(s): %d prompts x %d samples per step; %d prompts dropped as too long",
                 "SFT" if sft else "RL", cfg.train.num_steps - start_step, dims.world_size, cfg.rollout.batch_size,
                 1 if sft else cfg.rollout.n_samples_per_prompt, data.num_too_long)
