@@ -570,6 +570,33 @@ def bare_engine(client) -> SGLangEngine:
     return engine
 
 
+def test_released_weights_are_marked_until_the_next_push():
+    """SGLang keeps no copy of released weights (no --enable-weights-cpu-backup): a resume brings back buffers only.
+    The loop's evaluation put the engine to sleep after the step's push, and the next rollout generated on what
+    was left of them (GPU, colocated). The engine now marks them, and the loop pushes again before generating."""
+    import types
+
+    class Client:
+        url = "http://127.0.0.1:30000"
+
+        def post(self, path, body, **kw):
+            return {}
+
+    engine = bare_engine(Client())
+    engine.releases, engine.owned, engine._asleep, engine._since = True, [engine.client], set(), 0.0
+    engine.weights_released = False
+    engine.dims = types.SimpleNamespace(rank=0, barrier=lambda: None)
+    engine._all_gather = lambda obj: [obj]
+    engine.sleep()
+    assert engine.weights_released and engine._asleep == {"weights", "kv_cache"}
+    engine.wake()
+    assert engine.weights_released and not engine._asleep  # awake, but on released weights: the loop pushes
+    engine.sleep(["kv_cache"])
+    engine.weights_released = False  # as a push leaves it
+    engine.sleep()
+    assert engine.weights_released
+
+
 def generation(ids, reason="length"):
     return {"output_ids": ids, "meta_info": {"prompt_tokens": 3, "finish_reason": {"type": reason},
                                              "output_token_logprobs": [[-0.1, t, None] for t in ids]}}

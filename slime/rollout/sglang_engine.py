@@ -133,6 +133,7 @@ class SGLangEngine:
         self.eos_id = tokenizer.eos_token_id
         self._version = 0
         self._asleep: set[str] = set()
+        self.weights_released = False  # released since the last push: the loop pushes again before generating
         self._servers: list[SGLangServer] = []
         self._group = None
         self._host_buffers = SharedBuffers() if self.colocated else None  # CPU pushes: kept shared-memory buckets
@@ -368,6 +369,8 @@ class SGLangEngine:
                 self._stats["asleep_s" if op == "resume" else "awake_s"] += now - self._since
                 self._since = now
             self._asleep = self._asleep - set(tags) if op == "resume" else self._asleep | set(tags)
+            if op == "release" and "weights" in tags:  # without a CPU backup SGLang keeps no copy: a resume
+                self.weights_released = True  # brings back buffers, not these weights, until the next push
             self.events.append((op, tuple(tags)))
         self._check_everywhere(f"{op}_memory_occupation", error)  # also: generate only once the engine is back
 
@@ -404,6 +407,7 @@ class SGLangEngine:
                 self._end_open_session()
         self._check_everywhere("weight update", error)
         self._version = version
+        self.weights_released = False
         self._stats["sync_s"] += time.monotonic() - start
         self._stats["sync_bytes"] += nbytes
         self.events.append(("update", version))

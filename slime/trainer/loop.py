@@ -349,6 +349,9 @@ def run(cfg: Config) -> dict:
                         phase.now = "rollout (starting the next batch)"
                         ahead.start(step + 1)  # with the weights of `step` updates, while this step trains
                 else:
+                    if colocate and engine.weights_released:  # an evaluation put the engine to sleep after the
+                        actor.offload(params=False)  # last push: SGLang kept no copy of those weights
+                        sync_weights(actor, engine, version=step, bucket_mb=bucket_mb)
                     if colocate:
                         actor.offload()  # every state, parameters included, off the GPU while the engine is awake
                     local, metrics = collect_rollout(engine, data, cfg.rollout, tokenizer, reward_fn, dims, step=step)
