@@ -80,6 +80,8 @@ def test_plan_engines_colocated_and_disaggregated():
     assert plan.num_engines == 1 and plan.owner_of_engine == (0,)
     plan = plan_engines(SGLangConfig(mode="disaggregated", num_engines=2), world_size=4)
     assert plan.engine_of_rank == (0, 1, 0, 1) and plan.owner_of_engine == (0, 0)
+    with pytest.raises(ValueError, match=r"4 SGLang engines but 2 trainer rank\(s\).*engines 2..3 would generate"):
+        plan_engines(SGLangConfig(mode="disaggregated", num_engines=4), world_size=2)
     with pytest.raises(ValueError, match="must divide the world size"):
         plan_engines(SGLangConfig(tp_size=2), world_size=3)
     with pytest.raises(ValueError, match="needs 2"):

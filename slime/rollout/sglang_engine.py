@@ -72,6 +72,10 @@ def plan_engines(cfg: SGLangConfig, world_size: int, ranks_per_node: int | None 
         return EnginePlan(n, tuple(r // k for r in range(world_size)), tuple(e * k for e in range(n)),
                           tuple(tuple(range(e * k, e * k + k)) for e in range(n)))
     n = len(cfg.urls) or cfg.num_engines
+    if n > world_size:  # rank r sends its prompts to engine r % n: the engines past the ranks would get none
+        raise ValueError(f"disaggregated rollout with {n} SGLang engines but {world_size} trainer rank(s): rank r "
+                         f"sends its prompts to engine r % {n}, so engines {world_size}..{n - 1} would generate "
+                         f"nothing; use at most {world_size} (rollout.sglang.num_engines or urls)")
     return EnginePlan(n, tuple(r % n for r in range(world_size)), (0,) * n, ((0,),) * n)
 
 
