@@ -599,6 +599,25 @@ def test_released_weights_are_marked_until_the_next_push():
     assert engine.weights_released
 
 
+def test_the_requests_of_an_abort_are_aborted_at_once():
+    """One after another, a server that had stopped answering held an abort 10 s per request in flight (64 at the
+    defaults: over 10 minutes). The 6 aborts here must all be in flight together to pass the barrier."""
+    met = threading.Barrier(6, timeout=30)
+    aborted = []
+
+    class Client:
+        url = "http://127.0.0.1:30000"
+
+        def post(self, path, body, **kw):
+            met.wait()  # sent one after another, the first would wait here alone until the barrier broke
+            aborted.append(body["rid"])
+            return {}
+
+    engine = bare_engine(Client())
+    engine._abort_rids({f"r{k}": engine.client for k in range(6)})
+    assert sorted(aborted) == [f"r{k}" for k in range(6)] and not met.broken
+
+
 def generation(ids, reason="length"):
     return {"output_ids": ids, "meta_info": {"prompt_tokens": 3, "finish_reason": {"type": reason},
                                              "output_token_logprobs": [[-0.1, t, None] for t in ids]}}
