@@ -57,6 +57,20 @@ def server_env(marker: str) -> dict:
     return env
 
 
+def group_processes(pgid: int) -> list[int]:
+    """Live pids of process group `pgid` (a launched server's: start_new_session). SGLang's scheduler and
+    detokenizer rename themselves (setproctitle), which overwrites the environment that server_processes reads."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
+
+
 def server_processes(marker: str) -> list[int]:
     """Live pids started with SLIME_SGLANG_TEST=`marker` in their environment."""
     pids, needle = [], f"SLIME_SGLANG_TEST={marker}".encode()
@@ -236,7 +250,8 @@ def server(tiny_model, tmp_path_factory):
         yield srv
     finally:
         srv.kill()
-    assert not server_processes("module"), "an SGLang server process outlived the tests"
+    assert not server_processes("module") and not group_processes(srv.proc.pid), \
+        "an SGLang server process outlived the tests"
 
 
 @pytest.fixture(scope="module")
@@ -340,7 +355,7 @@ def test_abort_returns_partial_generations(engines):
 
 
 @needs_sglang
-def test_an_idle_server_does_not_spin_a_core(engines):
+def test_an_idle_server_does_not_spin_a_core(engines, server):
     """Between requests (all of a colocated trainer's step) the server's processes sleep: SGLang's scheduler
     busy-polls without --sleep-on-idle, which takes a whole core of the trainer's machine (a core per engine
     on a GPU node). CPU time over 3 idle seconds: ~3 s spinning, a few ms asleep."""
@@ -349,7 +364,7 @@ def test_an_idle_server_does_not_spin_a_core(engines):
 
     def cpu_seconds() -> float:
         total = 0
-        for pid in server_processes("module"):
+        for pid in group_processes(server.proc.pid):
             try:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
@@ -357,7 +372,8 @@ def test_an_idle_server_does_not_spin_a_core(engines):
             total += int(fields[11]) + int(fields[12])  # utime, stime
         return total / os.sysconf("SC_CLK_TCK")
 
-    assert len(server_processes("module")) >= 2  # the server and its scheduler: none found would pass vacuously
+    titles = [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in group_processes(server.proc.pid)]
+    assert any(b"scheduler" in t for t in titles), titles  # what spins: none found would pass vacuously
     ours.sleep()  # on CPU nothing to release: no call (SGLang's would cost a garbage-collection pass)
     ours.wake()
     assert not ours.releases and not any(op in ("release", "resume") for op, *_ in ours.events)
