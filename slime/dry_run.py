@@ -15,7 +15,8 @@ engine and the trainer take turns on the GPU:
 Activations are a first-order estimate: per token and layer the bf16 tensors autograd keeps for a
 decoder layer with flash attention (no T^2 term): 2 x (4 H + 2 q + 2 kv + 3 I) bytes, I the MLP width
 (top-k x expert width, plus a shared expert's, for a mixture of experts); with gradient checkpointing,
-each layer's input plus one layer's worth. Real runs add the CUDA context and fragmentation: the warning leaves a margin.
+each layer's input plus one layer's worth. Real runs add the CUDA context and fragmentation: the warning
+leaves a margin.
 """
 from __future__ import annotations
 

@@ -425,6 +425,7 @@ import os, signal, sys, time
 from slime.utils.signals import StopRequest
 stop = StopRequest.install()
 stop.stuck_after_s = 0.5
+stop.in_loop = sys.argv[2] != "start-up"
 def stuck_in_user_code():
     time.sleep(float(sys.argv[1]))
 os.kill(os.getpid(), signal.SIGTERM)
@@ -447,6 +448,11 @@ def test_a_rank_stuck_after_a_stop_signal_prints_where_and_exits(tmp_path):
                            text=True, timeout=120)
     assert ended.returncode == 0 and "left the step True" in ended.stdout, ended.stderr
     assert "stuck_in_user_code" not in ended.stderr
+    # At start-up (models loading, servers starting) there is no step to finish: it exited only when the stack
+    # dump's timer ran out, by os._exit, so no cleanup ran (SGLang servers still starting were left behind)
+    early = subprocess.run([sys.executable, "-c", STOP_SCRIPT.replace("0.5", "600"), "600", "start-up"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert early.returncode == 143 and "SIGTERM received during start-up: stopping" in early.stderr, early.stderr
 
 
 # -- hangs -------------------------------------------------------------------------------------------------------

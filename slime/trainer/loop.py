@@ -40,7 +40,7 @@ from slime.utils.cpu_malloc import retain_freed_memory
 from slime.utils.cpu_threads import main_thread_only
 from slime.utils.metrics import MetricsLogger
 from slime.utils.plot import plot_metrics
-from slime.utils.signals import StopRequest, exit_with_launcher
+from slime.utils.signals import StopRequest, Stopped, exit_with_launcher
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ def run(cfg: Config) -> dict:
                        "pick another log.run_dir)", run_dir, start_step)
     log = MetricsLogger(cfg.log, run_config=cfg.to_dict(), enabled=dims.is_main, total_steps=cfg.train.num_steps,
                         resume_step=start_step)
-    _started = True
+    _started = stop.in_loop = True
     logger.info("%s for %d steps on %d rank(s): %d prompts x %d samples per step; %d prompts dropped as too long",
                 "SFT" if sft else "RL", cfg.train.num_steps - start_step, dims.world_size, cfg.rollout.batch_size,
                 1 if sft else cfg.rollout.n_samples_per_prompt, data.num_too_long)
@@ -463,10 +463,6 @@ def is_collective_timeout(e: BaseException) -> bool:
     if isinstance(e, dist.DistBackendError):
         return bool(_NCCL_TIMEOUT.search(str(e)))
     return bool(_GLOO_TIMEOUT.search(str(e)))
-
-
-class Stopped(SystemExit):
-    """The loop's own exit after a stop signal (with the signal's exit code), once the checkpoint is saved."""
 
 
 class Phase:

@@ -24,10 +24,16 @@ logger = logging.getLogger(__name__)
 STUCK_AFTER_S = float(os.environ.get("SLIME_STUCK_AFTER_S", 20))
 
 
+class Stopped(SystemExit):
+    """The run's own exit on a stop signal (with the signal's exit code): at start-up at once, in the loop once the
+    step's checkpoint is saved."""
+
+
 class StopRequest:
     def __init__(self, stuck_after_s: float = STUCK_AFTER_S) -> None:
         self.signum: int | None = None
         self.stuck_after_s = stuck_after_s
+        self.in_loop = False  # before the first step there is nothing to finish or save: a signal exits at once
 
     @classmethod
     def install(cls) -> "StopRequest":
@@ -50,6 +56,9 @@ class StopRequest:
             logger.error("second signal (%s): exiting now without saving", name)
             os._exit(128 + signum)
         self.signum = signum
+        if not self.in_loop:  # start-up (models loading, servers starting): unwind, so cleanups run (servers)
+            logger.warning("%s received during start-up: stopping", name)
+            raise Stopped(128 + signum)
         logger.warning("%s received: finishing this step, then saving a checkpoint and stopping (send it again "
                        "to exit at once; if this rank has not finished its step within %g s, it prints the stack "
                        "of each of its threads and exits)", name, self.stuck_after_s)
