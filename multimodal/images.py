@@ -18,12 +18,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageOps
 
 # Modes Pillow converts to RGB faithfully. 16-bit and float modes ("I;16", "I", "F") would be clipped.
 SUPPORTED_MODES = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "RGBa", "CMYK", "YCbCr", "La"}
 REASONS = ("missing_image", "corrupt_image", "unsupported_mode", "too_large", "fetch_failed", "placeholder_mismatch",
            "bad_reference", "changed_since_load", "bad_aspect")
+# What Pillow raises for a file it cannot read, by decoder (UnidentifiedImageError is an OSError; a truncated PPM
+# header is a ValueError)
+_UNDECODABLE = (OSError, ValueError, SyntaxError, EOFError, struct.error)
 MAX_ASPECT_RATIO = 200  # the Qwen-VL image processors refuse a longer side over 200x the shorter
 
 
@@ -126,8 +129,7 @@ def read_image(ref: Any, base_dir: str | Path, *, max_pixels: int, timeout: floa
             img = Image.open(source)
         except Image.DecompressionBombError as e:
             raise ImageError("too_large", f"{describe(ref)}: {e}") from None
-        except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, struct.error) as e:
-            # Pillow's decoders refuse a bad header with any of these (a truncated PPM header: ValueError)
+        except _UNDECODABLE as e:
             raise ImageError("corrupt_image", f"{describe(ref)} is not a readable image: {e}") from None
     width, height = img.size
     if max(width, height) > MAX_ASPECT_RATIO * max(min(width, height), 1):
@@ -151,7 +153,7 @@ def read_image(ref: Any, base_dir: str | Path, *, max_pixels: int, timeout: floa
                 # transparent pixels (black, often: a black-on-transparent diagram became a black square).
                 img = Image.alpha_composite(Image.new("RGBA", img.size, (255, 255, 255, 255)), img.convert("RGBA"))
             return img.convert("RGB")
-    except (OSError, SyntaxError, ValueError, EOFError, struct.error, Image.DecompressionBombWarning) as e:
+    except (*_UNDECODABLE, Image.DecompressionBombWarning) as e:
         raise ImageError("corrupt_image", f"{describe(ref)} could not be decoded: {e}") from None
 
 

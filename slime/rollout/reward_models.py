@@ -189,6 +189,7 @@ class RewardModel:
     def __init__(self, spec: str, *, batch_size: int = 16, device: str | torch.device | None = None,
                  dtype: torch.dtype | None = None, tokenizer=None) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers.modeling_layers import GenericForSequenceClassification
 
         self.path = spec[len(MODEL_PREFIX):] if spec.startswith(MODEL_PREFIX) else spec
         if not self.path:
@@ -221,6 +222,8 @@ class RewardModel:
                   self.tokenizer.model_max_length]
         self.max_len = min((n for n in limits if isinstance(n, int) and 0 < n < 10**9), default=None)
         self._warned_long = False
+        # transformers' generic classifiers (a backbone and a `score` head): score_texts pools them itself
+        self._own_pooling = isinstance(self.model, GenericForSequenceClassification)
 
     def texts(self, samples: list[Sample]) -> list[str]:
         """What the policy's sequence was, as text: with the policy's tokenizer, its prompt and response tokens
@@ -237,8 +240,6 @@ class RewardModel:
     def score_texts(self, texts: list[str]) -> list[dict[str, float]]:
         """{"reward": the score at each text's last token, "rm_truncated": 1.0 where the text was longer than the
         reward model's context and only its end was read}."""
-        from transformers.modeling_layers import GenericForSequenceClassification
-
         out = []
         for i in range(0, len(texts), self.batch_size):
             ids = self.tokenizer(texts[i:i + self.batch_size], add_special_tokens=False).input_ids
@@ -249,7 +250,7 @@ class RewardModel:
                                "(counted in reward/rm_truncated)", self.path, self.max_len, max(map(len, ids)))
             ids = [row[-self.max_len:] if c else row for row, c in zip(ids, cut)]
             enc = self.tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(self.device)
-            if isinstance(self.model, GenericForSequenceClassification):
+            if self._own_pooling:
                 # The score at each row's last real token: the model's own pooling takes the last token that is
                 # not the pad id, which a text ending in EOS (the pad id, where there is no other) is not.
                 hidden = getattr(self.model, self.model.base_model_prefix)(**enc).last_hidden_state
