@@ -71,6 +71,11 @@ def group_processes(pgid: int) -> list[int]:
     return pids
 
 
+def launched_by(pid: int) -> int:
+    """The process that group leader `pid` (slime/rollout/group_leader.py) runs: the server itself."""
+    return int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
+
+
 def server_processes(marker: str) -> list[int]:
     """Live pids started with SLIME_SGLANG_TEST=`marker` in their environment."""
     pids, needle = [], f"SLIME_SGLANG_TEST={marker}".encode()
@@ -201,6 +206,67 @@ def test_client_retries_while_alive_and_reports_a_dead_server(tmp_path):
         SGLangClient(f"http://127.0.0.1:{free_port()}", timeout=5, max_retries=3, log_path=str(log)).post("/generate")
 
 
+def test_a_launched_server_that_stopped_answering_is_reported_at_once(tmp_path):
+    """A server of ours whose process runs but does not answer (SIGSTOP, a hang): each request waited
+    request_timeout and was retried while the process ran (218 s at request_timeout=15). /health decides."""
+    port = free_port()
+    server = SGLangServer(sys.executable, "m", port=port, args=[], env={}, log_path=tmp_path / "s.log")
+    server.cmd = [sys.executable, "-c", f"import socket, time; s = socket.socket(); s.bind(('127.0.0.1', {port})); "
+                  "s.listen(); print('listening', flush=True); time.sleep(600)"]  # connects, never answers
+    server.start()
+    try:
+        while "listening\n" not in server.log_path.read_text():
+            assert server.alive
+            time.sleep(0.1)
+        client = SGLangClient(server.url, timeout=1, max_retries=3, server=server)
+        client.HEALTH_TIMEOUT = 1
+        with pytest.raises(SGLangServerError, match=r"(?s)POST /generate failed \(ReadTimeout.*is running but does "
+                                                    r"not answer /health within 1s \(stopped, or hung\).*listening"):
+            client.post("/generate")
+    finally:
+        server.kill(grace=1)
+
+
+class _Loading(http.server.BaseHTTPRequestHandler):
+    """A server still loading its model: /health answers 503 twice, then 200."""
+    polls = 0
+
+    def do_GET(self):
+        _Loading.polls += 1
+        self.send_response(200 if self.path == "/health" and _Loading.polls > 2 else 503)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_servers_given_by_url_are_waited_for_and_an_address_that_never_answers_is_an_error(tmp_path):
+    """rollout.sglang.urls: a server still loading is waited for (rollout.sglang.startup_timeout); an address
+    that accepts connections but never answers passed start-up and failed at the first weight push."""
+    import socket
+    import types
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Loading)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    tokenizer = types.SimpleNamespace(eos_token_id=0)
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        engine = SGLangEngine(SGLangConfig(urls=[url], startup_timeout=60), None, tokenizer, OneRank())
+        assert _Loading.polls >= 3 and engine.client.url == url
+        engine.shutdown()
+        hung = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(SGLangServerError, match=rf"rank 0: rollout.sglang.urls\[0\] = {hung} did not answer "
+                                                    r"/health within 1s \(rollout.sglang.startup_timeout; last: "
+                                                    r"ReadTimeout\): check the address"):
+            SGLangEngine(SGLangConfig(urls=[hung], startup_timeout=1), None, tokenizer, OneRank())
+    finally:
+        httpd.shutdown()
+        silent.close()
+
+
 def test_a_python_without_sglang_is_named_before_any_server_starts(tmp_path):
     """rollout.engine=sglang where SGLang is not installed: each server died on its import, and the cause came
     four times inside tracebacks, with no word of what to install or set."""
@@ -232,6 +298,57 @@ def test_server_that_exits_at_start_is_reported_with_its_log(tmp_path):
         server.wait_ready(timeout=60)
     server.kill()
     assert not server.alive
+
+
+def test_a_trainer_killed_hard_takes_the_whole_server_with_it(tmp_path):
+    """SIGKILL of the trainer while a server starts: SGLang's scheduler and detokenizer ask for a parent-death
+    signal only once they run, so those started just before were left running. The server's group leader kills
+    the group. The stand-in server starts a child that never asks for that signal."""
+    log = tmp_path / "server.log"
+    script = tmp_path / "trainer.py"
+    script.write_text(f"""
+import sys, time
+from pathlib import Path
+sys.path.insert(0, {str(REPO)!r})
+from slime.rollout.sglang_server import SGLangServer
+server = SGLangServer(sys.executable, "m", port=1, args=[], env={{}}, log_path=Path({str(log)!r}))
+server.cmd = [sys.executable, "-c", "import subprocess, sys, time; child = subprocess.Popen(['sleep', '600']); "
+              "print('pid of child:', child.pid, flush=True); time.sleep(600)"]
+server.start()
+print(server.proc.pid, flush=True)
+time.sleep(600)
+""")
+    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    leader = int(trainer.stdout.readline())
+    try:
+        deadline = time.monotonic() + 60
+        while "pid of child: " not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        child = int(log.read_text().split("pid of child: ")[1].split()[0])
+        assert child in group_processes(leader)
+        trainer.kill()
+        trainer.wait()
+        deadline = time.monotonic() + 30
+        while group_processes(leader) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not group_processes(leader)
+    finally:
+        trainer.kill()
+        try:
+            os.killpg(leader, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_the_group_leader_ends_as_the_server_did(tmp_path):
+    """The server's exit code, or its death by a signal, is what the trainer reads (and reports)."""
+    for body, code in (("sys.exit(3)", 3), ("os.kill(os.getpid(), signal.SIGKILL)", -signal.SIGKILL)):
+        server = SGLangServer(sys.executable, "m", port=1, args=[], env={}, log_path=tmp_path / "s.log")
+        server.cmd = [sys.executable, "-c", f"import os, signal, sys; {body}"]
+        server.start()
+        assert server.proc.wait(timeout=60) == code
+        server.kill()
+        assert f"exited with code {code}" in server.death_report()
 
 
 # -- against a real SGLang server ----------------------------------------------------------------
@@ -520,7 +637,7 @@ def test_two_engines_on_one_server_and_a_push_that_failed_part_way(server, engin
 def test_killed_server_is_detected_and_reported(server, engines):
     """Runs last: kills the module's server (SIGKILL to its main process, as an OOM killer would)."""
     ours, _, prompts = engines
-    os.kill(server.proc.pid, signal.SIGKILL)
+    os.kill(launched_by(server.proc.pid), signal.SIGKILL)  # the server, not its group leader
     server.proc.wait(timeout=30)
     with pytest.raises(SGLangServerError, match=rf"(?s)exited with code -9.*{server.log_path.name}.*\n.*\S"):
         ours.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=0.0))

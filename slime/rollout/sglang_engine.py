@@ -37,7 +37,7 @@ from slime.config import SGLangConfig
 from slime.multimodal.images import to_png_base64
 from slime.multimodal.processor import MultimodalInputs, check_contexts
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
-from slime.rollout.sglang_server import HOST, SGLangClient, SGLangServer, SGLangServerError
+from slime.rollout.sglang_server import HOST, SGLangClient, SGLangServer, SGLangServerError, wait_for_url
 from slime.utils.net import address_toward, node_address, url_host
 from slime.rollout.sglang_weights import SharedBuffers, dtype_name, serialize_flat_bucket, split_by_dtype
 from slime.utils.net import free_port
@@ -154,6 +154,12 @@ class SGLangEngine:
         endpoints, error = {}, None
         if cfg.urls:
             endpoints = {e: (url, None) for e, url in enumerate(cfg.urls)}
+            try:  # each by the rank that owns its engine, for them all to wait at once
+                for e, url in enumerate(cfg.urls):
+                    if self.plan.owner_of_engine[e] == dims.rank:
+                        wait_for_url(url, cfg.startup_timeout, f"rollout.sglang.urls[{e}]")
+            except SGLangServerError as e:
+                error = f"rank {dims.rank}: {e}"
         else:
             try:
                 mine = [e for e in range(self.plan.num_engines) if self.plan.owner_of_engine[e] == dims.rank]

@@ -3,22 +3,24 @@
 Processes: each server starts in a session of its own, so the server and every process it spawns
 (scheduler, detokenizer, resource tracker) are stopped together by one `killpg`. Every server this
 process started is stopped by `shutdown`, at interpreter exit, on SIGTERM (what torchrun sends the
-surviving ranks when one fails), and, on Linux, by the kernel when the launching process dies
-without cleaning up (PR_SET_PDEATHSIG). A server listens on 127.0.0.1 unless the job spans nodes
-(then on the launching node's address, for ranks on the other nodes).
+surviving ranks when one fails), and, when the launching process dies without cleaning up, by the
+group's leader (group_leader.py), which kills the group, children still starting included. A server
+listens on 127.0.0.1 unless the job spans nodes (then on the launching node's address, for ranks on
+the other nodes).
 
 Client: JSON over HTTP with the standard library (no extra dependency in the trainer's Python).
 Every call is bounded: a timeout per attempt and a retry count. A refused or timed-out call first
-asks whether the server is still alive; a dead server is reported with the tail of its log.
+asks whether the server is still alive (its process running, where this rank started it, and /health
+answering); a dead or hung server is reported with the tail of its log.
 """
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -50,16 +52,7 @@ def log_tail(path: str | Path | None, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-try:  # loaded here, not in the child: a dlopen between fork and exec of a threaded parent can deadlock
-    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
-except OSError:
-    _LIBC = None  # not Linux: atexit and the SIGTERM handler still apply
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: the kernel sends SIGKILL to the server when its launcher dies."""
-    if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+_GROUP_LEADER = str(Path(__file__).with_name("group_leader.py"))
 
 
 class SGLangServer:
@@ -103,8 +96,9 @@ class SGLangServer:
         with open(self.log_path, "ab") as log:
             log.write(f"$ {' '.join(self.cmd)}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
+            self.proc = subprocess.Popen([sys.executable, "-I", _GROUP_LEADER, str(os.getpid()), *self.cmd],
+                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=self.env, start_new_session=True)
         _LIVE.add(self)
         _install_cleanup()
         logger.info("started SGLang server pid %d on %s, log %s", self.proc.pid, self.url, self.log_path)
@@ -150,10 +144,34 @@ class SGLangServer:
 
 
 def _health(url: str, *, timeout: float) -> bool:
+    return _health_error(url, timeout=timeout) is None
+
+
+def _health_error(url: str, *, timeout: float) -> str | None:
+    """None where `url` answers /health with 200, else what it did."""
     try:
-        return requests.get(url + "/health", timeout=timeout).status_code == 200
-    except requests.RequestException:
-        return False
+        r = requests.get(url + "/health", timeout=timeout)
+    except requests.RequestException as e:
+        return type(e).__name__
+    return None if r.status_code == 200 else f"HTTP {r.status_code}"
+
+
+def wait_for_url(url: str, timeout: float, name: str) -> None:
+    """A server this job did not start (rollout.sglang.urls): poll /health until it answers, for at most
+    `timeout` s (rollout.sglang.startup_timeout: it may still be loading), saying every 30 s what it answered.
+    Without this, an address that never answers passed start-up and failed at the first weight push."""
+    start = last_said = time.monotonic()
+    while (error := _health_error(url, timeout=5)) is not None:
+        waited = time.monotonic() - start
+        if waited >= timeout:
+            raise SGLangServerError(f"{name} = {url} did not answer /health within {timeout:.0f}s "
+                                    f"(rollout.sglang.startup_timeout; last: {error}): check the address and "
+                                    "that the server is up")
+        if time.monotonic() - last_said >= 30:
+            logger.info("waiting for %s = %s to answer /health (%.0fs of %.0fs; last: %s)", name, url, waited,
+                        timeout, error)
+            last_said = time.monotonic()
+        time.sleep(1.0)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -193,7 +211,7 @@ def _install_cleanup() -> None:
     def on_sigterm(signum, frame):
         if callable(previous):
             # The trainer's graceful stop: its step still generates and pushes weights, so the servers stay up
-            # until the process exits (atexit; a hard exit takes them down by their parent-death signal).
+            # until the process exits (atexit; a hard exit takes them down by their group leader).
             previous(signum, frame)
             return
         kill_all_servers()  # default action: die by the signal, as if no handler were installed
@@ -249,16 +267,24 @@ class SGLangClient:
         raise SGLangServerError(f"{method} {self.url}{path} failed after {retries + 1} attempt(s): {error}\n"
                                 f"last lines of the server log:\n{log_tail(self.log_path)}")
 
+    HEALTH_TIMEOUT = 10.0
+
     def is_alive(self) -> bool:
-        if self.server is not None:
-            return self.server.alive
-        return _health(self.url, timeout=10)
+        """Running (where this rank launched it) and answering /health: a stopped or hung server was retried
+        for request_timeout per attempt."""
+        if self.server is not None and not self.server.alive:
+            return False
+        return _health(self.url, timeout=self.HEALTH_TIMEOUT)
 
     def close(self) -> None:
         self.session.close()
 
     def death_report(self, what: str) -> str:
-        if self.server is not None:
+        if self.server is not None and not self.server.alive:
             return f"{what}: {self.server.death_report()}"
+        if self.server is not None:
+            return (f"{what}: SGLang server {self.url} is running but does not answer /health within "
+                    f"{self.HEALTH_TIMEOUT:.0f}s (stopped, or hung); last lines of {self.log_path}:\n"
+                    f"{log_tail(self.log_path)}")
         return (f"{what}: SGLang server {self.url} does not answer /health; last lines of its log:\n"
                 f"{log_tail(self.log_path)}")
