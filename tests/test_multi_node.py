@@ -89,3 +89,26 @@ def test_a_reserved_port_is_held_from_others_but_open_to_the_rendezvous_store():
         store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=10))
         store.set("k", "v")
         assert dist.TCPStore("127.0.0.1", port, 1, False, timeout=datetime.timedelta(seconds=10)).get("k") == b"v"
+
+
+def test_ranks_per_node_under_deepspeeds_launcher(tmp_path):
+    """A hostfile launch (deepspeed --hostfile) runs DeepSpeed's launcher on every node, which sets LOCAL_SIZE, not
+    torchrun's LOCAL_WORLD_SIZE: the job counted as one node (disaggregated servers on 127.0.0.1, unreachable from
+    the other node; the default --base-gpu-id past the node's GPUs). Node 1 of two with 2 ranks each, as launched."""
+    import base64
+
+    script = tmp_path / "probe.py"
+    script.write_text("import os, pathlib\nfrom slime.utils.net import node_address, single_node\n"
+                      "ws = int(os.environ['WORLD_SIZE'])\n"
+                      f"pathlib.Path({str(tmp_path)!r}, 'rank' + os.environ['RANK']).write_text("
+                      "f'one node {single_node(ws)}, address {node_address(ws)}')\n")
+    world = base64.urlsafe_b64encode(json.dumps({"node1": [0, 1], "node2": [0, 1]}).encode()).decode()
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-m", "deepspeed.launcher.launch", f"--world_info={world}", "--node_rank=1",
+                          "--master_addr=10.0.0.1", "--master_port=29511", str(script)],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    said = [(tmp_path / f"rank{r}").read_text() for r in (2, 3)]
+    assert all(line.startswith("one node False, address ") for line in said), said
+    assert not any(line.endswith(" 127.0.0.1") for line in said)  # the route toward the master's node

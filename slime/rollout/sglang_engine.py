@@ -38,7 +38,7 @@ from slime.multimodal.images import to_png_base64
 from slime.multimodal.processor import MultimodalInputs, check_contexts
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
 from slime.rollout.sglang_server import HOST, SGLangClient, SGLangServer, SGLangServerError, wait_for_url
-from slime.utils.net import address_toward, node_address, url_host
+from slime.utils.net import address_toward, local_world_size, node_address, url_host
 from slime.rollout.sglang_weights import SharedBuffers, dtype_name, serialize_flat_bucket, split_by_dtype
 from slime.utils.net import free_port
 
@@ -129,7 +129,7 @@ class SGLangEngine:
         from slime.models.loading import resolve_dtype
 
         self.cfg, self.dims = cfg, dims
-        self.plan = plan_engines(cfg, dims.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size)))
+        self.plan = plan_engines(cfg, dims.world_size, local_world_size(dims.world_size))
         self.colocated = cfg.mode == "colocated"
         # whether sleep()/wake() release and resume the engine's memory (SGLang's memory saver needs CUDA)
         self.releases = self.colocated and (torch.cuda.is_available() if cfg.release_memory is None
@@ -204,7 +204,7 @@ class SGLangEngine:
         if self.colocated:
             return self.dims.local_rank
         base = self.cfg.base_gpu_id if self.cfg.base_gpu_id >= 0 else \
-            int(os.environ.get("LOCAL_WORLD_SIZE", self.dims.world_size))
+            local_world_size(self.dims.world_size)
         return base + engine * self.cfg.tp_size
 
     # -- generation -------------------------------------------------------------------------------

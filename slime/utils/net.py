@@ -55,9 +55,15 @@ def address_toward(host: str) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
+def local_world_size(world_size: int) -> int:
+    """Ranks of the job on this machine: torchrun sets LOCAL_WORLD_SIZE, DeepSpeed's launcher (hostfile
+    launches too) LOCAL_SIZE; a process started alone is the whole job."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size)
+
+
 def single_node(world_size: int) -> bool:
-    """Whether every rank of the job runs on this machine (the launchers set LOCAL_WORLD_SIZE per node)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) == world_size
+    """Whether every rank of the job runs on this machine."""
+    return local_world_size(world_size) == world_size
 
 
 def node_address(world_size: int) -> str:
