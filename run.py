@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gpu-memory-gb", type=float, default=80.0, help="with --dry-run: memory of one GPU")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
     ap.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides before and after an option: all of them
     if args.num_gpus < 1 or args.gpu_memory_gb <= 0:
         ap.error(f"--num-gpus ({args.num_gpus}) must be >= 1 and --gpu-memory-gb ({args.gpu_memory_gb}) > 0")
     try:

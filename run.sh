@@ -42,6 +42,10 @@ if [[ $gpus -gt 0 && $nproc -gt $gpus && $dry_run == 0 ]]; then
   exit 2
 fi
 if [[ $dry_run == 1 ]]; then
+  if [[ -z ${NPROC:-} ]]; then
+    why=$([[ $gpus == 0 ]] && echo "no GPU here: the CPU default" || echo "this machine's GPUs")
+    echo "run.sh: planning for $nproc ranks ($why); NPROC=N plans for N" >&2
+  fi
   args=()
   for arg in "$@"; do [[ $arg != --dry-run ]] && args+=("$arg"); done
   exec python run.py --config "$config" --dry-run --num-gpus "$nproc" "${args[@]}"

@@ -11,6 +11,7 @@ import difflib
 import logging
 import math
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -562,6 +563,10 @@ class Config:
 def _type_name(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "None"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
@@ -594,6 +599,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 errors.append(str(e))
         raise TypeError(f"{key}={value!r} has the wrong type; expected {_type_name(tp)}")
     if dataclasses.is_dataclass(tp):
+        if value is None:  # a section whose keys are all commented out
+            value = {}
         if not isinstance(value, dict):
             raise TypeError(f"{key} must be a mapping of {tp.__name__} fields, got {value!r}")
         return _build(tp, value, key)
@@ -661,7 +668,9 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree
     for part in parts[:-1]:
-        node = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or a section whose keys are all commented out
+            node[part] = {}
+        node = node[part]
         if not isinstance(node, dict):
             raise ValueError(f"override '{dotted}': '{part}' is not a section")
     node[parts[-1]] = value
@@ -685,6 +694,28 @@ class _StrictLoader(yaml.SafeLoader):
                 except TypeError:  # an unhashable key: construct_mapping names it
                     continue
         return super().construct_mapping(node, deep)
+
+
+# Numbers as YAML 1.2 reads them (PyYAML implements YAML 1.1): 1e-3 is a float (1.1: a string, as in a list of
+# betas or a reward's weights, where no float field converts it), 010 is ten (1.1: octal 8), 1:30 is text (1.1:
+# 90, base 60). Underscores between digits are kept (1_000_000).
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_StrictLoader.add_implicit_resolver(_INT, re.compile(r"^[-+]?[0-9][0-9_]*$|^0o[0-7]+$|^0x[0-9a-fA-F]+$"),
+                                    list("-+0123456789"))
+_StrictLoader.add_implicit_resolver(
+    _FLOAT, re.compile(r"^[-+]?(\.[0-9][0-9_]*|[0-9][0-9_]*(\.[0-9_]*)?)([eE][-+]?[0-9]+)?$"
+                       r"|^[-+]?\.(inf|Inf|INF)$|^\.(nan|NaN|NAN)$"), list("-+0123456789."))
+
+
+def _yaml_int(loader, node) -> int:
+    text = loader.construct_scalar(node)
+    return int(text[2:], 8) if text.startswith("0o") else int(text, 16 if text.startswith("0x") else 10)
+
+
+_StrictLoader.add_constructor(_INT, _yaml_int)
 
 
 def _load_yaml(text):
@@ -720,6 +751,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
                              "it if it is a string") from None
         if (value is None or isinstance(value, str)) and "#" in text and text.strip()[:1] not in ("'", '"'):
             value = text.strip()  # a comment on a command line is text: "Be brief. #1 rule" lost its "#1 rule"
+        elif value is not None and not isinstance(value, str) and _takes_text(_field_type(key.strip())):
+            try:
+                _coerce(value, _field_type(key.strip()), key)
+            except (TypeError, ValueError):  # text YAML reads as something else: data.system_prompt=Answer: 42
+                value = text.strip()  # (a mapping), =no (false), =1.0 (a number)
         _set_dotted(raw, key.strip(), value)
     for dotted in PATH_KEYS:  # a shell leaves "~" in `log.run_dir=~/runs` (not a variable name) and YAML always does
         *sections, key = dotted.split(".")
@@ -729,6 +765,22 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         if isinstance(node, dict) and isinstance(node.get(key), str) and node[key].startswith("~"):
             node[key] = os.path.expanduser(node[key])
     return _build(Config, raw)
+
+
+def _field_type(dotted: str) -> Any:
+    """The annotation of config key `dotted` (section.key), None where there is no such key."""
+    tp = Config
+    for part in dotted.split("."):
+        hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
+        if part not in hints:
+            return None
+        tp = hints[part]
+    return tp
+
+
+def _takes_text(tp: Any) -> bool:
+    """Whether a field of annotation `tp` holds free text (str, or str among a union's members)."""
+    return tp is str or (typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp))
 
 
 def describe(cls: type = Config, prefix: str = "") -> str:

@@ -31,6 +31,44 @@ def test_override_text_is_taken_as_written():
     assert load_config(None, BASE + ["data.system_prompt='quoted #kept'"]).data.system_prompt == "quoted #kept"
 
 
+def test_override_text_for_a_text_field_is_kept_whatever_yaml_reads_in_it():
+    """data.system_prompt (str | None): "Answer: 42" read as a mapping, "no" as false, "1.0" as a number, each
+    then refused as the wrong type; null still clears it."""
+    for text in ("Answer: 42", "no", "1.0", "[a, b]"):
+        assert load_config(None, BASE + [f"data.system_prompt={text}"]).data.system_prompt == text
+    assert load_config(None, BASE + ["data.system_prompt=null"]).data.system_prompt is None
+
+
+def test_numbers_are_read_as_yaml_1_2_reads_them(tmp_path):
+    """PyYAML reads YAML 1.1: 1e-3 (no dot) was a string inside lists and mappings, where no float field converts
+    it (train.betas, a reward's weights), 010 was octal 8 and 1:30 was 90 (base 60)."""
+    cfg = load_config(None, BASE + ["train.betas=[0.9, 1e-3]", "rollout.reward.fn={math: 1, format: 1e-1}",
+                                    "train.num_steps=010", "train.seed=1_000"])
+    assert cfg.train.betas == [0.9, 0.001] and cfg.rollout.reward.fn == {"math": 1, "format": 0.1}
+    assert cfg.train.num_steps == 10 and cfg.train.seed == 1000
+    with pytest.raises(TypeError, match="train.num_steps='1:30' must be an integer"):
+        load_config(None, BASE + ["train.num_steps=1:30"])
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {path: m}\ndata: {path: d.jsonl}\ntrain: {betas: [0.9, 1e-3], lr: 2e-6}\n")
+    assert load_config(path).train.betas == [0.9, 0.001]
+
+
+def test_a_section_whose_keys_are_all_commented_out_is_empty(tmp_path):
+    """`eval:` with nothing under it is null in YAML: refused as not a mapping, and an override into it said
+    "'eval' is not a section"."""
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {path: m}\ndata: {path: d.jsonl}\neval:\n  # path: e.jsonl\n")
+    assert load_config(path).eval == load_config(None, BASE).eval
+    assert load_config(path, ["eval.path=e.jsonl"]).eval.path == "e.jsonl"
+
+
+def test_a_union_is_named_by_its_members():
+    text = describe()
+    assert "train.fuse_elementwise = 'auto'  (bool | 'auto')" in text and "(Union)" not in text
+    with pytest.raises(TypeError, match=r"expected bool \| 'auto'"):
+        load_config(None, BASE + ["train.fuse_elementwise=1"])
+
+
 def test_int_is_accepted_for_float():
     assert load_config(None, BASE + ["train.lr=1"]).train.lr == 1.0
 
@@ -172,6 +210,13 @@ def test_run_py_help_and_config_error_exit():
     bad = subprocess.run([sys.executable, "run.py", "--config", "examples/cpu_tiny_grpo.yaml", "train.lrr=1"],
                          cwd=REPO, capture_output=True, text=True)
     assert bad.returncode != 0 and "did you mean 'train.lr'" in bad.stderr
+    # overrides on both sides of an option: the ones after it were refused as unrecognized arguments
+    both = subprocess.run([sys.executable, "run.py", "--config", "examples/cpu_tiny_grpo.yaml", "train.lrr=1",
+                           "--dry-run", "train.num_stepz=2"], cwd=REPO, capture_output=True, text=True)
+    assert both.returncode != 0 and "did you mean 'train.lr'" in both.stderr
+    both = subprocess.run([sys.executable, "run.py", "--config", "examples/cpu_tiny_grpo.yaml", "train.lr=1e-3",
+                           "--dry-run", "train.num_stepz=2"], cwd=REPO, capture_output=True, text=True)
+    assert both.returncode != 0 and "did you mean 'train.num_steps'" in both.stderr
 
 
 def test_ds_config_auto_fields_filled(tmp_path):
