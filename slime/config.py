@@ -104,8 +104,8 @@ class RewardConfig:
             raise ValueError(f"rollout.reward.timeout={self.timeout} must be a finite number of seconds > 0")
         if self.max_concurrency < 1 or self.batch_size < 1:
             raise ValueError("rollout.reward.max_concurrency and rollout.reward.batch_size must be >= 1")
-        if self.max_retries < 0 or self.retry_backoff < 0:
-            raise ValueError("rollout.reward.max_retries and rollout.reward.retry_backoff must be >= 0")
+        if self.max_retries < 0 or not 0 <= self.retry_backoff < math.inf:
+            raise ValueError("rollout.reward.max_retries and rollout.reward.retry_backoff must be >= 0 (and finite)")
 
 
 @dataclasses.dataclass
@@ -225,8 +225,9 @@ class RolloutConfig:
             raise ValueError("rollout.batch_size and rollout.n_samples_per_prompt must be >= 1")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"rollout.top_p={self.top_p} must be in (0, 1]")
-        if self.temperature <= 0:
-            raise ValueError(f"rollout.temperature={self.temperature} must be > 0 (use a small value for near-greedy)")
+        if not 0 < self.temperature < math.inf:  # inf: every logit 0 or NaN (inf / inf), logprobs NaN
+            raise ValueError(f"rollout.temperature={self.temperature} must be > 0 and finite (use a small value for "
+                             "near-greedy)")
         if not 0 <= self.generate_fn_timeout < math.inf:
             raise ValueError(f"rollout.generate_fn_timeout={self.generate_fn_timeout} must be a finite number of "
                              "seconds >= 0 (0 = no limit)")
@@ -723,7 +724,8 @@ def _load_yaml(text):
     return yaml.load(text, Loader=_StrictLoader)
 
 
-PATH_KEYS = ("model.path", "data.path", "eval.path", "algo.critic.path", "log.run_dir", "train.ds_config")
+PATH_KEYS = ("model.path", "data.path", "eval.path", "algo.critic.path", "log.run_dir", "train.ds_config",
+             "rollout.sglang.python")
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:

@@ -111,6 +111,8 @@ def test_int_is_accepted_for_float():
     ("train.logits_chunk_size=0", ["train.logits_chunk_size=0"]),
     ("train.lr=-0.001", ["train.lr=-0.001"]),
     ("rollout.temperature=.nan", ["rollout.temperature=nan", "not a number"]),
+    ("rollout.temperature=.inf", ["rollout.temperature=inf must be > 0 and finite"]),
+    ("rollout.reward.retry_backoff=.inf", ["retry_backoff must be >= 0 (and finite)"]),
     ("algo.entropy_coef=.nan", ["algo.entropy_coef=nan", "not a number"]),
     ("eval.accuracy_threshold=.nan", ["eval.accuracy_threshold=nan"]),
     ("train.betas=[0.9]", ["train.betas=[0.9]", "two numbers in [0, 1)"]),
@@ -406,7 +408,8 @@ def test_a_home_path_is_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model:\n  path: ~/models/m\neval:\n  path: ~/e.jsonl\n")
-    c = load_config(cfg, ["data.path=~/d.jsonl", "log.run_dir=~/runs/a", "algo.critic.path=~/critic"])
-    assert (c.model.path, c.data.path, c.eval.path, c.log.run_dir, c.algo.critic.path) == (
+    c = load_config(cfg, ["data.path=~/d.jsonl", "log.run_dir=~/runs/a", "algo.critic.path=~/critic",
+                          "rollout.sglang.python=~/venv/bin/python"])
+    assert (c.model.path, c.data.path, c.eval.path, c.log.run_dir, c.algo.critic.path, c.rollout.sglang.python) == (
         f"{tmp_path}/models/m", f"{tmp_path}/d.jsonl", f"{tmp_path}/e.jsonl", f"{tmp_path}/runs/a",
-        f"{tmp_path}/critic")
+        f"{tmp_path}/critic", f"{tmp_path}/venv/bin/python")
