@@ -488,7 +488,9 @@ class LogConfig:
     run_dir: str = field("runs/default", "Directory for metrics, checkpoints and exports.")
     wandb: bool = field(False, "Log to Weights & Biases.")
     wandb_project: str = field("slime", "W&B project name.")
-    wandb_mode: Literal["online", "offline"] = field("offline", "offline works without network.")
+    wandb_mode: Literal["online", "offline", "disabled"] | None = field(
+        None, "W&B's mode; None: the environment's WANDB_MODE, else offline (works without network; `wandb sync` "
+              "uploads it later). online needs an API key (WANDB_API_KEY or `wandb login`), checked at start.")
     tensorboard: bool = field(False, "Also write TensorBoard event files.")
     plot: bool = field(True, "At the end, plot metrics.jsonl into metrics.png beside it (matplotlib, ~1 s on CPU); "
                        "false skips it (python -m slime.utils.plot makes it later).")

@@ -374,6 +374,14 @@ def test_an_unwritable_run_dir_or_a_missing_logger_is_said_before_anything_loads
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(ValueError, match="log.tensorboard=true but tensorboard is not installed"):
         check_run_dir(load_config(None, BASE + ["log.tensorboard=true"]), tmp_path / "run")
+    # W&B online without an API key: wandb.init failed after the models loaded, with a traceback per rank
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    with pytest.raises(ValueError, match=r"log.wandb=true in online mode, but no W&B API key .*WANDB_API_KEY.*"
+                                         r"`wandb login`.*log.wandb_mode=offline"):
+        check_run_dir(load_config(None, BASE + ["log.wandb=true", "log.wandb_mode=online"]), tmp_path / "run")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    check_run_dir(load_config(None, BASE + ["log.wandb=true", "log.wandb_mode=online"]), tmp_path / "run")
 
 
 def test_a_fresh_start_refuses_a_run_dir_with_another_runs_checkpoints(tmp_path):

@@ -1,5 +1,6 @@
 """Metrics go to metrics.jsonl and, offline, to wandb."""
 import json
+import os
 
 from slime.config import LogConfig
 from slime.utils.metrics import MetricsLogger
@@ -81,3 +82,57 @@ def test_the_plot_leaves_out_a_torn_line_and_null_values(tmp_path):
                        '{"step": 2, "train/loss": 1.25, "rollout/reward_mean": 0.5}\n{"step": 3, "train/lo')
     out = plot_metrics(metrics, tmp_path / "m.png")
     assert out is not None and out.read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_run_killed_hard_has_its_steps_up_to_the_checkpoint_sent_to_wandb_again(tmp_path, monkeypatch):
+    """W&B buffers the last steps it was given; a run killed hard (kill -9, os._exit) lost them, and the resume
+    sent only the steps after the end of metrics.jsonl's history: W&B missed those up to it for good. Steps W&B
+    holds for sure are the ones sent before a clean close; the others up to the checkpoint are sent again."""
+    import subprocess
+    import sys
+
+    import wandb
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    killed = subprocess.run([sys.executable, "-c", f"""
+import os
+from slime.config import LogConfig
+from slime.utils.metrics import MetricsLogger
+log = MetricsLogger(LogConfig(run_dir={str(run_dir)!r}, wandb=True), run_config={{}}, enabled=True, total_steps=9)
+for step in range(1, 6):
+    log.log(step, {{"train/loss": float(step)}})
+os._exit(1)
+"""], capture_output=True, text=True, timeout=300,  # its own W&B service, as a run has (not this process's)
+                            env={k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"})
+    assert killed.returncode == 1, killed.stderr[-2000:]
+    sent, real_init = [], wandb.init
+
+    def init(**kwargs):
+        run = real_init(**kwargs)
+        real_log = run.log
+        run.log = lambda metrics, step: (sent.append(step), real_log(metrics, step=step))
+        return run
+
+    monkeypatch.setattr(wandb, "init", init)
+    cfg = LogConfig(run_dir=str(run_dir), wandb=True)
+    log = MetricsLogger(cfg, run_config={}, enabled=True, total_steps=9, resume_step=4)  # the checkpoint of step 4
+    for step in (5, 6):
+        log.log(step, {"train/loss": float(step)})
+    log.close()
+    assert sent == [1, 2, 3, 4, 5, 6]
+    sent.clear()
+    log = MetricsLogger(cfg, run_config={}, enabled=True, total_steps=9, resume_step=5)  # after a clean close
+    for step in (6, 7):
+        log.log(step, {"train/loss": float(step)})
+    log.close()
+    assert sent == [7]
+
+
+def test_the_environments_wandb_mode_is_used_unless_the_config_names_one(tmp_path, monkeypatch):
+    from slime.utils.metrics import wandb_mode
+
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wandb_mode(LogConfig()) == "disabled" and wandb_mode(LogConfig(wandb_mode="online")) == "online"
+    monkeypatch.delenv("WANDB_MODE")
+    assert wandb_mode(LogConfig()) == "offline"

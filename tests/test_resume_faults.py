@@ -135,6 +135,7 @@ def test_a_fresh_start_moves_an_earlier_history_aside(tmp_path, caplog, resume_s
     (tmp_path / "config.json").write_text('{"the": "earlier run\'s settings"}')
     (tmp_path / "tensorboard").mkdir()
     (tmp_path / "tensorboard" / "events.out.tfevents.1").write_bytes(b"earlier events")
+    (tmp_path / "metrics.png").write_bytes(b"\x89PNG the earlier run's curves")
     (tmp_path / "metrics.jsonl.1.bak").write_text("an even earlier run\n")
     log = logger_at(tmp_path, resume_step)  # checkpoint.resume found no checkpoint
     log.log(1, {"train/loss": 0.5})
@@ -144,6 +145,8 @@ def test_a_fresh_start_moves_an_earlier_history_aside(tmp_path, caplog, resume_s
     assert json.loads((tmp_path / "config.json").read_text()) != {"the": "earlier run's settings"}
     assert (tmp_path / "tensorboard.2.bak" / "events.out.tfevents.1").read_bytes() == b"earlier events"
     assert not (tmp_path / "tensorboard").exists()  # this run's events start afresh
+    assert (tmp_path / "metrics.png.2.bak").read_bytes() == b"\x89PNG the earlier run's curves"
+    assert not (tmp_path / "metrics.png").exists()  # a kill before this run's plot left the old one beside it
     assert (tmp_path / "metrics.jsonl.1.bak").read_text() == "an even earlier run\n"
     assert [json.loads(line) for line in metrics.read_text().splitlines()] == [{"step": 1, "train/loss": 0.5}]
     assert f"{metrics} holds metrics of an earlier run" in caplog.text and f"moved it to {metrics}.2.bak" in caplog.text

@@ -38,7 +38,7 @@ from slime.trainer.policy_engine import PolicyEngine
 from slime.trainer.evaluate import evaluate, load_eval_prompts
 from slime.utils.cpu_malloc import retain_freed_memory
 from slime.utils.cpu_threads import main_thread_only
-from slime.utils.metrics import MetricsLogger
+from slime.utils.metrics import MetricsLogger, wandb_mode
 from slime.utils.plot import plot_metrics
 from slime.utils.signals import StopRequest, Stopped, exit_with_launcher
 
@@ -135,6 +135,13 @@ def check_run_dir(cfg: Config, run_dir: Path) -> None:
         if getattr(cfg.log, logger_name) and importlib.util.find_spec(logger_name) is None:
             raise ValueError(f"log.{logger_name}=true but {logger_name} is not installed: pip install {logger_name}, "
                              f"or set log.{logger_name}=false")
+    if cfg.log.wandb and wandb_mode(cfg.log) == "online":  # else wandb.init failed after the models loaded
+        import wandb
+
+        if not wandb.login(verify=False, prompt=False):
+            raise ValueError("log.wandb=true in online mode, but no W&B API key is configured: set WANDB_API_KEY "
+                             "or run `wandb login`, or log offline (log.wandb_mode=offline; `wandb sync` uploads "
+                             "later)")
     metrics = run_dir / "metrics.jsonl"
     saved = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if p.is_dir())
     held = metrics if metrics.is_file() and metrics.stat().st_size else saved[0] if saved else None

@@ -26,32 +26,43 @@ class MetricsLogger:
         self.start, self.steps_done, self.first_step = time.time(), 0, None
         self.evaluated_at_resume = False  # the history holds an evaluation of the resumed step (rank 0 knows)
         self._wandb = self._tb = None
-        self._file = None
+        self._file, self.last_step, self._wandb_sent_to = None, None, None
         if not enabled:
             return
         run_dir = Path(cfg.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
-        kept, history_end = self._truncate(resume_step)
+        history = self._truncate(resume_step)
+        kept = [r for r in history if r["step"] == resume_step]  # the resumed step's records
         self.evaluated_at_resume = any(not _is_train(r) for r in kept)
         self._file = self.path.open("a")
         (run_dir / "config.json").write_text(json.dumps(run_config, indent=2))
         if cfg.wandb:
             import wandb
 
-            os.environ.setdefault("WANDB_MODE", cfg.wandb_mode)
             # A resumed run goes on in the W&B run it resumes: one history, not a new run per restart. W&B takes
             # steps in increasing order only, so the steps the resumed run does again (after its checkpoint, up
-            # to where the history ended) are not sent again: W&B keeps their first values (the same values:
-            # a resume is exact, one-step-off rollout aside).
-            id_file = run_dir / "wandb_run_id"
+            # to what W&B holds) are not sent again: W&B keeps their first values (the same values: a resume is
+            # exact, one-step-off rollout aside). What W&B holds: up to the last step sent before a clean close
+            # (wandb_step), or what the server says (online). A run killed hard lost the steps W&B still
+            # buffered: those up to the checkpoint are sent again from metrics.jsonl.
+            id_file, held_file = run_dir / "wandb_run_id", run_dir / "wandb_step"
             resumed = id_file.read_text().strip() if resume_step and id_file.is_file() else None
             run_id = resumed or uuid.uuid4().hex[:8]  # as W&B draws its ids
             id_file.write_text(run_id + "\n")
-            # a new W&B run (the history was logged without W&B) gets every step from here on
-            self._wandb_sent_to = history_end if resumed else None
+            if not resumed:
+                held_file.unlink(missing_ok=True)  # an earlier W&B run's
+            held = int(held_file.read_text()) if resumed and held_file.is_file() else 0
             self._wandb = wandb.init(project=cfg.wandb_project, dir=str(run_dir), config=run_config,
-                                     name=run_dir.name, mode=cfg.wandb_mode, id=run_id, resume="allow")
+                                     name=run_dir.name, mode=wandb_mode(cfg), id=run_id, resume="allow")
+            if resumed:
+                held = max(held, (getattr(self._wandb, "step", 0) or 0) - 1)  # online: the server's next step
+                for record in history:
+                    if record["step"] > held:
+                        self._wandb.log({k: v for k, v in record.items() if k != "step" and v is not None},
+                                        step=record["step"])
+            # a new W&B run (the history was logged without W&B) gets every step from here on
+            self._wandb_sent_to = self.last_step = max(held, resume_step) if resumed else None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -63,27 +74,27 @@ class MetricsLogger:
                     if key != "step":
                         self._tb.add_scalar(key, float("nan") if value is None else value, resume_step)
 
-    def _truncate(self, resume_step: int | None) -> tuple[list[dict], int | None]:
+    def _truncate(self, resume_step: int | None) -> list[dict]:
         """Keep only what the resumed run will not log again: the records up to `resume_step`, its evaluation
         included (the loop does not evaluate that step again where it was), so no step appears twice; returns the
-        records kept of `resume_step` and the last step of the history before it was cut. A fresh start (no
-        `resume_step`) moves an earlier history aside instead of overwriting it."""
+        records kept. A fresh start (no `resume_step`) moves an earlier history aside instead of overwriting it."""
         if not self.path.is_file():
-            return [], None
+            return []
         if not resume_step:
             if self.path.stat().st_size:
                 n = 1
                 while (backup := self.path.with_name(f"{self.path.name}.{n}.bak")).exists():
                     n += 1
                 os.replace(self.path, backup)
-                for name in ("config.json", "tensorboard"):  # the settings and event files of that history go along
+                for name in ("config.json", "tensorboard", "metrics.png"):  # what belongs to that history goes along
                     other = self.path.with_name(name)
                     if other.exists():
                         os.replace(other, other.with_name(f"{name}.{n}.bak"))
                 logger.warning("%s holds metrics of an earlier run but no checkpoint was resumed: moved it to %s "
-                               "(and its config.json and tensorboard/ beside it), this run starts a new one", self.path,
+                               "(and its config.json, tensorboard/ and metrics.png beside it), this run starts a new "
+                               "one", self.path,
                                backup)
-            return [], None
+            return []
         kept, last_step, resumed = [], None, []
         for lineno, line in enumerate(self.path.read_bytes().split(b"\n"), 1):
             if not line.strip():
@@ -105,12 +116,11 @@ class MetricsLogger:
             last_step = step
             if step <= resume_step:
                 kept.append(line)
-                if step == resume_step:
-                    resumed.append(record)
+                resumed.append(record)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_bytes(b"".join(line + b"\n" for line in kept))
         os.replace(tmp, self.path)
-        return resumed, last_step
+        return resumed
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -121,9 +131,11 @@ class MetricsLogger:
         self._file.flush()
         if self._wandb is not None and (self._wandb_sent_to is None or step > self._wandb_sent_to):
             self._wandb.log(metrics, step=step)
+        self.last_step = max(step, self.last_step or 0)
         if self._tb is not None:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)
+            self._tb.flush()  # a hard exit (os._exit) keeps what was logged, as metrics.jsonl does
         shown = " ".join(f"{short}={metrics[key]:.4g}" for key, short in CONSOLE_KEYS if key in metrics)
         if not _is_train(metrics):  # an evaluation record
             logger.info("eval after step %d/%d: %s", step, self.total_steps, shown)
@@ -140,8 +152,15 @@ class MetricsLogger:
             self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
+            if self.last_step is not None:  # W&B holds every step sent: a resume need not send them again
+                (self.path.parent / "wandb_step").write_text(f"{self.last_step}\n")
         if self._tb is not None:
             self._tb.close()
+
+
+def wandb_mode(cfg: LogConfig) -> str:
+    """log.wandb_mode, else the environment's WANDB_MODE, else offline."""
+    return cfg.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
 
 
 def _is_train(record: dict) -> bool:
