@@ -6,8 +6,11 @@ import os
 import sys
 from pathlib import Path
 
-from slime.config import describe, load_config
-from slime.utils.startup import long_lived_imports
+from slime.utils.signals import exit_on_interrupt
+
+exit_on_interrupt()  # before the imports that take seconds: Ctrl-C during them is an exit, not a traceback per rank
+from slime.config import describe, load_config  # noqa: E402
+from slime.utils.startup import long_lived_imports  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,3 +34,23 @@ def test_the_collector_is_back_on_when_an_import_fails():
             "        import no_such_module_here\nexcept ImportError:\n    print(gc.isenabled())")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert out.split()[-1] == "True"
+
+
+def test_ctrl_c_during_the_imports_exits_without_a_traceback():
+    """Ctrl-C while a rank imports torch, DeepSpeed and transformers (seconds): each rank printed a
+    KeyboardInterrupt traceback from wherever its imports were. The signal arrives, here, as the trainer's loop
+    module starts importing."""
+    probe = f"""
+import importlib.abc, os, runpy, signal, sys
+class Interrupt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "slime.trainer.loop":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["run.py", "--config", {str(REPO / "examples/cpu_tiny_grpo.yaml")!r}]
+runpy.run_path({str(REPO / "run.py")!r}, run_name="__main__")
+"""
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 130 and "Traceback" not in out.stderr and "KeyboardInterrupt" not in out.stderr, \
+        (out.returncode, out.stderr[-3000:])

@@ -29,6 +29,15 @@ class Stopped(SystemExit):
     step's checkpoint is saved."""
 
 
+def exit_on_interrupt() -> None:
+    """Until StopRequest.install: Ctrl-C exits (130) without the KeyboardInterrupt traceback every rank printed
+    from wherever its imports were."""
+    def handle(signum, frame):
+        raise Stopped(128 + signum)
+
+    signal.signal(signal.SIGINT, handle)
+
+
 class StopRequest:
     def __init__(self, stuck_after_s: float = STUCK_AFTER_S) -> None:
         self.signum: int | None = None
