@@ -373,6 +373,21 @@ def test_the_logged_lr_is_the_one_used_and_a_longer_resumed_run_follows_its_own_
     expected = [5e-3 * short(0), 5e-3 * short(1), 5e-3 * long(2), 5e-3 * long(3)]  # 2.5e-3, 5e-3, 3.75e-3, 1.25e-3
     assert [r["train/lr"] for r in read_metrics(run_dir)] == pytest.approx(expected)
 
+
+def test_after_a_critics_warmup_the_actors_schedule_spans_the_steps_that_train_it(model, task_dir, tmp_path):
+    """algo.critic.warmup_steps: the actor trains from the step after the warmup, and its cosine spanned every step
+    of the run, so it ended a warmup's share short of min_lr (verl's does the same)."""
+    from slime.config import TrainConfig
+    from slime.trainer.policy_engine import lr_lambda
+
+    run_dir = tmp_path / "run"
+    launch(model, task_dir, run_dir, "train.num_steps=3", "algo.advantage_estimator=gae", "algo.critic.warmup_steps=1",
+           "train.lr_schedule=cosine", "train.warmup_steps=0", "train.min_lr=0", "checkpoint.interval=0", nproc=1)
+    actor = lr_lambda(TrainConfig(num_steps=3, lr_schedule="cosine", lr=5e-3), 2)  # two updates: steps 2 and 3
+    assert [r.get("train/lr") for r in read_metrics(run_dir)] == pytest.approx([None, 5e-3, 5e-3 * actor(1)])
+    assert actor(1) == pytest.approx(0.5)  # halfway down its cosine at its second update (0.75 over three steps)
+
+
 # -- signals ----------------------------------------------------------------------------------------------------
 
 def run_sh(model, task_dir, run_dir, *overrides) -> tuple[list[str], dict]:

@@ -81,9 +81,18 @@ def sample_positions(adapter, model, s: Sample) -> torch.Tensor:
     return adapter.position_ids(model, ids, s.mm.image_grid_thw, mask)
 
 
+def actor_steps(cfg: Config) -> int:
+    """Loop steps that update the actor, the length of its lr schedule: all but a critic's warmup steps (the
+    schedule spanned them all, so its cosine stopped short of min_lr by the warmup's share)."""
+    critic = cfg.algo.advantage_estimator == "gae" and cfg.algo.policy_loss != "sft"  # as the loop builds one
+    return cfg.train.num_steps - (cfg.algo.critic.warmup_steps if critic else 0)
+
+
 class PolicyEngine:
     def __init__(self, role: Role, *, model: ModelConfig, train: TrainConfig, dims: ParallelDims,
-                 temperature: float = 1.0, lr: float | None = None, offload_params: bool = False):
+                 temperature: float = 1.0, lr: float | None = None, offload_params: bool = False,
+                 trained_steps: int | None = None):
+        """`trained_steps`: loop steps in which this role is updated (the lr schedule's length), all by default."""
         self.role, self.dims, self.train_cfg, self.temperature = role, dims, train, temperature
         dtype = resolve_dtype(model.dtype)
         attention = resolve_attn_implementation(model.attn_implementation)
@@ -120,7 +129,7 @@ class PolicyEngine:
                             f"off ({fuse_why})")
         module = PolicyModel(hf, head="value" if role == "critic" else "logprobs", adapter=self.adapter, sp=shard)
         self._hf_names = {n for n, _ in hf.named_parameters()}  # before expert parallelism replaces MoE blocks
-        total = train.num_steps * train.num_mini_batches
+        total = max(1, train.num_steps if trained_steps is None else trained_steps) * train.num_mini_batches
         self.engine = parallelize(module, dims, train, lr=None if role == "reference" else lr,
                                   lr_lambda=lr_lambda(train, total) if role == "actor" else None,
                                   offload_params=offload_params)
@@ -149,7 +158,8 @@ class PolicyEngine:
         # RL scores the responses at the temperature they were sampled at; SFT's cross-entropy is the model's own
         # (at rollout.temperature it would fit logits T times too large, and log that as train/loss)
         temperature = 1.0 if cfg.algo.policy_loss == "sft" else cfg.rollout.temperature
-        return cls("actor", model=cfg.model, train=cfg.train, dims=dims, temperature=temperature, lr=cfg.train.lr)
+        return cls("actor", model=cfg.model, train=cfg.train, dims=dims, temperature=temperature, lr=cfg.train.lr,
+                   trained_steps=actor_steps(cfg))
 
     @classmethod
     def reference(cls, cfg: Config, dims: ParallelDims) -> "PolicyEngine":
