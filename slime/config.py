@@ -256,7 +256,8 @@ class CriticConfig:
     lr: float = field(1e-5, "Critic learning rate.")
     value_clip: float = field(0.2, "Clip range of the value update around the old values.")
     value_loss_coef: float = field(0.5, "Weight of the value loss.")
-    warmup_steps: int = field(0, "Steps in which only the critic trains (the actor's lr schedule spans the steps after).")
+    warmup_steps: int = field(0, "Steps in which only the critic trains (the actor's lr schedule spans the steps "
+                                 "after).")
 
     def __post_init__(self):
         if not 0 <= self.lr < float("inf"):
