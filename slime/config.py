@@ -324,6 +324,11 @@ class AlgoConfig:
                              "away from the reference)")
         if (self.use_kl_loss or self.kl_in_reward) and self.kl_coef <= 0:
             raise ValueError("algo.use_kl_loss / algo.kl_in_reward need algo.kl_coef > 0")
+        if self.use_kl_loss and self.kl_estimator == "k1":
+            raise ValueError("algo.use_kl_loss=true with algo.kl_estimator=k1: the gradient of k1 (log pi - log ref) "
+                             "on tokens sampled from pi is zero in expectation, so the term adds noise and never pulls "
+                             "the policy toward the reference. Use k3 (GRPO's) or k2 (the exact gradient of "
+                             "KL(pi || ref)); k1 is for algo.kl_in_reward=true")
         if self.kl_coef > 0 and not (self.use_kl_loss or self.kl_in_reward) and self.policy_loss != "sft":
             raise ValueError(f"algo.kl_coef={self.kl_coef} weighs a KL term, but none is on: set algo.use_kl_loss=true "
                              "(a loss term) or algo.kl_in_reward=true (a reward penalty); to only log the KL to a "
@@ -528,6 +533,11 @@ class Config:
             if why:
                 raise ValueError(f"rollout.one_step_off=true generates while the trainer trains, which does not work "
                                  f"with {why}; change that setting or set rollout.one_step_off=false")
+        critic = self.algo.advantage_estimator == "gae" and self.algo.policy_loss != "sft"
+        if critic and self.algo.critic.warmup_steps >= self.train.num_steps:
+            raise ValueError(f"algo.critic.warmup_steps={self.algo.critic.warmup_steps} leaves no step of "
+                             f"train.num_steps={self.train.num_steps} to train the actor: lower the warmup or raise "
+                             "train.num_steps")
         one_update = self.train.num_mini_batches == 1 and not self.algo.kl_in_reward
         if self.algo.old_logprobs == "auto":  # the scoring pass is redundant when pi_old is the update's weights
             self.algo.old_logprobs = "train_forward" if one_update else "recompute"

@@ -160,6 +160,12 @@ def test_min_lr_above_lr_is_refused_where_the_schedule_decays_to_it():
     # blaming the reward function)
     (["algo.advantage_estimator=reinforce_pp", "rollout.dynamic_sampling=true", "rollout.n_samples_per_prompt=1"],
      ["rollout.dynamic_sampling=true", "rollout.n_samples_per_prompt=1"]),
+    # k1's gradient on the policy's own samples is zero in expectation: a KL loss that never regularises
+    (["algo.use_kl_loss=true", "algo.kl_coef=0.05", "algo.kl_estimator=k1"],
+     ["algo.kl_estimator=k1", "zero in expectation", "k3", "k2", "algo.kl_in_reward=true"]),
+    # a critic warmup as long as the run: the actor never trains, and the run exported the initial model
+    (["algo.advantage_estimator=gae", "algo.critic.warmup_steps=3", "train.num_steps=3"],
+     ["algo.critic.warmup_steps=3", "train.num_steps=3"]),
 ])
 def test_algo_settings_that_would_train_on_nothing_or_noise_are_refused(overrides, words):
     with pytest.raises(ValueError) as err:
@@ -167,6 +173,9 @@ def test_algo_settings_that_would_train_on_nothing_or_noise_are_refused(override
     for word in words:
         assert word in str(err.value)
     fixed = {"algo.kl_coef=0.04": ["algo.kl_coef=0.04", "algo.use_kl_loss=true"],
+             "algo.use_kl_loss=true": ["algo.use_kl_loss=true", "algo.kl_coef=0.05", "algo.kl_estimator=k2"],
+             "algo.advantage_estimator=gae": ["algo.advantage_estimator=gae", "algo.critic.warmup_steps=2",
+                                              "train.num_steps=3"],
              "algo.kl_in_reward=true": ["algo.kl_in_reward=true", "algo.kl_coef=0.01", "algo.normalize_std=false"]}
     if overrides[0] in fixed:  # and the fix the message names is accepted
         load_config(None, BASE + fixed[overrides[0]])
