@@ -82,7 +82,7 @@ def run_rank(args) -> None:
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
         return {"saved_bytes": saved[0], "qkv_bytes": sum(qkv), "cuda_peak_bytes": peak}
 
-    longest = args.sp * args.budget
+    longest = args.sp * args.budget + 1  # a sample's row is one token shorter (its last token is only a target)
     trained = step(longest)
     try:
         distribute([one_sample(longest + 1, 1)], dims, actor.train_layout)
@@ -135,6 +135,8 @@ def main() -> None:
             print(f"  sp={sp} rank {x['rank']}:  {f['saved_bytes'] / 2**20:10.1f} MiB ({f['saved_bytes'] / base['saved_bytes']:.3f}x)"
                   f"  {f['qkv_bytes'] / 2**20:8.2f} MiB ({f['qkv_bytes'] / base['qkv_bytes']:.3f}x)")
     print(out[2]["ranks"][0]["refused"])
+    if not all(x["refused"] for r in out.values() for x in r["ranks"]):
+        sys.exit("a sample one token longer than the longest was not refused: the bench's boundary is wrong")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 Per model size (random Qwen3 models built by data_tools, ~4M and ~25M parameters, the tiny char tokenizer),
 one process each, 1 thread, fp32: 16 prompts x 4 samples x exactly 64 new tokens at temperature 1 (EOS
 ignored on both sides: ours rollout.ignore_eos, TRL min_new_tokens), one optimizer step per batch, no KL
-(TRL: beta=0, num_iterations=1). Ours runs on ZeRO-3 (the default) and on ZeRO-2 (ds_configs/zero2.json,
+(TRL: beta=0, num_iterations=1), no gradient checkpointing on either side (TRL's GRPOConfig turns it on by
+default; figures in the README measured before 2026-12-06 had TRL recomputing its activations). Ours runs on ZeRO-3 (the default) and on ZeRO-2 (ds_configs/zero2.json,
 which keeps the whole model on every rank, as TRL does); --recompute adds ours with the separate
 old-logprob forward (algo.old_logprobs=recompute); --compile adds both with torch.compile (ours
 train.compile=true on ZeRO-2, TRL torch_compile=True; each pays its compile in step 1, outside the median);
@@ -43,7 +44,6 @@ sys.path.insert(0, str(REPO))
 
 SIZES = {"small": dict(hidden=256, layers=6), "medium": dict(hidden=512, layers=10)}
 PROMPTS, SAMPLES, NEW_TOKENS, LR = 16, 4, 64, 1e-5
-PROMPT_TOKENS = 7  # "37+48=" and the like, in the char tokenizer
 ZERO2 = "train.ds_config=ds_configs/zero2.json"  # the full model and its gradients on every rank
 UNFUSED = "train.fuse_elementwise=false"  # HF's eager elementwise chains
 TARGET_RATIO, TARGET_EFFICIENCY = 0.75, 0.8  # issue 15's targets: ours/TRL step time, and floor/step time (~25M)
@@ -85,6 +85,15 @@ def write_prompts(work: Path, count: int = 256) -> Path:
     return data
 
 
+def prompt_tokens(model: Path, data: Path) -> float:
+    """Mean prompt length in tokens ("37+48=" and the like, in the model's char tokenizer), as both sides read them."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    return statistics.mean(len(tok(r["prompt"], add_special_tokens=False).input_ids) for r in rows)
+
+
 def peak_now() -> float:
     """The faster kernel's GFLOP/s now: one short measurement each, between runs (bench/vs_trl.py's docstring)."""
     return max(matmul_gflops(k, seconds=0.5) for k in ("torch", "onednn"))
@@ -103,6 +112,17 @@ def non_embedding_params(model_dir: Path) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     return sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+
+
+def trl_settings(out: Path, steps: int, compile_model: bool = False) -> dict:
+    """TRL's GRPOConfig arguments (tests/test_bench.py holds them against our_overrides)."""
+    return dict(output_dir=str(out / "trl"), per_device_train_batch_size=PROMPTS * SAMPLES,
+                num_generations=SAMPLES, max_completion_length=NEW_TOKENS, temperature=1.0, beta=0.0,
+                num_iterations=1, learning_rate=LR, max_steps=steps, logging_steps=1, report_to=[],
+                use_cpu=True, bf16=False, save_strategy="no", gradient_accumulation_steps=1, seed=0,
+                dataloader_num_workers=0, disable_tqdm=True, torch_compile=compile_model,
+                gradient_checkpointing=False,  # TRL's default is on: a recompute ours does not do
+                generation_kwargs={"min_new_tokens": NEW_TOKENS})  # fixed lengths, as ours with ignore_eos
 
 
 def worker_trl(model: Path, data: Path, out: Path, steps: int, threads: int, compile_model: bool,
@@ -129,12 +149,7 @@ def worker_trl(model: Path, data: Path, out: Path, steps: int, threads: int, com
             if logs and "completions/mean_length" in logs:
                 lengths.append(logs["completions/mean_length"])
 
-    cfg = GRPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=PROMPTS * SAMPLES,
-                     num_generations=SAMPLES, max_completion_length=NEW_TOKENS, temperature=1.0, beta=0.0,
-                     num_iterations=1, learning_rate=LR, max_steps=steps, logging_steps=1, report_to=[],
-                     use_cpu=True, bf16=False, save_strategy="no", gradient_accumulation_steps=1, seed=0,
-                     dataloader_num_workers=0, disable_tqdm=True, torch_compile=compile_model,
-                     generation_kwargs={"min_new_tokens": NEW_TOKENS})  # fixed lengths, as ours with ignore_eos
+    cfg = GRPOConfig(**trl_settings(out, steps, compile_model))
     tok = AutoTokenizer.from_pretrained(model)
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     if onednn:  # TRL on our CPU settings: its linears (generation runs the same modules) and malloc
@@ -281,11 +296,12 @@ def main() -> None:
               f"new tokens, median of steps 2..{args.steps}, {args.reps} alternating runs each; the best peak so far "
               f"{peak:.0f} GFLOP/s")
         step, efficiency, beside = {}, {}, {}
+        prompt_len = prompt_tokens(model, data)
         for name, rs in results.items():
             t = statistics.median(med(r["times"]) for r in rs)
             gen_len = statistics.median(med(r["response_len"]) for r in rs if r["response_len"])
             gen_tokens = PROMPTS * SAMPLES * gen_len
-            all_tokens = gen_tokens + PROMPTS * SAMPLES * PROMPT_TOKENS
+            all_tokens = gen_tokens + PROMPTS * SAMPLES * prompt_len
             passes = 6 + (2 if runs[name][1] else 0)  # fwd+bwd, plus a separate old-logprob forward
             cores = 2 if name.endswith(("threads", "ranks")) else 1
             flops = 2 * n * gen_tokens + passes * n * all_tokens

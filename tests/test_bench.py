@@ -17,6 +17,27 @@ def test_vs_trl_settings_load(extra, tmp_path):
     assert cfg.train.lr == vs_trl.LR and cfg.rollout.max_response_len == vs_trl.NEW_TOKENS
 
 
+def test_trl_runs_on_our_settings(tmp_path):
+    """What costs time is the same on both sides. TRL's GRPOConfig turns gradient checkpointing on by default,
+    which the bench left on: TRL recomputed its activations in every update and ours did not."""
+    cfg = load_config(str(vs_trl.OUR_CONFIG), vs_trl.our_overrides(tmp_path / "m", tmp_path / "d.jsonl",
+                                                                   tmp_path / "run", 5, []))
+    trl = vs_trl.trl_settings(tmp_path, 5)
+    assert trl["gradient_checkpointing"] is cfg.model.gradient_checkpointing is False
+    assert (trl["temperature"], trl["max_completion_length"], trl["num_generations"], trl["learning_rate"]) == \
+        (cfg.rollout.temperature, cfg.rollout.max_response_len, cfg.rollout.n_samples_per_prompt, cfg.train.lr)
+    assert trl["generation_kwargs"]["min_new_tokens"] == trl["max_completion_length"] and cfg.rollout.ignore_eos
+    assert trl["per_device_train_batch_size"] == cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt
+    assert trl["beta"] == cfg.algo.kl_coef == 0 and trl["num_iterations"] == cfg.train.num_mini_batches == 1
+    assert trl["bf16"] is False and cfg.model.dtype in ("auto", "float32")  # auto: fp32 on CPU
+    try:
+        from trl import GRPOConfig
+    except ImportError:  # the bench extra: TRL's own defaults are checked where it is installed
+        return
+    built = GRPOConfig(**trl)
+    assert built.gradient_checkpointing is False and built.temperature == cfg.rollout.temperature
+
+
 def test_weight_sync_settings_load(tmp_path):
     cfg = load_config(str(weight_sync.CONFIG), weight_sync.overrides(tmp_path / "m", tmp_path / "d.jsonl",
                                                                      tmp_path / "run", 3, []))
@@ -45,7 +66,6 @@ def test_step_profile_groups_ops_as_its_doc_says():
     groups, ops = step_profile.grouped(prof, wall=10.0)
     assert all(groups[g] > 0 for g in ("matmuls", "attention", "copies and optimizer", "other ops"))
     assert groups["fused chains"] == 0
-    assert sum(groups.values()) == pytest.approx(10.0)  # what no op accounts for is "outside ops"
     # --top's list: every op but the matmuls, slowest first, their times those of the groups
     names = [name for name, _, _ in ops]
     assert "aten::exp" in names and "aten::clone" in names and not any(step_profile.group_of(n) == "matmuls"
