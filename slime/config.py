@@ -277,7 +277,7 @@ class AlgoConfig:
     normalize_std: bool = field(True, "GRPO: divide by the group's reward std.")
     policy_loss: Literal["ppo", "gspo", "cispo", "sft"] = field(
         "ppo", "Policy loss; 'sft' trains on prompt + label (cross-entropy on response tokens at temperature 1, "
-               "no rollout).")
+               "no rollout; a chat ending in the assistant's reply learns that reply from the messages before it).")
     clip_low: float | None = field(0.2, "Clip range below ratio 1 (null = no lower bound, CISPO).")
     clip_high: float = field(0.2, "Clip range above ratio 1 (clip-higher when > clip_low).")
     dual_clip: float | None = field(None, "Dual-clip constant c > 1 bounding the loss of negative advantages.")

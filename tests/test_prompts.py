@@ -208,6 +208,35 @@ def test_empty_labels_are_missing_labels(tmp_path, tok):
     assert len(prompts) == 4 and not report.skipped
 
 
+def test_sft_learns_a_chats_final_assistant_reply_from_the_messages_before_it(tmp_path, tok, caplog):
+    """A chat SFT row ending in the assistant's reply: the reply was rendered into the prompt and the label learned
+    after a new assistant turn (the model copied an answer it could see), or, without a label, the row was skipped
+    as "missing_label" with the reward's wording."""
+    chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "10+10="}]
+    rows = [{"messages": [*chat, {"role": "assistant", "content": "20"}], "label": "20"},
+            {"messages": [*chat, {"role": "assistant", "content": [{"type": "text", "text": "20"}]}]},
+            {"messages": chat, "label": "20"}]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    prompts, report = load_prompts(DataConfig(path=str(path)), tok, label_required=True, label_is_text=True)
+    assert not report.skipped and [p.label for p in prompts] == ["20"] * 3
+    assert prompts[0].prompt_ids == prompts[1].prompt_ids == prompts[2].prompt_ids  # the reply is not in the prompt
+    assert "20" not in prompts[0].prompt_text
+    evaluated, _ = load_prompts(DataConfig(path=str(path)), tok, label_required=True, reply_as_label=True)
+    assert [p.prompt_ids for p in evaluated] == [p.prompt_ids for p in prompts]  # an SFT run's evaluation alike
+    other = write_jsonl(tmp_path / "other.jsonl", [{"messages": [*chat, {"role": "assistant", "content": "21"}],
+                                                    "label": "20"}])
+    with pytest.raises(ValueError, match=r"other.jsonl:1: the messages end with an assistant reply and 'label' gives "
+                                         r"another response; SFT learns one"):
+        load_prompts(DataConfig(path=str(other)), tok, label_required=True, label_is_text=True)
+    bare = write_jsonl(tmp_path / "bare.jsonl", [{"messages": chat}, {"prompt": "2+2=", "label": "4"}])
+    with caplog.at_level(logging.WARNING):
+        _, report = load_prompts(DataConfig(path=str(bare), max_skipped_frac=1.0), tok, label_required=True,
+                                 label_is_text=True)
+    assert dict(report.skipped) == {"missing_label": 1} and "SFT learns it as the response, or the final " \
+        "assistant message" in caplog.text
+
+
 def test_sft_labels_are_text(tmp_path, tok):
     ok = write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": 4}])
     prompts, _ = load_prompts(DataConfig(path=str(ok)), tok, label_required=True, label_is_text=True)

@@ -225,6 +225,30 @@ def _is_empty(row: dict, cfg: DataConfig) -> bool:
     return all(empty(m.get("content")) for m in messages if isinstance(m, dict))
 
 
+def _reply_as_label(row: dict, cfg: DataConfig, path: str, line: int) -> dict:
+    """SFT: a chat whose last message is the assistant's reply learns that reply, from the messages before it. It
+    was rendered into the prompt and the label learned after it: the model copied an answer it could see (with the
+    reply also in the label) or the row was skipped for having no label."""
+    messages = row.get(cfg.messages_key)
+    if not (isinstance(messages, list) and messages and isinstance(messages[-1], dict)
+            and messages[-1].get("role") == "assistant"):
+        return row
+    content = messages[-1].get("content")
+    if isinstance(content, list):
+        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+            raise ValueError(f"{path}:{line}: the final assistant message, which SFT learns as the response, holds "
+                             "parts other than text; give it as text")
+        content = "".join(p.get("text") or "" for p in content)
+    if not isinstance(content, str):
+        raise TypeError(f"{path}:{line}: the final assistant message's content must be text, got "
+                        f"{type(content).__name__}")
+    label = row.get(cfg.label_key)
+    if has_label(label) and str(label).strip() != content.strip():
+        raise ValueError(f"{path}:{line}: the messages end with an assistant reply and '{cfg.label_key}' gives "
+                         "another response; SFT learns one: drop the final message or the label")
+    return {**row, cfg.messages_key: messages[:-1], cfg.label_key: content}
+
+
 def has_label(value: Any) -> bool:
     """Whether a row's label gives a reward something to compare against: not missing, not "" and not []."""
     if isinstance(value, str):
@@ -247,12 +271,14 @@ SKIP_REASONS = REASONS + ("missing_label", "empty_prompt", "label_too_long",
 
 
 def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor: VLProcessor | None = None,
-                 *, label_required: bool = False, label_is_text: bool = False,
+                 *, label_required: bool = False, label_is_text: bool = False, reply_as_label: bool = False,
                  max_sample_len: tuple[int, str] | None = None) -> tuple[list[Prompt], LoadReport]:
     """All usable prompts of the file. Over-long prompts are dropped and counted; rows with an empty prompt,
     without the label a reward needs (`label_required`), or image-text rows with a bad image (or placeholders
     that do not match the images) are skipped, logged with file:line and counted by reason, and more than
-    data.max_skipped_frac of them is an error. SFT (`label_is_text`): a label must be text, and a row whose
+    data.max_skipped_frac of them is an error. SFT (`label_is_text`, or `reply_as_label` for its evaluation): a
+    chat ending in the assistant's reply has that reply as its label, the messages before it as its prompt. SFT
+    (`label_is_text`): a label must be text, and a row whose
     prompt + label passes `max_sample_len` = (tokens, the settings that make it) is skipped the same way (the EOS
     after the label is a target only: no micro-batch row holds it)."""
     path = path or cfg.path
@@ -276,6 +302,8 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
             raise ValueError(f"{path}:{line}: the row has both '{cfg.prompt_key}' and '{cfg.messages_key}'; keep one "
                              "(a prompt is one user message; messages is the whole chat)")
         try:
+            if label_is_text or reply_as_label:
+                row = _reply_as_label(row, cfg, path, line)
             # Said before placeholders are matched to images (a wrong type of the field is parse_row's to name)
             if processor is None and isinstance(row.get(cfg.images_key), list) and row[cfg.images_key]:
                 raise ValueError(f"{path}:{line}: the row has images but model.path is a text-only model")
@@ -309,8 +337,10 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
                 left_out.append(f"{line} (message {lost}, role {row[cfg.messages_key][lost]['role']!r})")
             left_out_rows += lost is not None
             if label_required and not has_label(row.get(cfg.label_key)):
-                raise SkippedRow("missing_label", f"no '{cfg.label_key}', or an empty one (the reward compares "
-                                                  "against it; data.label_key names the field)")
+                why = ("SFT learns it as the response, or the final assistant message of the row's messages"
+                       if label_is_text else "the reward compares against it")
+                raise SkippedRow("missing_label", f"no '{cfg.label_key}', or an empty one ({why}; data.label_key "
+                                                  "names the field)")
             if not ids:
                 raise SkippedRow("empty_prompt", "the prompt is empty")
             label = row.get(cfg.label_key)

@@ -31,7 +31,8 @@ def load_eval_prompts(cfg: Config, tokenizer, dims: ParallelDims, processor=None
     pixels. Evaluation needs no trainer layout, so sp peers take different prompts too. A collective (the
     skip counts are summed over ranks): call on every rank."""
     prompts, report = load_prompts(cfg.data, tokenizer, path=cfg.eval.path, processor=processor,
-                                   label_required=needs_label(cfg.rollout.reward.fn))
+                                   label_required=needs_label(cfg.rollout.reward.fn),
+                                   reply_as_label=cfg.algo.policy_loss == "sft")
     not_everywhere = 0
     if dims.world_size > 1:  # as the training file: rows one rank failed to load would shift every slice after them
         common = rows_on_every_rank(prompts, dims)
