@@ -34,6 +34,18 @@ def wrong_count(ctx: RolloutContext):
     return [ctx.trajectory().sample()]
 
 
+def dicts(ctx: RolloutContext):
+    return [{"response": "x"} for _ in range(ctx.n)]
+
+
+class _AsyncCall:
+    async def __call__(self, ctx: RolloutContext):
+        return [ctx.trajectory().sample() for _ in range(ctx.n)]
+
+
+async_object = _AsyncCall()  # inspect does not see its __call__ as a coroutine function
+
+
 def infinite_reward(ctx: RolloutContext):
     samples = []
     for _ in range(ctx.n):

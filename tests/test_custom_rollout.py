@@ -94,9 +94,17 @@ def test_generate_fn_reward_and_errors(hf_engine, tokenizer):
                               first_group_id=5, generate_fn="custom_rollouts:graded_by_length")
     assert [s.reward for s in graded] == [float(len(s.response_ids)) for s in graded]
     assert [s.index for s in graded] == list(range(8)) and graded[4].group_id == 6
-    with pytest.raises(TypeError, match=r"custom_rollouts:wrong_count must return a list of 4 Sample.*row 0"):
+    with pytest.raises(TypeError, match=r"custom_rollouts:wrong_count must return a list of 4 Sample.*"
+                                        r"n_samples_per_prompt=4\), got a list of 1 \(Sample\) for prompt row 0"):
         generate_rollout(hf_engine, prompts, params, tokenizer, make_reward_fn("exact_match"), first_group_id=0,
                          generate_fn="custom_rollouts:wrong_count")
+    with pytest.raises(TypeError, match=r"got a list of 4 \(dict\) for prompt row 0"):
+        generate_rollout(hf_engine, prompts, params, tokenizer, make_reward_fn("exact_match"), first_group_id=0,
+                         generate_fn="custom_rollouts:dicts")
+    with pytest.raises(TypeError, match=r"got a coroutine \(an object whose __call__ is async is not recognised: "
+                                        r"use an async def function\)"):
+        generate_rollout(hf_engine, prompts, params, tokenizer, make_reward_fn("exact_match"), first_group_id=0,
+                         generate_fn="custom_rollouts:async_object")
     with pytest.raises(ValueError, match=r"rollout.generate_fn='custom_rollouts:nope'.*nope"):
         generate_rollout(hf_engine, prompts, params, tokenizer, make_reward_fn("exact_match"), first_group_id=0,
                          generate_fn="custom_rollouts:nope")

@@ -89,6 +89,17 @@ def test_a_step_without_a_token_to_learn_from_is_said(model, task_dir, tmp_path)
     assert "actor: this step has no token to learn from (every response token has loss mask 0" in out
 
 
+def test_a_misspelled_generate_fn_is_said_before_the_models_load(model, task_dir, tmp_path):
+    """It was loaded at the first rollout: after the actor, reference and engine (an SGLang server on a GPU) had
+    loaded, and with a traceback from every rank."""
+    proc = launch(model, task_dir, tmp_path / "run", "rollout.generate_fn=custom_rollouts:masks_everythin",
+                  "train.num_steps=1", nproc=1, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out, out[-3000:]
+    assert "start-up error: ValueError: rollout.generate_fn='custom_rollouts:masks_everythin'" in out
+    assert "RL for 1 steps" not in out  # said before the models load
+
+
 def test_an_eval_budget_past_the_context_length_is_warned(model, task_dir, tmp_path):
     """The training prompts and rollout.max_response_len were checked against the model's context (512 here);
     the eval file and eval.max_response_len were not, and evaluation generated past it without a word."""

@@ -245,9 +245,17 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
     for ctx, group in zip(contexts, groups):
         if not isinstance(group, (list, tuple)) or len(group) != params.n or \
                 not all(isinstance(s, Sample) for s in group):
+            if inspect.iscoroutine(group):  # an async __call__ of an object: not seen as async, never awaited
+                group.close()
+                got = "a coroutine (an object whose __call__ is async is not recognised: use an async def function)"
+            elif isinstance(group, (list, tuple)):
+                kinds = sorted({type(s).__name__ for s in group})
+                got = f"a {type(group).__name__} of {len(group)} ({', '.join(kinds) or 'empty'})"
+            else:
+                got = type(group).__name__
             raise TypeError(f"rollout.generate_fn {spec} must return a list of {params.n} Sample objects per prompt "
-                            f"(RolloutContext.trajectory().sample()), got {type(group).__name__} for prompt row "
-                            f"{ctx.prompt.index}")
+                            f"(RolloutContext.trajectory().sample(); rollout.n_samples_per_prompt={params.n}), got "
+                            f"{got} for prompt row {ctx.prompt.index}")
         for s in group:
             if id(s) in seen:
                 raise ValueError(f"rollout.generate_fn {spec} returned one Sample object twice (prompt row "

@@ -27,6 +27,7 @@ from slime.distributed.ds_config import read_ds_json, zero_stage
 from slime.distributed.parallel_dims import ParallelDims
 from slime.models.export import exported_step
 from slime.models.loading import check_stop_ids, load_processor, load_tokenizer, warn_past_context
+from slime.rollout.custom import load_generate_fn
 from slime.rollout.engine import make_engine
 from slime.rollout.rewards import check_reward_spec, needs_label, reward_fn_from_config
 from slime.rollout.rollout import RolloutAhead, collect_rollout, over_sampled
@@ -218,6 +219,8 @@ def run(cfg: Config) -> dict:
     if dims.is_main:
         lock_run_dir(run_dir)
     check_reward_spec(cfg.rollout.reward.fn)  # before the models load: a typo found in seconds, not minutes
+    if cfg.rollout.generate_fn and not sft:  # likewise (it was loaded at the first rollout)
+        load_generate_fn(cfg.rollout.generate_fn)
     stop = StopRequest.install()
     exit_with_launcher()  # under run.sh: a kill -9 of it must not leave the ranks training
     if dims.rank == 0 and (longest := cfg.longest_sample_warning()) is not None:
