@@ -8,7 +8,8 @@ Per model size (random Qwen3 models built by data_tools, ~4M and ~25M parameters
 one process each, 1 thread, fp32: 16 prompts x 4 samples x exactly 64 new tokens at temperature 1 (EOS
 ignored on both sides: ours rollout.ignore_eos, TRL min_new_tokens), one optimizer step per batch, no KL
 (TRL: beta=0, num_iterations=1), no gradient checkpointing on either side (TRL's GRPOConfig turns it on by
-default; figures in the README measured before 2026-12-06 had TRL recomputing its activations). Ours runs on ZeRO-3 (the default) and on ZeRO-2 (ds_configs/zero2.json,
+default; figures in the README measured before 2026-12-06 had TRL recomputing its activations). Ours runs on
+ZeRO-3 (the default) and on ZeRO-2 (ds_configs/zero2.json,
 which keeps the whole model on every rank, as TRL does); --recompute adds ours with the separate
 old-logprob forward (algo.old_logprobs=recompute); --compile adds both with torch.compile (ours
 train.compile=true on ZeRO-2, TRL torch_compile=True; each pays its compile in step 1, outside the median);

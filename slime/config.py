@@ -533,8 +533,7 @@ class Config:
             if why:
                 raise ValueError(f"rollout.one_step_off=true generates while the trainer trains, which does not work "
                                  f"with {why}; change that setting or set rollout.one_step_off=false")
-        critic = self.algo.advantage_estimator == "gae" and self.algo.policy_loss != "sft"
-        if critic and self.algo.critic.warmup_steps >= self.train.num_steps:
+        if self.trains_critic and self.algo.critic.warmup_steps >= self.train.num_steps:
             raise ValueError(f"algo.critic.warmup_steps={self.algo.critic.warmup_steps} leaves no step of "
                              f"train.num_steps={self.train.num_steps} to train the actor: lower the warmup or raise "
                              "train.num_steps")
@@ -545,7 +544,7 @@ class Config:
             raise ValueError("algo.old_logprobs=train_forward takes pi_old from the update's own forward, which is "
                              "pi_old only for the first optimizer step and after the advantages: it needs "
                              "train.num_mini_batches=1 and algo.kl_in_reward=false (use algo.old_logprobs=recompute)")
-        if self.algo.advantage_estimator == "gae" and self.algo.policy_loss != "sft" and self.parallel.ep > 1:
+        if self.trains_critic and self.parallel.ep > 1:
             raise ValueError("algo.advantage_estimator=gae trains a critic, which parallel.ep > 1 does not support yet "
                              "(expert parallelism covers the policy's MoE blocks only); set parallel.ep=1 or choose a "
                              "critic-free estimator (grpo, rloo, reinforce_pp)")
@@ -554,6 +553,11 @@ class Config:
                 and self.rollout.n_samples_per_prompt < 2:
             raise ValueError(f"algo.advantage_estimator={self.algo.advantage_estimator} needs "
                              "rollout.n_samples_per_prompt >= 2 (a group baseline of one sample is zero)")
+
+    @property
+    def trains_critic(self) -> bool:
+        """GAE's value model: built and trained unless the run is SFT."""
+        return self.algo.advantage_estimator == "gae" and self.algo.policy_loss != "sft"
 
     def longest_sample_warning(self) -> str | None:
         """A sample of the longest prompt and response may not fit a training micro-batch: the step that draws one
@@ -766,9 +770,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
                              "it if it is a string") from None
         if (value is None or isinstance(value, str)) and "#" in text and text.strip()[:1] not in ("'", '"'):
             value = text.strip()  # a comment on a command line is text: "Be brief. #1 rule" lost its "#1 rule"
-        elif value is not None and not isinstance(value, str) and _takes_text(_field_type(key.strip())):
+        elif value is not None and not isinstance(value, str) and _takes_text(tp := _field_type(key.strip())):
             try:
-                _coerce(value, _field_type(key.strip()), key)
+                _coerce(value, tp, key)
             except (TypeError, ValueError):  # text YAML reads as something else: data.system_prompt=Answer: 42
                 value = text.strip()  # (a mapping), =no (false), =1.0 (a number)
         _set_dotted(raw, key.strip(), value)

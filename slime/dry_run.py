@@ -160,7 +160,7 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
             ref = 2 * shape.params
         else:
             ref = 0 if cfg.algo.ref_offload else 2 * shape.params // num_gpus + 2 * shape.largest_layer
-    critic = actor if cfg.algo.advantage_estimator == "gae" and not sft else 0
+    critic = actor if cfg.trains_critic else 0
     tokens = cfg.train.max_tokens_per_gpu
     act_ckpt = activation_bytes(shape, tokens, True)
     act_full = activation_bytes(shape, tokens, False)

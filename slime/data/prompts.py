@@ -238,7 +238,7 @@ def _reply_as_label(row: dict, cfg: DataConfig, path: str, line: int) -> dict:
         if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
             raise ValueError(f"{path}:{line}: the final assistant message, which SFT learns as the response, holds "
                              "parts other than text; give it as text")
-        content = "".join(p.get("text") or "" for p in content)
+        content = _joined_text_parts(messages[-1:])[0]["content"]
     if not isinstance(content, str):
         raise TypeError(f"{path}:{line}: the final assistant message's content must be text, got "
                         f"{type(content).__name__}")

@@ -266,7 +266,7 @@ def run(cfg: Config) -> dict:
         engine.sleep()
     actor = PolicyEngine.actor(cfg, dims)
     ref = PolicyEngine.reference(cfg, dims) if cfg.algo.needs_reference and not sft else None
-    critic = PolicyEngine.critic(cfg, dims) if cfg.algo.advantage_estimator == "gae" and not sft else None
+    critic = PolicyEngine.critic(cfg, dims) if cfg.trains_critic else None
     trained = {"actor": actor, **({"critic": critic} if critic is not None else {})}
     phase = Phase()
     with phase.guard(0, cfg.train.dist_timeout_minutes):  # imports the user's reward module

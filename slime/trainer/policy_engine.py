@@ -84,8 +84,7 @@ def sample_positions(adapter, model, s: Sample) -> torch.Tensor:
 def actor_steps(cfg: Config) -> int:
     """Loop steps that update the actor, the length of its lr schedule: all but a critic's warmup steps (the
     schedule spanned them all, so its cosine stopped short of min_lr by the warmup's share)."""
-    critic = cfg.algo.advantage_estimator == "gae" and cfg.algo.policy_loss != "sft"  # as the loop builds one
-    return cfg.train.num_steps - (cfg.algo.critic.warmup_steps if critic else 0)
+    return cfg.train.num_steps - (cfg.algo.critic.warmup_steps if cfg.trains_critic else 0)
 
 
 class PolicyEngine:

@@ -95,7 +95,7 @@ class MetricsLogger:
                                "one", self.path,
                                backup)
             return []
-        kept, last_step, resumed = [], None, []
+        kept, last_step, records = [], None, []
         for lineno, line in enumerate(self.path.read_bytes().split(b"\n"), 1):
             if not line.strip():
                 continue
@@ -116,11 +116,11 @@ class MetricsLogger:
             last_step = step
             if step <= resume_step:
                 kept.append(line)
-                resumed.append(record)
+                records.append(record)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_bytes(b"".join(line + b"\n" for line in kept))
         os.replace(tmp, self.path)
-        return resumed
+        return records
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
