@@ -165,7 +165,8 @@ class RolloutConfig:
     temperature: float = field(1.0, "Sampling temperature (also applied to the trainer's logprobs).")
     top_p: float = field(1.0, "Nucleus sampling threshold.")
     max_response_len: int = field(64, "Maximum new tokens per response.")
-    stop_token_ids: list = field([], "Extra token ids that end a response (EOS always does).")
+    stop_token_ids: list = field([], "Extra token ids that end a response (EOS always does, and the chat "
+                                     "template's end of turn where the prompts are templated).")
     ignore_eos: bool = field(False, "Generate exactly max_response_len tokens: no stop token ends a response "
                                     "(benchmarks at fixed lengths; SGLang's ignore_eos).")
     gen_batch_size: int = field(64, "hf engine: sequences generated per forward batch.")
@@ -277,7 +278,8 @@ class AlgoConfig:
     normalize_std: bool = field(True, "GRPO: divide by the group's reward std.")
     policy_loss: Literal["ppo", "gspo", "cispo", "sft"] = field(
         "ppo", "Policy loss; 'sft' trains on prompt + label (cross-entropy on response tokens at temperature 1, "
-               "no rollout; a chat ending in the assistant's reply learns that reply from the messages before it).")
+               "no rollout; a chat ending in the assistant's reply learns that reply from the messages before it; the "
+               "target ends with the chat template's end of turn, EOS without a template).")
     clip_low: float | None = field(0.2, "Clip range below ratio 1 (null = no lower bound, CISPO).")
     clip_high: float = field(0.2, "Clip range above ratio 1 (clip-higher when > clip_low).")
     dual_clip: float | None = field(None, "Dual-clip constant c > 1 bounding the loss of negative advantages.")

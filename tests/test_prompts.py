@@ -430,3 +430,41 @@ def test_a_list_of_text_parts_reads_as_its_text_on_a_text_model(tmp_path, tok):
     prompts, _ = load_prompts(DataConfig(path=str(write_jsonl(tmp_path / "p.jsonl", [plain, parts]))), tok)
     assert "type" not in prompts[1].prompt_text
     assert prompts[1].prompt_ids == prompts[0].prompt_ids and prompts[1].prompt_text == prompts[0].prompt_text
+
+
+QWEN_LIKE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_chat_templates_turn_end_ends_sft_targets_and_rollouts_where_it_is_not_eos(tmp_path, tiny_model, tok):
+    """A base model's tokenizer (Qwen2.5's, Llama-3.1's) has an EOS that is not the template's end of turn: SFT
+    learned EOS after the reply, and rollouts ran past the turn's end, while the exported template renders
+    <|im_end|>. Both now end where the template ends a turn; elsewhere EOS stays."""
+    from slime.config import RolloutConfig
+    from slime.data.prompts import sft_samples, turn_end_id
+    from slime.rollout.rollout import sampling_params
+
+    base = AutoTokenizer.from_pretrained(tiny_model)
+    base.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    base.chat_template = QWEN_LIKE
+    im_end = base.convert_tokens_to_ids("<|im_end|>")
+    assert im_end != base.eos_token_id
+    path = write_jsonl(tmp_path / "sft.jsonl", [{"messages": [{"role": "user", "content": f"{i}+1="},
+                                                              {"role": "assistant", "content": str(i + 1)}]}
+                                                for i in range(4)])
+    data = PromptSource(DataConfig(path=str(path)), base, batch_size=2, dp_rank=0, dp_size=1, seed=0,
+                        label_required=True, label_is_text=True)
+    assert data.end_id == im_end and data.turn_end == (im_end,)
+    sample = sft_samples(data.next_batch(), base, data.end_id)[0]
+    assert base.decode(sample.prompt_ids).endswith("<|im_start|>assistant\n")
+    assert sample.response_ids == base(sample.label, add_special_tokens=False).input_ids + [im_end]
+    assert sampling_params(RolloutConfig(stop_token_ids=[7]), data.turn_end).stop_token_ids == (7, im_end)
+    assert sampling_params(RolloutConfig(stop_token_ids=[im_end]), data.turn_end).stop_token_ids == (im_end,)
+
+    # EOS where the template is not applied, where it ends a turn with EOS (the tiny model's), with text, or raises
+    assert turn_end_id(base, DataConfig(path=str(path), apply_chat_template=False)) == base.eos_token_id
+    assert turn_end_id(tok, DataConfig(path=str(path))) == tok.eos_token_id
+    base.chat_template = QWEN_LIKE.replace("<|im_end|>", "")
+    assert turn_end_id(base, DataConfig(path=str(path))) == base.eos_token_id
+    base.chat_template = "{{ raise_exception('a system message first') }}"
+    assert turn_end_id(base, DataConfig(path=str(path))) == base.eos_token_id

@@ -448,6 +448,12 @@ class PromptSource:
         self.prompts, self.report = load_prompts(cfg, tokenizer, processor=processor, label_required=label_required,
                                                  label_is_text=label_is_text, max_sample_len=max_sample_len)
         self.num_too_long = self.report.too_long
+        self.end_id = turn_end_id(tokenizer, cfg)  # what ends an SFT target
+        self.turn_end = turn_end_stops(tokenizer, cfg)  # stops the rollout needs besides EOS
+        if self.turn_end and dp_rank == 0:
+            logger.info("the chat template ends an assistant's turn with %r (id %d), not EOS %r: SFT targets end "
+                        "with it and rollouts stop at it", tokenizer.convert_ids_to_tokens(self.end_id), self.end_id,
+                        tokenizer.eos_token)
         self.skipped_when_drawn: collections.Counter = collections.Counter()
         if len(self.prompts) < batch_size:
             raise ValueError(f"{cfg.path} has {len(self.prompts)} usable prompts, fewer than "
@@ -546,13 +552,46 @@ def to_samples(prompts: list[Prompt], n: int, first_group_id: int) -> list[Sampl
             for g, p in enumerate(prompts) for _ in range(n)]
 
 
-def sft_samples(prompts: list[Prompt], tokenizer) -> list[Sample]:
-    """Supervised samples: the label's text followed by EOS is the response to learn."""
+_REPLY = "slime-reply-0f3a"  # the assistant's content in turn_end_id's rendering: text no template adds itself
+
+
+def turn_end_id(tokenizer, cfg: DataConfig) -> int:
+    """The token that ends a response: EOS, unless the prompts are rendered by a chat template
+    (data.apply_chat_template) that ends an assistant's turn with another special token. Base models' tokenizers
+    do so (Qwen2.5's EOS is <|endoftext|> and its template ends a turn with <|im_end|>; Llama-3.1's <|end_of_text|>
+    and <|eot_id|>): SFT targets end with that token and rollouts stop at it, so a model learns to end its turn as
+    the template renders one. A template that ends a turn with text, or cannot render a user-assistant exchange,
+    leaves EOS."""
+    eos = tokenizer.eos_token_id
+    if not (cfg.apply_chat_template and tokenizer.chat_template):
+        return eos
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": _REPLY}],
+                                             tokenize=False)
+    except Exception:  # a template's raise_exception (it wants a system message first, say)
+        return eos
+    if not isinstance(text, str) or _REPLY not in text:
+        return eos
+    after = tokenizer(text[text.rindex(_REPLY) + len(_REPLY):], add_special_tokens=False).input_ids
+    special = {*tokenizer.all_special_ids, *(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)}
+    return after[0] if after and after[0] in special else eos
+
+
+def turn_end_stops(tokenizer, cfg: DataConfig) -> tuple[int, ...]:
+    """Stop ids a rollout needs besides the engines' EOS: the chat template's turn end where it is not EOS."""
+    end = turn_end_id(tokenizer, cfg)
+    return () if end == tokenizer.eos_token_id else (end,)
+
+
+def sft_samples(prompts: list[Prompt], tokenizer, end_id: int | None = None) -> list[Sample]:
+    """Supervised samples: the label's text followed by `end_id` (turn_end_id's; EOS when None) is the response to
+    learn."""
+    end_id = tokenizer.eos_token_id if end_id is None else end_id
     samples = []
     for p in prompts:
         if p.label is None:
             raise ValueError(f"SFT needs a label for every prompt; row {p.index} has none (data.label_key)")
-        target = tokenizer(str(p.label), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        target = tokenizer(str(p.label), add_special_tokens=False).input_ids + [end_id]
         samples.append(Sample(prompt_ids=list(p.prompt_ids), response_ids=target, prompt_text=p.prompt_text,
                               response_text=str(p.label), label=p.label, metadata=dict(p.metadata),
                               group_id=p.index, finish_reason="stop",

@@ -26,9 +26,11 @@ from slime.rollout.rewards import check_finite
 logger = logging.getLogger(__name__)
 
 
-def sampling_params(cfg: RolloutConfig) -> SamplingParams:
+def sampling_params(cfg: RolloutConfig, turn_end: tuple[int, ...] = ()) -> SamplingParams:
+    """The rollout's sampling; `turn_end`: the chat template's end of turn where it is not EOS (turn_end_stops)."""
+    stops = tuple(cfg.stop_token_ids) + tuple(t for t in turn_end if t not in cfg.stop_token_ids)
     return SamplingParams(max_new_tokens=cfg.max_response_len, temperature=cfg.temperature, top_p=cfg.top_p,
-                          stop_token_ids=tuple(cfg.stop_token_ids), n=cfg.n_samples_per_prompt, ignore_eos=cfg.ignore_eos)
+                          stop_token_ids=stops, n=cfg.n_samples_per_prompt, ignore_eos=cfg.ignore_eos)
 
 
 def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: SamplingParams, tokenizer, reward_fn,
@@ -179,7 +181,7 @@ def _draw_and_generate(engine, data: PromptSource, cfg: RolloutConfig, tokenizer
                        step: int, attempt: int, n_prompts: int | None, seed: int | None = None) -> list[Sample]:
     """One sampling attempt on this rank: draw prompts, generate, score, shape. Each sample records the engine
     weight version that generated it (metadata weight_version)."""
-    params = dataclasses.replace(sampling_params(cfg), seed=seed)
+    params = dataclasses.replace(sampling_params(cfg, data.turn_end), seed=seed)
     version = engine.weight_version
     prompts = data.next_batch(n_prompts)
     # Ids from the share drawn, not from the prompts kept: a rank whose image broke since load has fewer, and

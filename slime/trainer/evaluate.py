@@ -7,11 +7,11 @@ import logging
 import time
 
 from slime.config import Config
-from slime.data.prompts import SKIP_REASONS, Prompt, load_prompts, rows_on_every_rank, with_pixels
+from slime.data.prompts import SKIP_REASONS, Prompt, load_prompts, rows_on_every_rank, turn_end_stops, with_pixels
 from slime.distributed.parallel_dims import ParallelDims
 from slime.rollout.engine import SamplingParams
 from slime.rollout.rewards import needs_label
-from slime.rollout.rollout import generate_rollout
+from slime.rollout.rollout import generate_rollout, sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,9 @@ def load_eval_prompts(cfg: Config, tokenizer, dims: ParallelDims, processor=None
 
 def evaluate(engine, evalset: EvalSet, cfg: Config, tokenizer, reward_fn, dims: ParallelDims) -> dict:
     start, prompts = time.time(), evalset.prompts
+    stops = sampling_params(cfg.rollout, turn_end_stops(tokenizer, cfg.data)).stop_token_ids
     params = SamplingParams(max_new_tokens=cfg.eval.max_response_len or cfg.rollout.max_response_len,
-                            temperature=0.0, stop_token_ids=tuple(cfg.rollout.stop_token_ids), n=1)
+                            temperature=0.0, stop_token_ids=stops, n=1)
     engine.wake()  # a colocated engine may still hold its KV cache released after the weight push
     samples = generate_rollout(engine, prompts, params, tokenizer, reward_fn, first_group_id=0,
                                generate_fn=cfg.rollout.generate_fn,
