@@ -556,6 +556,33 @@ class Config:
             raise ValueError(f"algo.advantage_estimator={self.algo.advantage_estimator} needs "
                              "rollout.n_samples_per_prompt >= 2 (a group baseline of one sample is zero)")
 
+        for line in self.ignored_settings():
+            logger.warning(line)
+
+    def ignored_settings(self) -> list[str]:
+        """Settings given (not at their defaults) that this run never reads, each with why: warned at start, so
+        that nothing a user set is dropped in silence."""
+        def given(obj, prefix: str, names=None) -> list[str]:
+            default = type(obj)()
+            return [f"{prefix}.{f.name}={getattr(obj, f.name)!r}" for f in dataclasses.fields(obj)
+                    if (names is None or f.name in names) and getattr(obj, f.name) != getattr(default, f.name)]
+
+        out, sft = [], self.algo.policy_loss == "sft"
+        if not self.trains_critic and (critic := given(self.algo.critic, "algo.critic")):
+            out.append(f"{', '.join(critic)} ignored: only algo.advantage_estimator=gae trains a critic (and not "
+                       "under algo.policy_loss=sft)")
+        if sft:
+            unused = given(self.algo.tis, "algo.tis", ("level",)) + given(
+                self.rollout, "rollout", ("dynamic_sampling", "one_step_off")) + given(
+                self.rollout.overlong_penalty, "rollout.overlong_penalty", ("max_len",))
+            if unused:
+                out.append(f"{', '.join(unused)} ignored: algo.policy_loss=sft trains on the labels, with no "
+                           "rollout to sample, filter, shape or correct")
+        if not self.rollout.dynamic_sampling and \
+                (unused := given(self.rollout, "rollout", ("over_sample_factor", "max_sampling_attempts"))):
+            out.append(f"{', '.join(unused)} ignored: they set how rollout.dynamic_sampling=true draws again")
+        return out
+
     @property
     def trains_critic(self) -> bool:
         """GAE's value model: built and trained unless the run is SFT."""

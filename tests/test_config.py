@@ -430,3 +430,33 @@ def test_a_home_path_is_expanded(tmp_path, monkeypatch):
     assert (c.model.path, c.data.path, c.eval.path, c.log.run_dir, c.algo.critic.path, c.rollout.sglang.python) == (
         f"{tmp_path}/models/m", f"{tmp_path}/d.jsonl", f"{tmp_path}/e.jsonl", f"{tmp_path}/runs/a",
         f"{tmp_path}/critic", f"{tmp_path}/venv/bin/python")
+
+
+def test_settings_the_run_never_reads_are_warned_at_start(caplog):
+    """A critic's settings without GAE, the rollout's sampling tricks under SFT and dynamic sampling's own knobs
+    without it were dropped in silence; each is now named with why, and a run that sets none warns of nothing."""
+    import logging
+
+    from slime.config import (AlgoConfig, CriticConfig, DataConfig, ModelConfig, OverlongPenaltyConfig, RolloutConfig,
+                              TISConfig)
+
+    def build(**kw):
+        return Config(model=ModelConfig(path="m"), data=DataConfig(path="d.jsonl"), **kw)
+
+    with caplog.at_level(logging.WARNING, logger="slime.config"):
+        cfg = build(algo=AlgoConfig(critic=CriticConfig(lr=1e-4, warmup_steps=2)),
+                    rollout=RolloutConfig(over_sample_factor=2.0))
+    lines = cfg.ignored_settings()
+    assert lines == ["algo.critic.lr=0.0001, algo.critic.warmup_steps=2 ignored: only algo.advantage_estimator=gae "
+                     "trains a critic (and not under algo.policy_loss=sft)",
+                     "rollout.over_sample_factor=2.0 ignored: they set how rollout.dynamic_sampling=true draws again"]
+    assert [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()] == lines
+    sft = build(algo=AlgoConfig(policy_loss="sft", tis=TISConfig(level="token"), critic=CriticConfig(lr=1e-4)),
+                rollout=RolloutConfig(dynamic_sampling=True, n_samples_per_prompt=4,
+                                      overlong_penalty=OverlongPenaltyConfig(max_len=8, buffer_len=4)))
+    assert any(line.startswith("algo.tis.level='token', rollout.dynamic_sampling=True, "
+                               "rollout.overlong_penalty.max_len=8 ignored: algo.policy_loss=sft")
+               for line in sft.ignored_settings())
+    assert build(algo=AlgoConfig(advantage_estimator="gae", critic=CriticConfig(lr=1e-4))).ignored_settings() == []
+    assert build(rollout=RolloutConfig(dynamic_sampling=True, over_sample_factor=2.0)).ignored_settings() == []
+    assert build().ignored_settings() == []
