@@ -319,6 +319,8 @@ def test_dynamic_sampling_that_keeps_no_group_says_why(hf_engine, tokenizer):
     from slime.rollout.rollout import collect_rollout
 
     class Prompts:
+        turn_end = ()  # the stop ids PromptSource adds for a chat template's end of turn
+
         def next_batch(self, n=None):
             return prompts_of(tokenizer, ["1+1=", "2+2="], labels=["never", "never"])
 
@@ -335,6 +337,8 @@ def test_kept_groups_count_the_groups_drawn_not_the_batch_size(hf_engine, tokeni
     from slime.rollout.rollout import collect_rollout
 
     class Prompts:  # one of the batch's 3 prompts was skipped when drawn
+        turn_end = ()  # the stop ids PromptSource adds for a chat template's end of turn
+
         def next_batch(self, n=None):
             return prompts_of(tokenizer, ["1+1=", "2+2="], labels=["2", "4"])
 
@@ -372,6 +376,8 @@ def test_a_batch_generated_ahead_is_discarded_at_a_stop_without_raising_over_it(
     from slime.rollout.rollout import RolloutAhead
 
     class Prompts:
+        turn_end = ()  # the stop ids PromptSource adds for a chat template's end of turn
+
         def next_batch(self, n=None):
             return prompts_of(tokenizer, ["1+1="], labels=["2"])
 
