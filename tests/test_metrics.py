@@ -136,3 +136,24 @@ def test_the_environments_wandb_mode_is_used_unless_the_config_names_one(tmp_pat
     assert wandb_mode(LogConfig()) == "disabled" and wandb_mode(LogConfig(wandb_mode="online")) == "online"
     monkeypatch.delenv("WANDB_MODE")
     assert wandb_mode(LogConfig()) == "offline"
+
+
+def test_sync_puts_the_rows_logged_so_far_on_disk(tmp_path, monkeypatch):
+    """The loop syncs metrics.jsonl before each checkpoint: a resume keeps the rows up to the checkpoint's step, so
+    a power loss after the save must not take them (flush alone leaves them in the page cache)."""
+    import slime.utils.metrics as metrics
+
+    synced, real = [], os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(metrics.os, "fsync", fsync)
+    log = MetricsLogger(LogConfig(run_dir=str(tmp_path / "run")), run_config={}, enabled=True, total_steps=2)
+    log.log(1, {"train/loss": 1.0})
+    assert synced == []  # not every step: once per checkpoint
+    log.sync()
+    assert synced == [str(tmp_path / "run/metrics.jsonl")]
+    log.close()
+    MetricsLogger(LogConfig(run_dir=str(tmp_path / "off")), run_config={}, enabled=False, total_steps=1).sync()

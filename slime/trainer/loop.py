@@ -324,6 +324,7 @@ def run(cfg: Config) -> dict:
         data_state = ahead.data_state if ahead is not None and ahead.in_flight else data.state_dict()
         data_state = data.with_skips_of_all_ranks(data_state, dims.all_reduce_sum)
         skips = {role: e.consecutive_skips for role, e in trained.items()}  # train.max_skipped_steps counts on
+        log.sync()
         return save_checkpoint(trained, ckpt_dir, step=done, dims=dims, identity=identity, keep=cfg.checkpoint.keep,
                                loop_state={"data": data_state, "consecutive_skips": skips})
 

@@ -147,6 +147,13 @@ class MetricsLogger:
         logger.info("step %d/%d %s | %.2fs/step eta %s", step, self.total_steps, shown, rate,
                     _fmt_time(rate * (self.total_steps - step)))
 
+    def sync(self) -> None:
+        """Make the rows logged so far durable (a checkpoint is about to claim their steps: a resume from it keeps
+        metrics.jsonl's rows up to its step and continues after them, so a power loss must not lose them)."""
+        if self._file:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
     def close(self) -> None:
         if self._file:
             self._file.close()
