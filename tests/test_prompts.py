@@ -460,6 +460,8 @@ def test_a_chat_templates_turn_end_ends_sft_targets_and_rollouts_where_it_is_not
     assert sample.response_ids == base(sample.label, add_special_tokens=False).input_ids + [im_end]
     assert sampling_params(RolloutConfig(stop_token_ids=[7]), data.turn_end).stop_token_ids == (7, im_end)
     assert sampling_params(RolloutConfig(stop_token_ids=[im_end]), data.turn_end).stop_token_ids == (im_end,)
+    assert evaluation_stops(base, path) == (im_end,)
+    assert rollout_stops(data, base) == (im_end,)
 
     # EOS where the template is not applied, where it ends a turn with EOS (the tiny model's), with text, or raises
     assert turn_end_id(base, DataConfig(path=str(path), apply_chat_template=False)) == base.eos_token_id
@@ -468,3 +470,42 @@ def test_a_chat_templates_turn_end_ends_sft_targets_and_rollouts_where_it_is_not
     assert turn_end_id(base, DataConfig(path=str(path))) == base.eos_token_id
     base.chat_template = "{{ raise_exception('a system message first') }}"
     assert turn_end_id(base, DataConfig(path=str(path))) == base.eos_token_id
+
+
+class Seen(Exception):
+    """What a stand-in engine was asked to generate with."""
+
+
+class SeenEngine:
+    weight_version = 0
+
+    def wake(self):
+        pass
+
+    def generate(self, prompts, params, mm=None):
+        raise Seen(params.stop_token_ids)
+
+
+def rollout_stops(data, tokenizer) -> tuple[int, ...]:
+    """The stop ids a training rollout drawing from `data` hands the engine."""
+    from one_rank import OneRank
+
+    from slime.config import RolloutConfig
+    from slime.rollout.rollout import collect_rollout
+
+    with pytest.raises(Seen) as seen:
+        collect_rollout(SeenEngine(), data, RolloutConfig(batch_size=2), tokenizer, None, OneRank(), step=0)
+    return seen.value.args[0]
+
+
+def evaluation_stops(tokenizer, path) -> tuple[int, ...]:
+    """The stop ids an evaluation on `path` (its own prompts) hands the engine."""
+    from one_rank import OneRank
+
+    from slime.config import load_config
+    from slime.trainer.evaluate import evaluate, load_eval_prompts
+
+    cfg = load_config(None, ["model.path=m", f"data.path={path}", f"eval.path={path}", "algo.policy_loss=sft"])
+    with pytest.raises(Seen) as seen:
+        evaluate(SeenEngine(), load_eval_prompts(cfg, tokenizer, OneRank()), cfg, tokenizer, None, OneRank())
+    return seen.value.args[0]

@@ -24,6 +24,8 @@ class EvalSet:
     """Prompts of the file left out, by reason, over every rank: reported as eval/skipped_<reason>."""
     longest_prompt: int = 0
     """Tokens of the longest prompt evaluated, over every rank."""
+    turn_end: tuple[int, ...] = ()
+    """Stops besides EOS: the chat template's end of turn where it is not EOS (turn_end_stops)."""
 
 
 def load_eval_prompts(cfg: Config, tokenizer, dims: ParallelDims, processor=None) -> EvalSet:
@@ -54,12 +56,13 @@ def load_eval_prompts(cfg: Config, tokenizer, dims: ParallelDims, processor=None
     for reason, n in zip(reasons, counts):
         skipped[reason] += int(n)
     return EvalSet(mine, {r: n for r, n in sorted(skipped.items()) if n},
-                   longest_prompt=max((len(p.prompt_ids) for p in prompts), default=0))
+                   longest_prompt=max((len(p.prompt_ids) for p in prompts), default=0),
+                   turn_end=turn_end_stops(tokenizer, cfg.data))
 
 
 def evaluate(engine, evalset: EvalSet, cfg: Config, tokenizer, reward_fn, dims: ParallelDims) -> dict:
     start, prompts = time.time(), evalset.prompts
-    stops = sampling_params(cfg.rollout, turn_end_stops(tokenizer, cfg.data)).stop_token_ids
+    stops = sampling_params(cfg.rollout, evalset.turn_end).stop_token_ids
     params = SamplingParams(max_new_tokens=cfg.eval.max_response_len or cfg.rollout.max_response_len,
                             temperature=0.0, stop_token_ids=stops, n=1)
     engine.wake()  # a colocated engine may still hold its KV cache released after the weight push
