@@ -449,7 +449,7 @@ class PromptSource:
                                                  label_is_text=label_is_text, max_sample_len=max_sample_len)
         self.num_too_long = self.report.too_long
         self.end_id = turn_end_id(tokenizer, cfg)  # what ends an SFT target
-        self.turn_end = turn_end_stops(tokenizer, cfg)  # stops the rollout needs besides EOS
+        self.turn_end = () if self.end_id == tokenizer.eos_token_id else (self.end_id,)  # stops besides EOS
         if self.turn_end and dp_rank == 0:
             logger.info("the chat template ends an assistant's turn with %r (id %d), not EOS %r: SFT targets end "
                         "with it and rollouts stop at it", tokenizer.convert_ids_to_tokens(self.end_id), self.end_id,
@@ -566,8 +566,8 @@ def turn_end_id(tokenizer, cfg: DataConfig) -> int:
     if not (cfg.apply_chat_template and tokenizer.chat_template):
         return eos
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": _REPLY}],
-                                             tokenize=False)
+        chat = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _REPLY}]
+        text = tokenizer.apply_chat_template(chat, tokenize=False)
     except Exception:  # a template's raise_exception (it wants a system message first, say)
         return eos
     if not isinstance(text, str) or _REPLY not in text:
