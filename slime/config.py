@@ -185,8 +185,9 @@ class RolloutConfig:
         "x 32 keys), which long responses need most (a 256-token rollout in 0.89x the time). Both need a C++ "
         "compiler; the first rollout pays the compile (step: ~25 s for that 10-layer model, ~6-9 s with inductor's "
         "disk cache warm, more for deeper models; attention: ~2-5 s). auto: step for Llama, Qwen2 and Qwen3 models "
-        "with hidden size >= 256 and SwiGLU MLPs on CPU, falling back to eager decoding with a warning where the "
-        "compile fails; false: neither.")
+        "with hidden size >= 256 and SwiGLU MLPs on CPU, falling back with a warning to the eager step with the "
+        "compiled decode attention (as attention) where the step's compile fails, and to plain eager decoding where "
+        "that compile fails too; attention alone for such models without SwiGLU MLPs; false: neither.")
     generate_fn: str | None = field(None, "'package.module:function' building each prompt's samples (multi-turn, "
                                           "tools; see docs/custom_rollouts.md); None = one completion per sample.")
     generate_fn_timeout: float = field(3600.0, "Seconds rollout.generate_fn may take for one prompt's samples, besides "
@@ -425,7 +426,9 @@ class TrainConfig:
         "reuses the memory it freed instead of page-faulting it in again (2-3 s of system time per step on the 23.7M "
         "model of bench/vs_trl.py; on 2 ranks gloo's threads another 0.2-0.4 s); resident memory stays at its peak. "
         "glibc = malloc's defaults. MALLOC_* variables in the environment win.")
-    ds_config: str = field("ds_configs/zero3.json", "DeepSpeed JSON config; 'auto' fields are filled from this file.")
+    ds_config: str = field("ds_configs/zero3.json", "DeepSpeed JSON config; its 'auto' fields are filled from the run "
+                                                      "config (train.lr, betas, weight_decay, grad_clip; bf16 from "
+                                                      "model.dtype).")
     seed: int = field(1234, "Seed for data order, sampling and initialisation.")
     max_skipped_steps: int = field(3, "Stop after this many consecutive optimizer steps skipped for a non-finite "
                                       "loss or gradient (each skip is logged and counted in train/skipped_steps).")
