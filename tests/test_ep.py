@@ -144,7 +144,7 @@ def test_ep_needs_a_supported_moe_family(tiny_model, tmp_path):
         expert_parallel_settings(2, "qwen2")
 
 
-def test_grpo_loop_with_ep2_and_a_resume_at_another_ep_refused(moe_models, task_dir, tmp_path):
+def test_grpo_loop_with_ep2_samples_as_ep1_does_and_a_resume_at_another_ep_is_refused(moe_models, task_dir, tmp_path):
     """A checkpoint of ep=2 resumed at ep=1 failed inside DeepSpeed (missing and unexpected expert keys; the other
     way, KeyError 'num_experts'), naming no setting: the manifest records parallel.ep."""
     run_dir = tmp_path / "run"
@@ -162,6 +162,14 @@ def test_grpo_loop_with_ep2_and_a_resume_at_another_ep_refused(moe_models, task_
     proc = run_ranks(args + ["train.num_steps=4", "parallel.ep=1"], check=False)
     assert proc.returncode != 0 and ("was written with parallel.ep=2, this run has parallel.ep=1; resume with "
                                      "parallel.ep=2" in proc.stdout + proc.stderr), proc.stderr[-3000:]
+    # ep=1 from the start samples what ep=2 sampled: building the ep=2 actor drew from the sampling stream
+    ep1_dir = tmp_path / "ep1"
+    run_ranks([a if not a.startswith("log.run_dir=") else f"log.run_dir={ep1_dir}" for a in args]
+              + ["train.num_steps=1", "parallel.ep=1"])
+    ep1 = json.loads((ep1_dir / "metrics.jsonl").read_text().splitlines()[0])
+    for key in ("rollout/reward_mean", "rollout/response_len", "adv/zero_adv_group_frac"):
+        assert ep1[key] == rows[0][key], key
+    assert ep1["train/loss"] == pytest.approx(rows[0]["train/loss"], rel=1e-4, abs=1e-6)
 
 
 @pytest.mark.four_ranks

@@ -264,8 +264,11 @@ def run(cfg: Config) -> dict:
     colocate = engine is not None and cfg.rollout.engine == "sglang" and cfg.rollout.sglang.mode == "colocated"
     if colocate:
         engine.sleep()
-    actor = PolicyEngine.actor(cfg, dims)
-    ref = PolicyEngine.reference(cfg, dims) if cfg.algo.needs_reference and not sft else None
+    # The sampling streams seeded above must not depend on the layout: AutoEP's expert set-up (parallel.ep > 1)
+    # draws from the global generator, so ep=2's rollouts differed from ep=1's from the first step.
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        actor = PolicyEngine.actor(cfg, dims)
+        ref = PolicyEngine.reference(cfg, dims) if cfg.algo.needs_reference and not sft else None
     critic = PolicyEngine.critic(cfg, dims) if cfg.trains_critic else None
     trained = {"actor": actor, **({"critic": critic} if critic is not None else {})}
     phase = Phase()
