@@ -454,8 +454,8 @@ def test_a_chat_templates_turn_end_ends_sft_targets_and_rollouts_where_it_is_not
                                                 for i in range(4)])
     data = PromptSource(DataConfig(path=str(path)), base, batch_size=2, dp_rank=0, dp_size=1, seed=0,
                         label_required=True, label_is_text=True)
-    assert data.end_id == im_end and data.turn_end == (im_end,)
-    sample = sft_samples(data.next_batch(), base, data.end_id)[0]
+    assert data.turn_end == (im_end,)
+    sample = sft_samples(data.next_batch(), base, data.turn_end)[0]
     assert base.decode(sample.prompt_ids).endswith("<|im_start|>assistant\n")
     assert sample.response_ids == base(sample.label, add_special_tokens=False).input_ids + [im_end]
     assert sampling_params(RolloutConfig(stop_token_ids=[7]), data.turn_end).stop_token_ids == (7, im_end)

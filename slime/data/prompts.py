@@ -448,12 +448,11 @@ class PromptSource:
         self.prompts, self.report = load_prompts(cfg, tokenizer, processor=processor, label_required=label_required,
                                                  label_is_text=label_is_text, max_sample_len=max_sample_len)
         self.num_too_long = self.report.too_long
-        self.end_id = turn_end_id(tokenizer, cfg)  # what ends an SFT target
-        self.turn_end = () if self.end_id == tokenizer.eos_token_id else (self.end_id,)  # stops besides EOS
+        self.turn_end = turn_end_stops(tokenizer, cfg)  # what ends SFT targets and rollouts besides EOS
         if self.turn_end and dp_rank == 0:
             logger.info("the chat template ends an assistant's turn with %r (id %d), not EOS %r: SFT targets end "
-                        "with it and rollouts stop at it", tokenizer.convert_ids_to_tokens(self.end_id), self.end_id,
-                        tokenizer.eos_token)
+                        "with it and rollouts stop at it", tokenizer.convert_ids_to_tokens(self.turn_end[0]),
+                        self.turn_end[0], tokenizer.eos_token)
         self.skipped_when_drawn: collections.Counter = collections.Counter()
         if len(self.prompts) < batch_size:
             raise ValueError(f"{cfg.path} has {len(self.prompts)} usable prompts, fewer than "
@@ -583,10 +582,10 @@ def turn_end_stops(tokenizer, cfg: DataConfig) -> tuple[int, ...]:
     return () if end == tokenizer.eos_token_id else (end,)
 
 
-def sft_samples(prompts: list[Prompt], tokenizer, end_id: int | None = None) -> list[Sample]:
-    """Supervised samples: the label's text followed by `end_id` (turn_end_id's; EOS when None) is the response to
-    learn."""
-    end_id = tokenizer.eos_token_id if end_id is None else end_id
+def sft_samples(prompts: list[Prompt], tokenizer, turn_end: tuple[int, ...] = ()) -> list[Sample]:
+    """Supervised samples: the label's text followed by the turn's end (`turn_end`, turn_end_stops'; EOS when
+    empty) is the response to learn."""
+    end_id = turn_end[0] if turn_end else tokenizer.eos_token_id
     samples = []
     for p in prompts:
         if p.label is None:

@@ -345,7 +345,7 @@ def run(cfg: Config) -> dict:
                 t0 = time.time()
                 phase.now = "rollout"
                 if sft:
-                    local, metrics = sft_samples(data.next_batch(), tokenizer, data.end_id), {}
+                    local, metrics = sft_samples(data.next_batch(), tokenizer, data.turn_end), {}
                 elif ahead is not None:
                     if not ahead.in_flight:
                         ahead.start(step)
