@@ -99,6 +99,9 @@ def test_plan_engines_colocated_and_disaggregated():
     assert plan.num_engines == 1 and plan.owner_of_engine == (0,)
     plan = plan_engines(SGLangConfig(mode="disaggregated", num_engines=2), world_size=4)
     assert plan.engine_of_rank == (0, 1, 0, 1) and plan.owner_of_engine == (0, 0)
+    assert plan.imbalance() is None and plan_engines(SGLangConfig(tp_size=2), world_size=4).imbalance() is None
+    uneven = plan_engines(SGLangConfig(mode="disaggregated", num_engines=2), world_size=3).imbalance()
+    assert "engines [0] take 2 ranks' prompts, the others 1" in uneven and "divides the world size" in uneven
     with pytest.raises(ValueError, match=r"4 SGLang engines but 2 trainer rank\(s\).*engines 2..3 would generate"):
         plan_engines(SGLangConfig(mode="disaggregated", num_engines=4), world_size=2)
     with pytest.raises(ValueError, match="must divide the world size"):

@@ -55,6 +55,18 @@ class EnginePlan:
     owner_of_engine: tuple[int, ...]  # the rank that launches and controls each engine
     ranks_of_engine: tuple[tuple[int, ...], ...]  # colocated: the ranks whose GPUs the engine uses
 
+    def imbalance(self) -> str | None:
+        """Why the engines' loads differ, where they do (disaggregated, rank r on engine r % n, with n not dividing
+        the ranks): each rollout waits for the busiest engine."""
+        served = collections.Counter(self.engine_of_rank)
+        most, least = max(served.values()), min(served.values())
+        if most == least:
+            return None
+        return (f"{self.num_engines} SGLang engines serve {len(self.engine_of_rank)} trainer ranks unevenly (rank r "
+                f"generates on engine r % {self.num_engines}): engines {sorted(e for e in served if served[e] == most)} "
+                f"take {most} ranks' prompts, the others {least}, and each rollout waits for the busiest; a "
+                "rollout.sglang.num_engines (or urls) that divides the world size balances them")
+
 
 def plan_engines(cfg: SGLangConfig, world_size: int, ranks_per_node: int | None = None) -> EnginePlan:
     if cfg.mode == "colocated":
@@ -130,6 +142,8 @@ class SGLangEngine:
 
         self.cfg, self.dims = cfg, dims
         self.plan = plan_engines(cfg, dims.world_size, local_world_size(dims.world_size))
+        if dims.rank == 0 and (uneven := self.plan.imbalance()):
+            logger.warning(uneven)
         self.colocated = cfg.mode == "colocated"
         # whether sleep()/wake() release and resume the engine's memory (SGLang's memory saver needs CUDA)
         self.releases = self.colocated and (torch.cuda.is_available() if cfg.release_memory is None
