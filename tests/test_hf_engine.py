@@ -225,6 +225,37 @@ def test_preallocated_cache_layer_holds_what_dynamic_layer_holds():
     assert ours._keys.shape[2] == 12  # grew once, by doubling, past 6
 
 
+def test_a_gpu_cache_starts_short_and_grows_to_the_same_generations(engines, monkeypatch):
+    """On a GPU the decode's cache buffers are allocated whole, so they start at the prompt plus GPU_CACHE_STEP new
+    tokens (not max_new_tokens: 64 rows of a 7B model at 8k tokens would be ~30 GB) and double as rows grow. Run
+    here as a GPU would (a step of 3, so the buffers grow twice in 24 tokens): the same tokens and
+    logprobs as with room for the whole decode."""
+    from slime.rollout import hf_engine
+
+    assert hf_engine.cache_capacity(10, 8192, torch.device("cpu")) == 8202
+    assert hf_engine.cache_capacity(10, 8192, torch.device("cuda")) == 10 + hf_engine.GPU_CACHE_STEP
+    assert hf_engine.cache_capacity(10, 100, torch.device("cuda")) == 110
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, n=4, ignore_eos=True)
+    torch.manual_seed(0)
+    whole = engines.generate(PROMPTS, params)
+    grown: list[int] = []
+    real = hf_engine.PreallocatedLayer._reserve
+
+    def reserve(layer, length):
+        real(layer, length)
+        grown.append(layer._keys.shape[2])
+
+    monkeypatch.setattr(hf_engine, "GPU_CACHE_STEP", 3)
+    as_gpu = hf_engine.cache_capacity
+    monkeypatch.setattr(hf_engine, "cache_capacity", lambda width, new, device: as_gpu(width, new, torch.device("cuda")))
+    monkeypatch.setattr(hf_engine.PreallocatedLayer, "_reserve", reserve)
+    torch.manual_seed(0)
+    short = engines.generate(PROMPTS, params)
+    assert sorted(set(grown)) == [10, 20, 40]  # the widest prompt (7) and 3, doubled twice on the way to 31
+    assert [[(g.response_ids, g.logprobs) for g in group] for group in short] == \
+        [[(g.response_ids, g.logprobs) for g in group] for group in whole]
+
+
 @pytest.mark.parametrize("setting", ["step", "attention"])
 def test_a_compile_asked_for_a_model_without_the_decode_step_is_refused(model_path, setting):
     """rollout.hf_compile=step or attention compiles the engine's own decode step: where the model decodes through

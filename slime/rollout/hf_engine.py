@@ -119,6 +119,17 @@ class PreallocatedLayer(DynamicLayer):
         return kept
 
 
+GPU_CACHE_STEP = 256  # new tokens a GPU cache has room for at first (it doubles past them)
+
+
+def cache_capacity(prompt_width: int, max_new_tokens: int, device: torch.device) -> int:
+    """Positions a decode's PreallocatedLayer buffers hold at first. On CPU the whole decode: a page is resident only
+    once written, so room never used costs nothing. On a GPU the buffers are allocated whole (64 rows of a 7B model
+    at 8k new tokens would take ~30 GB), so there they start at the prompt and GPU_CACHE_STEP tokens and double as
+    the rows grow: at most twice what the longest row uses."""
+    return prompt_width + (max_new_tokens if device.type == "cpu" else min(max_new_tokens, GPU_CACHE_STEP))
+
+
 def _compile(setting: bool | str, model: torch.nn.Module, device: torch.device) -> tuple[bool | str, bool | str]:
     """rollout.hf_compile for this model and device -> DecodeStep's (`fused_attention`, `compiled`)."""
     if setting is False:
@@ -374,7 +385,8 @@ class HFEngine:
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache(config=self.model.config)
         if all(type(layer) is DynamicLayer for layer in cache.layers):  # sliding-window layers keep their own
-            cache.layers = [PreallocatedLayer(ids.shape[1] + params.max_new_tokens) for _ in cache.layers]
+            capacity = cache_capacity(ids.shape[1], params.max_new_tokens, self.device)
+            cache.layers = [PreallocatedLayer(capacity) for _ in cache.layers]
         if self._step is not None:
             self._step.check()
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
