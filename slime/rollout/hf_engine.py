@@ -60,7 +60,7 @@ class _AbortedCall(StoppingCriteria):
 
 
 class PreallocatedLayer(DynamicLayer):
-    """A DynamicLayer whose keys and values are views of buffers sized for the whole decode: a step writes its new
+    """A DynamicLayer whose keys and values are views of buffers sized ahead (`cache_capacity`): a step writes its new
     position in place, where DynamicLayer concatenates, i.e. copies the whole cache of every layer at every step
     (and on CPU page-faults the fresh copy in). Past the capacity the buffers double."""
 
