@@ -2,7 +2,8 @@
 
 A reference is a path (relative paths resolve against the data file's folder), a `file://` URL, an
 `http(s)://` URL, a `data:image/...;base64,...` URI, a PIL image (a `datasets` Image feature,
-decoded) or `{"bytes": ..., "path": ...}` (the same feature, undecoded). Whatever goes wrong becomes
+decoded), `{"bytes": ..., "path": ...}` (the same feature, undecoded) or the encoded file's bytes (a binary
+column). Whatever goes wrong becomes
 an `ImageError` whose `reason` is the metric key (`data/skipped_<reason>`), so a bad row is skipped
 and counted instead of failing deep inside the image processor.
 """
@@ -45,6 +46,8 @@ def describe(ref: Any) -> str:
         return f"<in-memory {ref.format or 'PIL'} image {ref.size[0]}x{ref.size[1]}>"
     if isinstance(ref, dict):
         return str(ref.get("path") or "<image bytes>")
+    if isinstance(ref, (bytes, bytearray, memoryview)):
+        return f"<{len(ref)} image bytes>"
     return type(ref).__name__
 
 
@@ -63,8 +66,11 @@ def _source(ref: Any, base_dir: Path, timeout: float, max_bytes: int):
                                                   f"{type(data).__name__}")
             return io.BytesIO(data)
         ref = ref.get("path")
+    if isinstance(ref, (bytes, bytearray, memoryview)):  # a binary column: the encoded file itself
+        return io.BytesIO(ref)
     if not isinstance(ref, str) or not ref:
-        raise ImageError("bad_reference", f"image reference {ref!r} is not a path, URL, data URI or image")
+        raise ImageError("bad_reference", f"image reference {describe(ref)} is not a path, URL, data URI, image "
+                                          "bytes or image")
     if ref.startswith("data:"):
         head, _, payload = ref.partition(",")
         if not head.startswith("data:image/") or ";base64" not in head:
@@ -73,10 +79,14 @@ def _source(ref: Any, base_dir: Path, timeout: float, max_bytes: int):
             return io.BytesIO(base64.b64decode(payload, validate=True))
         except (binascii.Error, ValueError) as e:
             raise ImageError("corrupt_image", f"data URI is not valid base64: {e}") from None
-    scheme = urlparse(ref).scheme
-    if scheme in ("http", "https"):
+    url = urlparse(ref)
+    if url.scheme in ("http", "https"):
         return io.BytesIO(_fetch(ref, timeout, max_bytes))
-    path = Path(unquote(urlparse(ref).path)) if scheme == "file" else Path(ref)
+    if url.scheme == "file" and url.netloc not in ("", "localhost"):  # file://images/a.png: host "images", /a.png
+        raise ImageError("bad_reference", f"{describe(ref)}: a file URL names a host ({url.netloc!r}) here; write a "
+                                          "relative path without file:// (images/a.png) and an absolute one as "
+                                          "file:///abs/path")
+    path = Path(unquote(url.path)) if url.scheme == "file" else Path(ref)
     if not path.is_absolute():
         path = base_dir / path
     if not path.is_file():
@@ -93,6 +103,7 @@ def _fetch(url: str, timeout: float, max_bytes: int) -> bytes:
     """The body of an http(s) image, within `timeout` seconds in all (requests' own timeout is per read: a server
     that trickles bytes would hold the rank, and the ranks waiting for it, for ever) and `max_bytes`."""
     import requests
+    import urllib3
 
     deadline = time.monotonic() + timeout
     body = bytearray()
@@ -111,7 +122,7 @@ def _fetch(url: str, timeout: float, max_bytes: int) -> bytes:
                 if time.monotonic() > deadline:
                     raise ImageError("fetch_failed", f"{url} took more than data.image_fetch_timeout={timeout} s "
                                                      f"({len(body)} bytes so far)")
-    except requests.RequestException as e:
+    except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:  # r.raw's are urllib3's own
         raise ImageError("fetch_failed", f"could not fetch {url}: {e}") from None
     return bytes(body)
 

@@ -182,6 +182,33 @@ def test_parquet_with_an_image_feature(tmp_path, vl):
     assert torch.isfinite(source.next_batch()[0].mm.pixel_values).all()
 
 
+def test_a_binary_image_column_loads_and_a_file_url_with_a_host_is_named(tmp_path, vl):
+    """A parquet column of plain binary (the encoded files, not datasets' Image feature) was skipped as a bad
+    reference, each warning printing the whole image as a bytes literal: it loads. file://images/a.png read /a.png
+    (`images` is the URL's host): refused, saying how to write a relative or an absolute path."""
+    import datasets
+
+    from slime.multimodal.images import ImageError, describe, read_image
+
+    _, tok, proc = vl
+    buf = io.BytesIO()
+    Image.new("RGB", (60, 50), (10, 200, 10)).save(buf, format="PNG")
+    datasets.Dataset.from_dict({"prompt": [f"<image>{Q}"], "images": [[buf.getvalue()]], "label": ["green"]}
+                               ).to_parquet(tmp_path / "d.parquet")
+    prompts, report = load_prompts(DataConfig(path=str(tmp_path / "d.parquet")), tok, processor=proc)
+    assert not report.skipped and prompts[0].prompt_ids.count(proc.image_token_id) == 4
+    assert describe(buf.getvalue()) == f"<{len(buf.getvalue())} image bytes>"
+    with pytest.raises(ImageError, match=r"image reference int is not a path") as e:
+        read_image(7, tmp_path, max_pixels=10**6)
+    (tmp_path / "images").mkdir()
+    name = png(tmp_path / "images" / "a.png")
+    assert read_image(f"file://{tmp_path / 'images' / name}", ".", max_pixels=10**6).size == (60, 50)
+    with pytest.raises(ImageError, match=r"file://images/a.png: a file URL names a host \('images'\).*images/a.png"
+                                         r".*file:///abs/path") as e:
+        read_image(f"file://images/{name}", tmp_path, max_pixels=10**6)
+    assert e.value.reason == "bad_reference"
+
+
 def test_image_rows_refuse_a_turned_off_chat_template(tmp_path, vl):
     _, tok, proc = vl
     path = rows_file(tmp_path, [{"prompt": f"<image>{Q}", "images": [png(tmp_path / "a.png")], "label": "x"}])
@@ -317,7 +344,8 @@ def test_two_images_swapped_since_load_are_skipped_when_drawn(tmp_path, vl, capl
 def test_an_http_image_is_fetched_within_the_timeout_in_all_and_a_size_cap():
     """requests' timeout is per read: a server that sends a byte now and then held the rank for ever (and the ranks
     waiting for it in the load's collective). The whole fetch gets data.image_fetch_timeout, and a body larger than
-    any image of data.max_image_pixels is refused as it arrives."""
+    any image of data.max_image_pixels is refused as it arrives. A body cut short, or a read that times out, is a
+    failed fetch."""
     import http.server
     import threading
     import time
@@ -332,6 +360,14 @@ def test_an_http_image_is_fetched_within_the_timeout_in_all_and_a_size_cap():
         def do_GET(self):
             self.send_response(200)
             self.send_header("Content-Type", "image/png")
+            if self.path in ("/short.png", "/stall.png"):  # 40 bytes of the file, then it closes or stalls
+                self.send_header("Content-Length", str(len(buf.getvalue())))
+                self.end_headers()
+                self.wfile.write(buf.getvalue()[:40])
+                self.wfile.flush()
+                if self.path == "/stall.png":
+                    stop.wait(30)
+                return
             if self.path == "/ok.png":
                 self.send_header("Content-Length", str(len(buf.getvalue())))
                 self.end_headers()
@@ -362,6 +398,14 @@ def test_an_http_image_is_fetched_within_the_timeout_in_all_and_a_size_cap():
         with pytest.raises(ImageError, match=r"sent more than 9048576 bytes") as e:
             read_image(f"{url}/endless.png", ".", max_pixels=10**6, timeout=60.0)
         assert e.value.reason == "too_large"
+        # A body cut short or a read that times out raise urllib3's errors from r.raw, not requests': they ended
+        # the whole load (every rank) instead of skipping the row
+        with pytest.raises(ImageError, match=r"could not fetch .*/short.png: .*IncompleteRead") as e:
+            read_image(f"{url}/short.png", ".", max_pixels=10**6, timeout=60.0)
+        assert e.value.reason == "fetch_failed"
+        with pytest.raises(ImageError, match=r"could not fetch .*/stall.png: .*Read timed out") as e:
+            read_image(f"{url}/stall.png", ".", max_pixels=10**6, timeout=1.0)
+        assert e.value.reason == "fetch_failed"
     finally:
         stop.set()
         httpd.shutdown()
