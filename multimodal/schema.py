@@ -52,6 +52,12 @@ def check_messages(messages: Any, key: str) -> None:
                 raise TypeError(f"'{key}'[{i}].content has a part of type {other.get('type')!r} ({other!r:.60}); "
                                 f"parts are of type {', '.join(map(repr, PART_TYPES))}: an image is "
                                 '{"type": "image", "image": ...}, a text {"type": "text", "text": ...}')
+            # {"type": "text", "content": ...} renders as no text at all: the question would vanish unsaid
+            text = next((part for part in content if part["type"] == "text" and not isinstance(part.get("text"), str)),
+                        None)
+            if text is not None:
+                raise TypeError(f"'{key}'[{i}].content has a text part without a string 'text' ({text!r:.60}); a "
+                                'text part is {"type": "text", "text": "..."}')
         elif not isinstance(content, str):
             raise TypeError(f"'{key}'[{i}].content must be a string or a list of parts, got {type(content).__name__}")
 

@@ -432,6 +432,17 @@ def test_a_list_of_text_parts_reads_as_its_text_on_a_text_model(tmp_path, tok):
     assert prompts[1].prompt_ids == prompts[0].prompt_ids and prompts[1].prompt_text == prompts[0].prompt_text
 
 
+
+@pytest.mark.parametrize("part", [{"type": "text", "content": "what is 1+1?"}, {"type": "text", "text": 5}])
+def test_a_text_part_without_a_string_text_is_named(tmp_path, tok, part):
+    """{"type": "text", "content": ...} loaded with its question silently gone (the prompt was the template's frame
+    alone); a non-string "text" failed with a bare AttributeError. Both name the file, line and part."""
+    row = {"messages": [{"role": "system", "content": "Answer briefly."},
+                        {"role": "user", "content": [part]}], "label": "2"}
+    with pytest.raises(TypeError, match=r"p.jsonl:1: 'messages'\[1\].content has a text part without a string "
+                                         r"'text' .*a text part is \{\"type\": \"text\", \"text\": \"...\"\}"):
+        load_prompts(DataConfig(path=str(write_jsonl(tmp_path / "p.jsonl", [row]))), tok)
+
 QWEN_LIKE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 

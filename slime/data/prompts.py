@@ -221,7 +221,8 @@ def _is_empty(row: dict, cfg: DataConfig) -> bool:
     def empty(content) -> bool:
         if isinstance(content, str):
             return not content.strip()
-        return all(p.get("type") == "text" and not (p.get("text") or "").strip() for p in content or [])
+        return all(p.get("type") == "text" and isinstance(p.get("text"), str) and not p["text"].strip()
+                   for p in content or [] if isinstance(p, dict))  # other parts: check_messages names them
     return all(empty(m.get("content")) for m in messages if isinstance(m, dict))
 
 
