@@ -144,6 +144,17 @@ async def hangs_async(ctx: RolloutContext):
     await asyncio.Event().wait()
 
 
+async def blocks_the_loop(ctx: RolloutContext):
+    """One turn, then a blocking tool called directly from async code (requests.get, subprocess.run): it holds the
+    event loop, so no asyncio timeout can fire."""
+    import time
+
+    traj = ctx.trajectory()
+    await traj.agenerate(max_new_tokens=2)
+    time.sleep(600)
+    return [traj.sample(reward=0.0)]
+
+
 async def tool_never_answers(ctx: RolloutContext):
     """One turn, then a blocking tool called the usual way from async code (asyncio.to_thread) that never returns."""
     import asyncio

@@ -89,6 +89,20 @@ def nan_extra(sample: Sample) -> dict:
     return {"reward": 1.0, "format": float("nan")}
 
 
+async def blocks_the_loop(sample: Sample) -> float:
+    """A blocking call made directly from async code (requests.get, say): it holds the event loop."""
+    import time
+
+    await asyncio.sleep(0)
+    time.sleep(600)
+    return 1.0
+
+
+async def raises_its_own_timeout(sample: Sample) -> float:
+    """A grader's HTTP call that timed out: the function's own error, not the trainer's timeout."""
+    raise TimeoutError("the grader did not answer")
+
+
 async def tool_never_answers(sample: Sample) -> float:
     """A blocking call made the usual way from async code (asyncio.to_thread) that never returns."""
     await asyncio.to_thread(threading.Event().wait)

@@ -281,6 +281,67 @@ def test_an_async_generate_fn_has_every_request_in_flight_at_once(tokenizer):
     assert [len(g) for g in groups] == [1] * 40
 
 
+BLOCKS_THE_LOOP = """
+import sys
+from slime.data.sample import Sample
+from slime.rollout.engine import Generation, SamplingParams
+from slime.rollout.custom import run_generate_fn
+from slime.rollout.rewards import make_reward_fn
+import custom_rollouts
+from test_custom_rollout import prompts_of
+from transformers import AutoTokenizer
+
+
+class Engine:
+    def generate(self, prompts, params, mm=None):
+        return [[Generation([7, 8], [-0.5, -0.5], "length")]]
+
+
+if sys.argv[1] == "generate_fn":
+    run_generate_fn(custom_rollouts.blocks_the_loop, "custom_rollouts:blocks_the_loop", Engine(),
+                    prompts_of(AutoTokenizer.from_pretrained(sys.argv[2]), ["1+1="]),
+                    SamplingParams(max_new_tokens=4, n=1), None, timeout=1)
+else:
+    make_reward_fn("reward_fns_for_test:blocks_the_loop", timeout=1).score([Sample(prompt_ids=[1], prompt_text="q",
+                                                                                   index=3)])
+print("returned")
+"""
+
+
+@pytest.mark.parametrize("where", ["generate_fn", "reward"])
+def test_an_async_function_that_blocks_the_event_loop_ends_the_process_naming_it(tiny_model, where):
+    """A blocking call made directly in async code (time.sleep here; requests.get, subprocess.run, a trajectory's
+    generate() in practice) holds the event loop, so the asyncio timeout never fired: one rank hung for ever (the
+    others until their collective timed out, saying only that a rank stopped answering). A watchdog ends the
+    process past the limit, naming the function, the sample or prompt row, the fix and where it is blocked."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", BLOCKS_THE_LOOP, where, str(tiny_model)], capture_output=True,
+                          text=True, env=env, cwd=tests, timeout=120)
+    assert done.returncode == 1 and "returned" not in done.stdout, done.stderr[-3000:]
+    what = ("rollout.generate_fn custom_rollouts:blocks_the_loop for prompt row 0" if where == "generate_fn" else
+            "reward function reward_fns_for_test:blocks_the_loop for sample index=3 (prompt 'q')")
+    assert f"{what} ran" in done.stderr and "past its limit of 1 s, in synchronous code that holds the event loop" \
+        in done.stderr and "must await its I/O" in done.stderr
+    assert done.stderr.rstrip().endswith("time.sleep(600)"), done.stderr[-2000:]  # where: the user's own line, last
+
+
+def test_a_reward_functions_own_timeout_error_is_its_error_not_the_timeout():
+    """Python 3.11's asyncio.TimeoutError is TimeoutError: a grader call's own timeout read as the trainer's
+    ("did not return within rollout.reward.timeout ... raise the timeout"), at once, its traceback dropped."""
+    from slime.data.sample import Sample
+
+    with pytest.raises(RuntimeError, match=r"reward_fns_for_test:raises_its_own_timeout raised TimeoutError: the "
+                                           r"grader did not answer for sample index=3") as e:
+        make_reward_fn("reward_fns_for_test:raises_its_own_timeout", timeout=60).score(
+            [Sample(prompt_ids=[1], prompt_text="q", index=3)])
+    assert isinstance(e.value.__cause__, TimeoutError)
+
+
 @pytest.mark.parametrize("where", ["generate_fn", "reward"])
 def test_a_tool_that_never_answers_in_a_thread_of_async_code_ends_in_the_timeout(tokenizer, where):
     """asyncio.to_thread(blocking_tool) in an async generate function or reward: at the timeout the coroutine was

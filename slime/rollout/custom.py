@@ -37,7 +37,7 @@ import torch
 from slime.data.prompts import Prompt
 from slime.data.sample import Sample, as_token_tensor
 from slime.rollout.engine import Generation, RolloutEngine, SamplingParams
-from slime.rollout.rewards import in_daemon_thread, run_user_coroutine
+from slime.rollout.rewards import in_daemon_thread, run_user_coroutine, watched
 
 
 class Trajectory:
@@ -225,7 +225,9 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
 
         async def one(ctx):
             async with at_once:
-                call = asyncio.ensure_future(fn(ctx) if is_async else in_daemon_thread(fn, ctx, name="generate_fn"))
+                where = f"rollout.generate_fn {spec} for prompt row {ctx.prompt.index}"
+                call = asyncio.ensure_future(watched(fn(ctx), where, timeout) if is_async else
+                                             in_daemon_thread(fn, ctx, name="generate_fn"))
                 if not timeout:
                     return await finished(ctx, call)
                 start = time.monotonic()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextvars
 import decimal
 import difflib
 import importlib
@@ -29,8 +30,13 @@ import inspect
 import logging
 import math
 import numbers
+import os
 import re
+import sys
 import threading
+import time
+import traceback
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -444,17 +450,21 @@ class RewardFn:
     async def _call(self, fn: Callable, arg: Any, sem: asyncio.Semaphore, *, name: str, sample: Sample) -> Any:
         """Run a user function with the per-call timeout: an async one is cancelled; a sync one runs in a
         daemon thread that is abandoned (Python cannot stop a thread), so a hang cannot hold the job."""
+        where = f"sample index={sample.index} (prompt {sample.prompt_text[-80:]!r})"
         async with sem:
-            call = fn(arg) if _is_async(fn) else in_daemon_thread(fn, arg)
+            call = asyncio.ensure_future(watched(fn(arg), f"reward function {name} for {where}", self.timeout)
+                                         if _is_async(fn) else in_daemon_thread(fn, arg))
             try:
-                return await asyncio.wait_for(call, timeout=self.timeout)
-            except asyncio.TimeoutError:
+                done, _ = await asyncio.wait({call}, timeout=self.timeout)
+            finally:
+                call.cancel()  # a no-op once it is done; cancelled with the caller otherwise
+            if not done:  # the function's own TimeoutError (a grader's HTTP call, say) is its error, below
                 raise TimeoutError(f"reward function {name} did not return within rollout.reward.timeout="
-                                   f"{self.timeout}s for sample index={sample.index} (prompt "
-                                   f"{sample.prompt_text[-80:]!r}); fix the function or raise the timeout") from None
+                                   f"{self.timeout}s for {where}; fix the function or raise the timeout")
+            try:
+                return call.result()
             except Exception as e:  # the user's own error, with which function and which sample (its traceback below)
-                raise RuntimeError(f"reward function {name} raised {type(e).__name__}: {e} for sample "
-                                   f"index={sample.index} (prompt {sample.prompt_text[-80:]!r})") from e
+                raise RuntimeError(f"reward function {name} raised {type(e).__name__}: {e} for {where}") from e
 
 
 class DaemonThreads(concurrent.futures.ThreadPoolExecutor):
@@ -487,13 +497,80 @@ class DaemonThreads(concurrent.futures.ThreadPoolExecutor):
         pass  # a thread still running is abandoned: it is a daemon, and its result goes nowhere
 
 
+class _Steps:
+    """The step of a user coroutine that a loop runs now, if any: `now` = (what, limit in seconds, when it began)."""
+
+    def __init__(self) -> None:
+        self.now: tuple[str, float, float] | None = None
+
+
+_STEPS: contextvars.ContextVar[_Steps] = contextvars.ContextVar("slime_user_steps")
+STALL_POLL_S = 0.5  # how often the watchdog of run_user_coroutine looks
+
+
+@types.coroutine
+def watched(coro, what: str, limit: float):
+    """Await `coro`, a user's coroutine, marking each of its steps (the code between two awaits) for the watchdog of
+    run_user_coroutine: a step that runs past `limit` seconds is an `async def` function blocked in synchronous code
+    (requests, subprocess.run, time.sleep), which holds the event loop, so no asyncio timeout can fire."""
+    steps = _STEPS.get(None)
+    if steps is None or not limit:
+        return (yield from coro.__await__())
+    send, value = coro.send, None
+    while True:
+        steps.now = (what, limit, time.monotonic())
+        try:
+            pending = send(value)
+        except StopIteration as e:
+            return e.value
+        finally:
+            steps.now = None
+        try:
+            value, send = (yield pending), coro.send
+        except GeneratorExit:
+            coro.close()
+            raise
+        except BaseException as e:  # noqa: BLE001 -- a cancellation or the awaited future's error: the user's to see
+            value, send = e, coro.throw
+
+
+def _watch(steps: _Steps, loop_thread: int, done: threading.Event) -> None:
+    """Ends the process, saying why and where, when a user coroutine's step overruns its limit: nothing else can
+    (the loop is held, and Python cannot stop a thread); left alone, one rank would hang and the others wait on it."""
+    while not done.wait(STALL_POLL_S):
+        now = steps.now
+        if now is None or time.monotonic() - now[2] <= now[1]:
+            continue
+        frame = sys._current_frames().get(loop_thread)
+        stack = traceback.extract_stack(frame) if frame is not None else []
+        inner = max((i + 1 for i, f in enumerate(stack) if f.name == "watched" and f.filename == __file__), default=0)
+        logger.error("%s ran %.1f s, past its limit of %g s, in synchronous code that holds the event loop, so its "
+                     "timeout could not fire: an `async def` function must await its I/O (aiohttp or httpx, "
+                     "asyncio.create_subprocess_exec, asyncio.sleep, a trajectory's agenerate) or be a plain def (run "
+                     "in a thread, under the timeout). Exiting. Where it is:\n%s", now[0], time.monotonic() - now[2],
+                     now[1], "".join(traceback.format_list(stack[inner:])) or "(not found)")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
 def run_user_coroutine(coro) -> Any:
-    """asyncio.run(coro) with DaemonThreads as the loop's default executor."""
+    """asyncio.run(coro) with DaemonThreads as the loop's default executor, and a watchdog over the steps of the
+    user coroutines it runs through `watched`."""
+    steps, done = _Steps(), threading.Event()
+
     async def main():
+        _STEPS.set(steps)  # the tasks made from here on see it
         asyncio.get_running_loop().set_default_executor(DaemonThreads())
         return await coro
 
-    return asyncio.run(main())
+    threading.Thread(target=_watch, args=(steps, threading.get_ident(), done), name="user-code-watchdog",
+                     daemon=True).start()
+    try:
+        return asyncio.run(main())
+    finally:
+        done.set()
 
 
 def in_daemon_thread(fn: Callable, arg: Any, name: str = "reward") -> asyncio.Future:
