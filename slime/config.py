@@ -190,10 +190,11 @@ class RolloutConfig:
         "that compile fails too; attention alone for such models without SwiGLU MLPs; false: neither.")
     generate_fn: str | None = field(None, "'package.module:function' building each prompt's samples (multi-turn, "
                                           "tools; see docs/custom_rollouts.md); None = one completion per sample.")
-    generate_fn_timeout: float = field(3600.0, "Seconds rollout.generate_fn may take for one prompt's samples, besides "
-                                               "the time its requests queue for the engine (a tool that never answers "
-                                               "ends the run naming the function and the prompt row, not a hang); 0 = "
-                                               "no limit.")
+    generate_fn_timeout: float = field(300.0, "Seconds rollout.generate_fn may take for one prompt's samples, besides "
+                                              "the time its requests queue for the engine (a tool that never answers "
+                                              "ends the run naming the function and the prompt row, not a hang); 0 = "
+                                              "no limit. On several ranks keep it below train.dist_timeout_minutes "
+                                              "(warned otherwise).")
     one_step_off: bool = field(False, "Asynchronous rollout: generate step k+1's batch while training on step k's "
                                       "(one-step-off-policy, as slime's train_async); the engine must not share the "
                                       "trainer's GPUs (hf engine, or SGLang disaggregated). Use algo.tis to correct "
@@ -602,6 +603,24 @@ class Config:
                 f"rollout.max_response_len - 1), more than a micro-batch holds (parallel.sp x "
                 f"train.max_tokens_per_gpu = {budget}): a step that draws one stops. Raise train.max_tokens_per_gpu "
                 f"to {-(-longest // self.parallel.sp)}, or lower data.max_prompt_len / rollout.max_response_len")
+
+    def user_timeout_warning(self, world_size: int) -> str | None:
+        """On several ranks, a user function's timeout at or past the collective's: a rank hung (or slow) in it
+        stops the run by the other ranks' collective timeout first, whose message names no function."""
+        if world_size < 2:
+            return None
+        limit = 60 * self.train.dist_timeout_minutes
+        timeouts = {"rollout.reward.timeout": self.rollout.reward.timeout}
+        if self.rollout.generate_fn and self.algo.policy_loss != "sft":
+            timeouts["rollout.generate_fn_timeout"] = self.rollout.generate_fn_timeout or math.inf
+        late = {k: v for k, v in timeouts.items() if v >= limit}
+        if not late:
+            return None
+        return (f"{', '.join(f'{k}={v:g}s' for k, v in late.items())} not below train.dist_timeout_minutes="
+                f"{self.train.dist_timeout_minutes:g} ({limit:g} s): on {world_size} ranks, one that waits that long "
+                "in the function (a tool that never answers, a slow multi-turn rollout) stops the run by the others' "
+                "collective timeout, whose message names no function; set train.dist_timeout_minutes above the "
+                f"longest rollout a rank may take beyond another's, or lower {' / '.join(late)}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

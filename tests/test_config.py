@@ -460,3 +460,31 @@ def test_settings_the_run_never_reads_are_warned_at_start(caplog):
     assert build(algo=AlgoConfig(advantage_estimator="gae", critic=CriticConfig(lr=1e-4))).ignored_settings() == []
     assert build(rollout=RolloutConfig(dynamic_sampling=True, over_sample_factor=2.0)).ignored_settings() == []
     assert build().ignored_settings() == []
+
+
+def test_a_user_functions_timeout_past_the_collectives_is_warned_on_several_ranks():
+    """A generate_fn timeout of 3600 s (the old default) under a 10 min collective timeout: on 2 ranks a hung tool
+    stopped the run by the other rank's collective timeout, which names no function, and its own message never
+    came. Warned at start on several ranks; the defaults and the shipped examples warn of nothing."""
+    from slime.config import DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig
+
+    def build(**kw):
+        return Config(model=ModelConfig(path="m"), data=DataConfig(path="d.jsonl"), **kw)
+
+    hung = build(rollout=RolloutConfig(generate_fn="m:f", generate_fn_timeout=3600.0))
+    assert hung.user_timeout_warning(1) is None
+    assert hung.user_timeout_warning(2) == (
+        "rollout.generate_fn_timeout=3600s not below train.dist_timeout_minutes=10 (600 s): on 2 ranks, one that "
+        "waits that long in the function (a tool that never answers, a slow multi-turn rollout) stops the run by the "
+        "others' collective timeout, whose message names no function; set train.dist_timeout_minutes above the "
+        "longest rollout a rank may take beyond another's, or lower rollout.generate_fn_timeout")
+    assert "rollout.generate_fn_timeout=infs" in build(rollout=RolloutConfig(generate_fn="m:f", generate_fn_timeout=0)
+                                                       ).user_timeout_warning(4)
+    assert build(rollout=RolloutConfig(generate_fn="m:f", generate_fn_timeout=3600.0),
+                 train=TrainConfig(dist_timeout_minutes=61)).user_timeout_warning(2) is None
+    assert build(rollout=RolloutConfig(generate_fn_timeout=3600.0)).user_timeout_warning(2) is None  # no generate_fn
+    assert build(rollout=RolloutConfig(reward=RewardConfig(timeout=900.0))).user_timeout_warning(2).startswith(
+        "rollout.reward.timeout=900s not below")
+    assert build(rollout=RolloutConfig(generate_fn="m:f")).user_timeout_warning(8) is None
+    for example in sorted((REPO / "examples").glob("*.yaml")):
+        assert load_config(str(example), ["model.path=m"]).user_timeout_warning(8) is None, example.name

@@ -225,6 +225,8 @@ def run(cfg: Config) -> dict:
     exit_with_launcher()  # under run.sh: a kill -9 of it must not leave the ranks training
     if dims.rank == 0 and (longest := cfg.longest_sample_warning()) is not None:
         logger.warning(longest)
+    if dims.rank == 0 and (late := cfg.user_timeout_warning(dims.world_size)) is not None:
+        logger.warning(late)
     ckpt_dir = run_dir / "checkpoints"
     tokenizer = load_tokenizer(cfg.model)
     check_stop_ids(cfg.model, cfg.rollout.stop_token_ids)
