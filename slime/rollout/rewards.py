@@ -55,14 +55,25 @@ _ANSWER_LINE = re.compile(r"(?:####|\banswer\s*:)[ \t]*([^\n]*)", re.IGNORECASE)
 _BOXED = re.compile(r"\\boxed\s*\{")
 
 
+_BRACE = re.compile(r"[{}]")
+
+
 def _last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` whose braces balance (nested braces allowed)."""
-    for m in reversed(list(_BOXED.finditer(text))):
-        depth = 1
-        for i in range(m.end(), len(text)):
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            if depth == 0:
-                return text[m.end():i]
+    """Content of the last ``\\boxed{...}`` whose braces balance (nested braces allowed). One pass over the braces
+    pairs each with its match: scanning on from every box in turn was quadratic in a response of unclosed boxes
+    (8 s for one sample of 36k characters, inline in the rollout)."""
+    boxes = list(_BOXED.finditer(text))
+    if not boxes:
+        return None
+    closing, open_at = {}, []
+    for brace in _BRACE.finditer(text, boxes[0].end() - 1):
+        if brace.group() == "{":
+            open_at.append(brace.start())
+        elif open_at:
+            closing[open_at.pop()] = brace.start()
+    for m in reversed(boxes):
+        if (end := closing.get(m.end() - 1)) is not None:
+            return text[m.end():end]
     return None
 
 
