@@ -105,6 +105,37 @@ def test_math_works_off_the_main_thread():
     assert out and out[0]["reward"] == 1.0
 
 
+def test_a_math_child_that_dies_counts_its_sample_and_the_next_sample_gets_a_new_child(monkeypatch, caplog):
+    """Off the main thread math is scored in a child process. One killed from outside (the kernel's OOM killer on a
+    sympy blow-up) raised a bare BrokenProcessPool naming nothing, and the broken pool failed every later sample."""
+    import logging
+    import os
+    import signal
+
+    def off_main(sample):
+        out = []
+        t = threading.Thread(target=lambda: out.append(math_reward(sample)))
+        t.start()
+        t.join(120)
+        return out[0]
+
+    assert off_main(S("\\boxed{2}", "2"))["reward"] == 1.0  # the child is up
+    pool = rewards._math_pool[0]
+    submit = pool.submit
+
+    def submit_then_kill(*args, **kwargs):
+        future = submit(*args, **kwargs)
+        for proc in pool._processes.values():
+            os.kill(proc.pid, signal.SIGKILL)
+        return future
+
+    monkeypatch.setattr(pool, "submit", submit_then_kill)
+    with caplog.at_level(logging.WARNING, logger="slime.rollout.rewards"):
+        assert off_main(S("\\boxed{2}", "2")) == {"reward": 0.0, "math/pred_unparsed": 0.0, "math/error": 1.0}
+    assert "math reward of sample index=0 counted as math/error: its process died" in caplog.text
+    assert off_main(S("\\boxed{2}", "2"))["reward"] == 1.0 and rewards._math_pool[0] is not pool
+
+
 def test_missing_label_is_an_error():
     with pytest.raises(ValueError, match="no label"):
         math_reward(S("\\boxed{1}"))

@@ -231,7 +231,7 @@ def _math_off_main(sample: Sample) -> dict[str, float]:
     """math_reward from a thread (the one-step-off rollout's): math-verify's timeouts use SIGALRM, which only the
     main thread gets, and a pathological answer (9^{9^{9^{9}}}) would run unbounded and hold the GIL. So a child
     process, in whose main thread the alarms work, scores it; one past MATH_CHILD_LIMIT_S is killed, counted
-    as math/error, and replaced."""
+    as math/error, and replaced, as is one that dies (killed from outside)."""
     import concurrent.futures
     import multiprocessing
 
@@ -244,10 +244,13 @@ def _math_off_main(sample: Sample) -> dict[str, float]:
         future = pool.submit(_math_in_child, sample.response_text, sample.label, sample.index)
         try:
             return future.result(timeout=MATH_CHILD_LIMIT_S)
-        except concurrent.futures.TimeoutError:
-            logger.warning("math reward: math-verify ran past %ds on sample index=%d; its process was killed",
-                           MATH_CHILD_LIMIT_S, sample.index)
-            for proc in list(getattr(pool, "_processes", {}).values()):
+        except (concurrent.futures.TimeoutError, concurrent.futures.process.BrokenProcessPool) as e:
+            if isinstance(e, concurrent.futures.TimeoutError):
+                why = f"math-verify ran past {MATH_CHILD_LIMIT_S}s on it; its process was killed"
+            else:  # killed from outside (the kernel's OOM killer, say): the pool is broken for every later call
+                why = f"its process died ({e}); a new one scores the next"
+            logger.warning("math reward of sample index=%d counted as math/error: %s", sample.index, why)
+            for proc in list((getattr(pool, "_processes", None) or {}).values()):  # None once the pool broke
                 proc.kill()
             pool.shutdown(wait=False, cancel_futures=True)
             _math_pool.clear()
