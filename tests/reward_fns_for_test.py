@@ -54,6 +54,10 @@ def dict_without_reward(sample: Sample) -> dict:
     return {"score": 1.0}
 
 
+def dict_of_mixed_keys(sample: Sample) -> dict:
+    return {"score": 1.0, 1: 2.0}
+
+
 def returns_nan(sample: Sample) -> float:
     return float("nan")
 

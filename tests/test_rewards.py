@@ -308,8 +308,12 @@ def test_a_spec_that_may_load_passes_the_early_check(spec):
 
 @pytest.mark.parametrize("fn_name,granularity,match", [
     ("returns_string", "sample", r"returns_string returned str \('1.0'\) for sample index=0"),
-    ("dict_without_reward", "sample", "dict_without_reward returned a dict without a 'reward'"),
-    ("wrong_length_group", "group", "wrong_length_group must return a list with one value"),
+    ("dict_without_reward", "sample", r"dict_without_reward returned a dict without a 'reward' key for sample "
+                                      r"index=0: keys \[\"'score'\"\]"),
+    ("dict_of_mixed_keys", "sample", r"dict_of_mixed_keys returned a dict without a 'reward' key for sample index=0: "
+                                     r"keys \[\"'score'\", '1'\]"),  # sorted(value) failed on str and int
+    ("wrong_length_group", "group", r"wrong_length_group must return a list with one value per sample of the group "
+                                    r"\(2\), got 1 values for the group of sample index=0"),
 ])
 def test_bad_return_values_name_the_function(fn_name, granularity, match):
     fn = make_reward_fn(f"reward_fns_for_test:{fn_name}", granularity=granularity)

@@ -133,7 +133,7 @@ class RemoteReward:
         except (requests.Timeout, urllib3.exceptions.TimeoutError):
             raise _Retryable(f"no answer within rollout.reward.timeout={self.timeout}s") from None
         except requests.ConnectionError as e:
-            raise _Retryable(f"cannot connect ({type(e).__name__})") from None
+            raise _Retryable(f"cannot connect ({type(e).__name__}: {str(e)[-300:]})") from None  # the end: why
         except (requests.RequestException, urllib3.exceptions.HTTPError) as e:  # e.g. an answer cut short
             raise _Retryable(f"{type(e).__name__}: {str(e)[:200]}") from None
         finally:

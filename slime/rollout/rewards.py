@@ -318,21 +318,21 @@ def _is_async(fn: Callable) -> bool:
 def _as_reward(value: Any, fn_name: str, sample: Sample | None = None) -> tuple[float, dict[str, float]]:
     """(reward, extras) from a function's return value; wrong types name the function."""
     extras: dict[str, float] = {}
+    where = f" for sample index={sample.index}" if sample is not None else ""
     if isinstance(value, dict):
         if "reward" not in value:
-            raise TypeError(f"reward function {fn_name} returned a dict without a 'reward' key: "
-                            f"keys {sorted(value)}")
+            raise TypeError(f"reward function {fn_name} returned a dict without a 'reward' key{where}: keys "
+                            f"{sorted(map(repr, value))}")
         extras = {k: v for k, v in value.items() if k != "reward"}
         value = value["reward"]
         for k, v in extras.items():
             if not isinstance(v, numbers.Real):
                 raise TypeError(f"reward function {fn_name} returned non-number {type(v).__name__}"
-                                f" for extra key {k!r}; extras must be numbers")
+                                f" for extra key {k!r}{where}; extras must be numbers")
             check_finite(v, f"{fn_name} (extra key {k!r})", sample)  # a metric: NaN would poison its mean
     if not isinstance(value, numbers.Real) and getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
         value = value.item()  # numpy's bool_, a 0-d array or tensor: the Python number it holds
     if not isinstance(value, numbers.Real):
-        where = f" for sample index={sample.index}" if sample is not None else ""
         raise TypeError(f"reward function {fn_name} returned {type(value).__name__} ({value!r:.80}){where}; return a "
                         "float or a dict with a 'reward' key")
     check_finite(value, fn_name, sample)
@@ -444,8 +444,9 @@ class RewardFn:
         for idx, group, out in zip(groups.values(), members, outputs):
             if not isinstance(out, (list, tuple)) or len(out) != len(group):
                 got = f"{len(out)} values" if isinstance(out, (list, tuple)) else type(out).__name__
-                raise TypeError(f"group reward function {name} must return a list with one value "
-                                f"per sample of the group ({len(group)}), got {got}")
+                raise TypeError(f"group reward function {name} must return a list with one value per sample of "
+                                f"the group ({len(group)}), got {got} for the group of sample index="
+                                f"{group[0].index} (prompt {group[0].prompt_text[-80:]!r})")
             for i, sample, value in zip(idx, group, out):
                 rewards[i], extras = _as_reward(value, name, sample)
                 if extras:
