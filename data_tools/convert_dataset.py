@@ -52,6 +52,11 @@ def load(source: str, split: str, config: str | None = None, *, exclude: Path | 
     return datasets.load_dataset(source, config, split=split)
 
 
+def looks_local(source: str) -> bool:
+    """A path by its form: ./x, ../x, /x, ~/x, or a data file's suffix (hub names are owner/name)."""
+    return source.startswith((".", "/", "~")) or Path(source).suffix in (".parquet", ".json", ".jsonl")
+
+
 def split_files(folder: Path, split: str, config: str | None, exclude: Path | None) -> list[Path]:
     """The data files of `split` in a local copy of a dataset: those whose name has the split as a whole part
     (train.jsonl, train-00000-of-00001.parquet, gsm8k_train.jsonl; not trainer.jsonl), under `folder/config`
@@ -95,7 +100,7 @@ def last_boxed(text: str) -> str | None:
 
 
 def gsm8k(row: dict, i: int) -> dict | None:
-    if "####" not in row["answer"]:
+    if not isinstance(row["answer"], str) or "####" not in row["answer"]:  # null: no usable answer
         return None
     label = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")
     if not label:
@@ -105,7 +110,7 @@ def gsm8k(row: dict, i: int) -> dict | None:
 
 
 def math(row: dict, i: int) -> dict | None:
-    label = last_boxed(row["solution"])
+    label = last_boxed(row["solution"]) if isinstance(row["solution"], str) else None
     if not label:
         return None
     return {"prompt": row["problem"].strip() + " Put the final answer in \\boxed{}.", "label": label,
@@ -129,8 +134,15 @@ def geometry3k(row: dict, i: int, *, image_dir: Path, split: str) -> dict | None
     names = []
     for k, image in enumerate(images):
         name = f"images/{split}_{i:05d}_{k}.png"
-        if isinstance(image, dict):  # the Image feature undecoded
+        if isinstance(image, dict) and image.get("bytes") is not None:  # the Image feature undecoded
             (image_dir.parent / name).write_bytes(image["bytes"])
+        elif isinstance(image, (dict, str)):  # a path: the feature's {"bytes": None, "path": ...}, or a column of paths
+            path = image.get("path") if isinstance(image, dict) else image
+            if not path or not Path(path).is_file():
+                raise ValueError(f"row {i}: image {k} is the path {path!r}, which is not a file here (relative "
+                                 "paths are read from the current folder)")
+            name = f"images/{split}_{i:05d}_{k}{Path(path).suffix or '.png'}"
+            (image_dir.parent / name).write_bytes(Path(path).read_bytes())
         else:
             image.save(image_dir.parent / name)
         names.append(name)
@@ -154,7 +166,7 @@ def convert(kind: str, rows: Iterable[dict], out: Path, *, split: str = "train")
     written = skipped = 0
     partial = out.with_name(f".{out.name}.partial")  # renamed into place once whole: no half file left behind
     try:
-        with open(partial, "w") as f:
+        with open(partial, "w", encoding="utf-8") as f:
             for i, row in enumerate(rows):
                 try:
                     converted = fn(row, i)
@@ -184,7 +196,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     config = args.config or ("main" if args.kind == "gsm8k" and not Path(args.source).exists() else None)
-    rows = load(args.source, args.split, config, exclude=args.out)
+    if looks_local(args.source) and not Path(args.source).exists():  # not a hub name: the hub's error would say so
+        sys.exit(f"convert_dataset: --source {args.source} does not exist (a local file or folder, by its form; a "
+                 "hub dataset is named owner/name)")
+    try:
+        rows = load(args.source, args.split, config, exclude=args.out)
+    except Exception as e:  # noqa: BLE001 -- datasets' errors for a file it cannot parse, a missing split, ...
+        cause = e.__cause__ or e.__context__ or e  # datasets wraps a parse error in its own
+        sys.exit(f"convert_dataset: could not read --source {args.source} (split {args.split!r}"
+                 f"{f', config {config!r}' if config else ''}): {type(e).__name__}: {e}"
+                 + (f" ({type(cause).__name__}: {cause})" if cause is not e else ""))
     try:
         written, skipped = convert(args.kind, rows, args.out, split=args.split)
     except ValueError as e:

@@ -2,6 +2,7 @@
 length/packing report on a converted file."""
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -165,3 +166,35 @@ def test_a_source_of_another_kind_fails_by_name_and_leaves_no_file(tmp_path):
     with pytest.raises(ValueError):
         convert("gsm8k", [{"question": "1+1?", "answer": "no marker"}], out)
     assert out.read_text() == "kept\n"
+
+
+def test_null_answers_are_skipped_images_given_by_path_are_copied_and_cli_mistakes_are_one_line(tmp_path):
+    """A null answer or solution aborted the whole conversion with a bare TypeError/AttributeError; geometry3k
+    images given as paths (a column of paths, or the Image feature's {"bytes": None, "path": ...}) failed; a mistyped
+    local --source went to the hub as a repo id, and an unparsable file or a missing split ended in tracebacks."""
+    assert convert("gsm8k", [{"question": "1+1?", "answer": "#### 2"}, {"question": "?", "answer": None}],
+                   tmp_path / "g.jsonl") == (1, 1)
+    assert convert("math", [{"problem": "p", "solution": r"\boxed{1}"}, {"problem": "q", "solution": None}],
+                   tmp_path / "m.jsonl") == (1, 1)
+    Image.new("RGB", (40, 30), (10, 20, 30)).save(tmp_path / "a.png")
+    rows = [{"images": [str(tmp_path / "a.png")], "problem": "<image>Find x.", "answer": "3"},
+            {"images": [{"bytes": None, "path": str(tmp_path / "a.png")}], "problem": "<image>Find y.", "answer": "4"}]
+    out = tmp_path / "geo" / "train.jsonl"
+    assert convert("geometry3k", rows, out) == (2, 0)
+    for row in read_jsonl(out):
+        assert Image.open(out.parent / row["images"][0]).getpixel((0, 0)) == (10, 20, 30)
+    with pytest.raises(ValueError, match=r"row 0: image 0 is the path 'nope.png', which is not a file here"):
+        convert("geometry3k", [{"images": ["nope.png"], "problem": "<image>x", "answer": "1"}], tmp_path / "n.jsonl")
+
+    (tmp_path / "broken.jsonl").write_text('{"question": "a?", "answer": "#### 2"}\n{"question": "b?"\n')
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "train.jsonl").write_text('{"question": "a?", "answer": "#### 2"}\n')
+    tool = [sys.executable, str(ROOT / "data_tools" / "convert_dataset.py"), "gsm8k", "--out", str(tmp_path / "o.jsonl")]
+    for source, split, words in [("./trian.jsonl", "train", "--source ./trian.jsonl does not exist"),
+                                 (str(tmp_path / "broken.jsonl"), "train", "could not read --source"),
+                                 (str(tmp_path / "f"), "test", "could not read --source .*split 'test'.*Unknown split")]:
+        done = subprocess.run(tool + ["--source", source, "--split", split], capture_output=True, text=True,
+                              cwd=tmp_path)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        lines = [line for line in done.stderr.splitlines() if line.startswith("convert_dataset:")]
+        assert len(lines) == 1 and re.search(words, lines[0]), done.stderr[-2000:]
