@@ -2,8 +2,11 @@
 
     python data_tools/length_report.py --data data/gsm8k/train.jsonl --model models/Qwen3-4B \\
         --max-tokens-per-gpu 16384 --response-len 1024 --dp 8 --batch 64 --n 8
+    python data_tools/length_report.py --config examples/qwen25vl_3b_geo3k.yaml --dp 8 [section.key=value ...]
 
-Prompts are tokenised exactly as a run would (chat template, data.* defaults). Responses do not exist
+Prompts are tokenised exactly as a run would: with --config, the run's data.* and model.* settings (keys, system
+prompt, chat template, max_prompt_len, image pixels) and its defaults for the flags; without, the trainer's
+defaults. The flags override the config. Responses do not exist
 before a rollout, so each sample gets a response length drawn uniformly from [response-len / 4,
 response-len] (seeded): the report shows how full the packed micro-batches would be, and how much of a
 padded layout (`--micro-batch-size` samples per micro-batch) would be padding, for `--batch` prompts x `--n`
@@ -26,17 +29,19 @@ def percentile(values: list[int], q: float) -> int:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def report(data: str, model: str, *, max_tokens: int, response_len: int, dp: int, batch: int, n: int,
+def report(data, model, *, max_tokens: int, response_len: int, dp: int, batch: int, n: int,
            micro_batch_size: int = 8, max_prompt_len: int = 1 << 30, seed: int = 0) -> dict:
+    """`data` and `model`: a run's DataConfig and ModelConfig, or the paths alone (the rest the defaults, with
+    `max_prompt_len`)."""
     from slime.config import DataConfig, ModelConfig
     from slime.data.packing import packing_stats, padded_fixed_batches, plan_micro_batches
     from slime.data.prompts import load_prompts
     from slime.models.loading import load_processor, load_tokenizer
 
-    model_cfg = ModelConfig(path=model)
+    model_cfg = model if isinstance(model, ModelConfig) else ModelConfig(path=model)
+    data_cfg = data if isinstance(data, DataConfig) else DataConfig(path=data, max_prompt_len=max_prompt_len)
     tokenizer = load_tokenizer(model_cfg)
-    prompts, load = load_prompts(DataConfig(path=data, max_prompt_len=max_prompt_len), tokenizer,
-                                 processor=load_processor(model_cfg, tokenizer))
+    prompts, load = load_prompts(data_cfg, tokenizer, processor=load_processor(model_cfg, tokenizer))
     lengths = [len(p.prompt_ids) for p in prompts]
     rng = random.Random(seed)
     drawn = [rng.choice(lengths) for _ in range(batch)]
@@ -61,20 +66,30 @@ def as_flags(message: str) -> str:
 
 
 def main() -> None:
+    from slime.config import load_config
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--model", required=True, help="model directory (its tokenizer is used)")
-    ap.add_argument("--max-tokens-per-gpu", type=int, default=16384)
-    ap.add_argument("--response-len", type=int, default=1024, help="rollout.max_response_len")
-    ap.add_argument("--dp", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=64, help="rollout.batch_size")
-    ap.add_argument("--n", type=int, default=8, help="rollout.n_samples_per_prompt")
-    ap.add_argument("--micro-batch-size", type=int, default=8, help="for the padded comparison")
+    ap.add_argument("--config", help="a run's YAML: its data.* and model.* settings, and its values for the flags")
+    ap.add_argument("--data", help="data.path (required without --config)")
+    ap.add_argument("--model", help="model.path: the model directory, whose tokenizer (and processor) is used")
+    ap.add_argument("--max-tokens-per-gpu", type=int, help="train.max_tokens_per_gpu")
+    ap.add_argument("--response-len", type=int, help="rollout.max_response_len")
+    ap.add_argument("--dp", type=int, default=8, help="data-parallel ranks (default 8)")
+    ap.add_argument("--batch", type=int, help="rollout.batch_size")
+    ap.add_argument("--n", type=int, help="rollout.n_samples_per_prompt")
+    ap.add_argument("--micro-batch-size", type=int, default=8, help="for the padded comparison (default 8)")
+    ap.add_argument("overrides", nargs="*", help="section.key=value settings over --config, as run.py takes them")
     args = ap.parse_args()
+    flags = {"data.path": args.data, "model.path": args.model, "train.max_tokens_per_gpu": args.max_tokens_per_gpu,
+             "rollout.max_response_len": args.response_len, "rollout.batch_size": args.batch,
+             "rollout.n_samples_per_prompt": args.n}
     try:
-        r = report(args.data, args.model, max_tokens=args.max_tokens_per_gpu, response_len=args.response_len,
-                   dp=args.dp, batch=args.batch, n=args.n, micro_batch_size=args.micro_batch_size)
-    except (ValueError, OSError) as e:  # the trainer's messages, with this tool's flags for its settings
+        cfg = load_config(args.config, [*args.overrides, *(f"{k}={v}" for k, v in flags.items() if v is not None)])
+        args.data, args.max_tokens_per_gpu = cfg.data.path, cfg.train.max_tokens_per_gpu
+        r = report(cfg.data, cfg.model, max_tokens=cfg.train.max_tokens_per_gpu,
+                   response_len=cfg.rollout.max_response_len, dp=args.dp, batch=cfg.rollout.batch_size,
+                   n=cfg.rollout.n_samples_per_prompt, micro_batch_size=args.micro_batch_size)
+    except (ValueError, TypeError, OSError) as e:  # the trainer's messages, with this tool's flags for its settings
         ap.error(as_flags(str(e)))
     print(f"{args.data}: {r['prompts']} prompts (dropped as too long: {r['too_long']}, skipped: {r['skipped'] or 0})")
     print(f"prompt tokens: min {r['min']}  median {r['median']}  p90 {r['p90']}  p99 {r['p99']}  max {r['max']}")

@@ -198,3 +198,34 @@ def test_null_answers_are_skipped_images_given_by_path_are_copied_and_cli_mistak
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
         lines = [line for line in done.stderr.splitlines() if line.startswith("convert_dataset:")]
         assert len(lines) == 1 and re.search(words, lines[0]), done.stderr[-2000:]
+
+
+def test_length_report_reads_a_runs_config_and_names_every_data_error(tmp_path, tiny_model):
+    """The report had no way to the run's data.* and model.* settings: a file keyed `problem` (the geometry3k
+    recipe's) could not be reported at all, and a system prompt or the run's image pixels were not counted. The
+    run's config (and section.key=value overrides) is read as run.py reads it, the flags over it; the loader's
+    TypeErrors came out as tracebacks."""
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(8)))
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {{path: {tiny_model}}}\ndata: {{path: {data}, prompt_key: problem, label_key: answer}}\n"
+                      "train: {max_tokens_per_gpu: 512}\nrollout: {max_response_len: 32, batch_size: 4, "
+                      "n_samples_per_prompt: 2}\n")
+    tool = [sys.executable, str(ROOT / "data_tools" / "length_report.py"), "--dp", "1"]
+
+    def median(*extra):
+        done = subprocess.run(tool + list(extra), capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert f"{data}: 8 prompts" in done.stdout
+        return int(re.search(r"median (\d+)", done.stdout).group(1))
+
+    plain = median("--config", str(config))
+    assert median("--config", str(config), "data.system_prompt=You add numbers carefully.") > plain
+    assert median("--config", str(config), "--max-tokens-per-gpu", "64") == plain  # a flag over the config
+    no_config = subprocess.run(tool + ["--data", str(data), "--model", str(tiny_model)], capture_output=True, text=True)
+    assert no_config.returncode == 2 and "neither 'prompt' nor 'messages' is present" in no_config.stderr
+    data.write_text('{"prompt": "1+1?", "label": "2"}\n{"prompt": 5, "label": "4"}\n')
+    typed = subprocess.run(tool + ["--config", str(config), "data.prompt_key=prompt"], capture_output=True, text=True)
+    assert typed.returncode == 2 and "Traceback" not in typed.stderr and \
+        "p.jsonl:2: field 'prompt' must be a string, got int" in typed.stderr, typed.stderr[-2000:]
