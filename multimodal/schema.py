@@ -93,6 +93,12 @@ def parse_row(row: dict, *, prompt_key: str, messages_key: str, images_key: str,
         refs, bare, out = [], 0, []
         for m in messages:
             content = m.get("content")
+            if isinstance(content, str) and placeholder and placeholder in content and m.get("role") != "assistant":
+                # LLaMA-Factory's and ShareGPT's form: "<image>" in a turn's text marks where an image of the list
+                # goes, as in the flat form (it loaded as literal text, or skipped its row naming no placeholder)
+                pieces = content.split(placeholder)
+                content = [p for k, piece in enumerate(pieces)
+                           for p in ([{"type": "image"}] if k else []) + ([{"type": "text", "text": piece}] if piece else [])]
             if not isinstance(content, list):
                 out.append(m)
                 continue
@@ -111,8 +117,9 @@ def parse_row(row: dict, *, prompt_key: str, messages_key: str, images_key: str,
             images = list(images or [])
             if refs or bare != len(images):
                 raise ImageError("placeholder_mismatch", f"'{messages_key}' has {bare + len(refs)} image part(s) "
-                                                         f"({len(refs)} with a reference) but '{images_key}' lists "
-                                                         f"{len(images)} image(s); give every image once")
+                                                         f"or {placeholder} placeholder(s) ({len(refs)} with a "
+                                                         f"reference) but '{images_key}' lists {len(images)} image(s); "
+                                                         "give every image once")
             refs = images
         return (out, refs) if refs else None
     return None

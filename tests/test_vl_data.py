@@ -58,6 +58,28 @@ def test_both_schemas_give_the_same_prompt(tmp_path, vl):
     assert tok.decode(prompts[0].prompt_ids).startswith("<user><|vision_start|><|image_pad|>")
 
 
+def test_an_image_placeholder_in_a_turns_text_is_an_image_as_in_the_flat_form(tmp_path, vl, tiny_model, caplog):
+    """LLaMA-Factory's and ShareGPT's form, "<image>" in a message's string content with an images list: every such
+    row was skipped ("'messages' has 0 image part(s)"), and without the list the placeholder loaded as literal
+    text where the flat form skips the row. Now it is an image there, as in the flat form; on a text model (no
+    images) it stays text."""
+    _, tok, proc = vl
+    name = png(tmp_path / "a.png")
+    flat = {"prompt": f"<image>{Q}", "images": [name], "label": "red"}
+    sharegpt = {"messages": [{"role": "user", "content": f"<image>{Q}"}], "images": [name], "label": "red"}
+    unfilled = {"messages": [{"role": "user", "content": f"<image>{Q}"}], "label": "red"}
+    with caplog.at_level(logging.WARNING):
+        prompts, report = load_prompts(DataConfig(path=str(rows_file(tmp_path, [flat, sharegpt, unfilled])),
+                                                  max_skipped_frac=1.0), tok, processor=proc)
+    assert [p.index for p in prompts] == [0, 1] and prompts[1].prompt_ids == prompts[0].prompt_ids
+    assert prompts[1].images == [name] and dict(report.skipped) == {"placeholder_mismatch": 1}
+    assert "d.jsonl:3: skipped (placeholder_mismatch): 'messages' has 1 image part(s) or <image> placeholder(s)" \
+        in caplog.text and "left the text of a message out" not in caplog.text
+    text_tok = AutoTokenizer.from_pretrained(tiny_model)
+    texts, _ = load_prompts(DataConfig(path=str(rows_file(tmp_path, [unfilled]))), text_tok)
+    assert f"<image>{Q}" in texts[0].prompt_text
+
+
 def test_pixels_are_made_when_drawn_and_match_the_prompt(tmp_path, vl):
     _, tok, proc = vl
     rows = [{"prompt": f"<image>{Q} {k}", "images": [png(tmp_path / f"{k}.png", size=(30 + 20 * k, 40))],

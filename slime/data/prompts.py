@@ -333,7 +333,8 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
                                  "vision tokens; set data.apply_chat_template=true")
             else:
                 text, ids, refs = encode_image_prompt(*parsed, cfg, processor, base_dir)
-            lost = _texts_left_out(row.get(cfg.messages_key), text)
+            messages = row.get(cfg.messages_key)  # as parsed: a placeholder in a turn's text is an image part there
+            lost = _texts_left_out(parsed[0] if parsed is not None and messages is not None else messages, text)
             if lost is not None and len(left_out) < 5:
                 left_out.append(f"{line} (message {lost}, role {row[cfg.messages_key][lost]['role']!r})")
             left_out_rows += lost is not None
