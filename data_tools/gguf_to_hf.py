@@ -46,7 +46,7 @@ def gguf_to_hf(gguf: str | Path, out: str | Path, *, overwrite: bool = False) ->
     if is_hf_dir(out) and not overwrite:
         return out
     if not gguf.is_file():
-        raise FileNotFoundError(f"GGUF file {gguf} does not exist")
+        raise FileNotFoundError(f"GGUF file {gguf} {'is a directory' if gguf.is_dir() else 'does not exist'}")
     check_replaceable(out, "--out")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -79,8 +79,10 @@ def main() -> None:
     existed = is_hf_dir(args.out) and not args.overwrite
     try:
         gguf_to_hf(gguf, args.out, overwrite=args.overwrite)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ImportError) as e:  # ImportError: transformers reads GGUF with the gguf package
         ap.error(str(e))
+    except (ValueError, OSError) as e:  # not a GGUF file, or one transformers cannot read
+        ap.error(f"could not convert {gguf}: {type(e).__name__}: {e}")
     print(f"{'kept existing' if existed else 'wrote'} {args.out} (from {gguf})")
 
 

@@ -79,7 +79,8 @@ def write(out_dir: str | Path, *, n_train: int = 3000, n_eval: int = 300, seed: 
                 rows.append({"messages": [{"role": "user", "content": [{"type": "image", "image": name},
                                                                        {"type": "text", "text": QUESTION}]}],
                              "label": spec[0]})
-        (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        if rows:  # no eval split asked for: no file (the trainer refuses an empty one)
+            (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return out
 
 
@@ -90,8 +91,11 @@ def main() -> None:
     ap.add_argument("--n-eval", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.n_train < 1 or args.n_eval < 0:
+        ap.error(f"--n-train must be >= 1 and --n-eval >= 0 (got {args.n_train} and {args.n_eval})")
     out = write(args.out_dir, n_train=args.n_train, n_eval=args.n_eval, seed=args.seed)
-    print(f"wrote {out}/train.jsonl ({args.n_train}), {out}/eval.jsonl ({args.n_eval}) and their images")
+    evals = f", {out}/eval.jsonl ({args.n_eval})" if args.n_eval else " (no eval split)"
+    print(f"wrote {out}/train.jsonl ({args.n_train}){evals} and their images")
 
 
 if __name__ == "__main__":

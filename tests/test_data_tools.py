@@ -94,6 +94,27 @@ def test_gguf_to_hf_names_a_missing_file_without_a_traceback(tmp_path):
                           "--gguf", str(tmp_path / "none.gguf")], capture_output=True, text=True)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"GGUF file {tmp_path / 'none.gguf'} does not exist" in out.stderr
+    (tmp_path / "not.gguf").write_bytes(b"not a gguf file at all")  # a ValueError traceback before
+    for gguf, words in [(tmp_path, f"GGUF file {tmp_path} is a directory"),
+                        (tmp_path / "not.gguf", f"could not convert {tmp_path / 'not.gguf'}: ")]:
+        out = subprocess.run([sys.executable, str(ROOT / "data_tools" / "gguf_to_hf.py"), "--out",
+                              str(tmp_path / "o"), "--gguf", str(gguf)], capture_output=True, text=True)
+        assert out.returncode == 2 and "Traceback" not in out.stderr and words in out.stderr, out.stderr[-2000:]
+
+
+def test_make_vl_task_refuses_counts_it_cannot_honour_and_writes_no_empty_eval_file(tmp_path):
+    """--n-eval 0 wrote an empty eval.jsonl, which the trainer refuses; a negative --n-eval wrote fewer train rows
+    than the summary said."""
+    tool = [sys.executable, str(ROOT / "data_tools" / "make_vl_task.py"), "--out-dir"]
+    done = subprocess.run(tool + [str(tmp_path / "a"), "--n-train", "3", "--n-eval", "0"], capture_output=True,
+                          text=True)
+    assert done.returncode == 0 and "(no eval split)" in done.stdout, done.stderr
+    assert len((tmp_path / "a" / "train.jsonl").read_text().splitlines()) == 3
+    assert not (tmp_path / "a" / "eval.jsonl").exists()
+    for n_train, n_eval in (("4", "-2"), ("0", "1")):
+        bad = subprocess.run(tool + [str(tmp_path / "b"), "--n-train", n_train, "--n-eval", n_eval],
+                             capture_output=True, text=True)
+        assert bad.returncode == 2 and "--n-train must be >= 1 and --n-eval >= 0" in bad.stderr
 
 
 def test_tools_that_replace_a_folder_refuse_one_holding_other_files(tmp_path):
