@@ -759,6 +759,16 @@ def test_remote_reward_scores_in_batches_with_extras(server):
     assert weighted.score(text_samples(3)) == [0.0, 2.0, 4.0]
 
 
+def test_a_label_json_cannot_hold_reaches_the_server_as_text(server):
+    """A NaN label (or one holding a set) made requests refuse to encode the body: retried, then blamed on the
+    server ("Check the server"), which never saw a request. Labels are made JSON as metadata is."""
+    samples = text_samples(3)
+    samples[0].label, samples[1].label = float("nan"), [1, {2}]
+    assert remote(server, max_retries=0).score(samples) == [0.0, 1.0, 2.0]
+    got = {s["index"]: s["label"] for r in server.requests for s in r["samples"]}
+    assert got == {100: "nan", 101: [1, "{2}"], 102: None}
+
+
 def test_remote_reward_retries_a_failing_server_then_succeeds(server):
     server.fail_first = 2
     assert remote(server, batch_size=8).score(text_samples(4)) == [0.0, 1.0, 2.0, 3.0]

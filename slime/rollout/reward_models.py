@@ -90,7 +90,7 @@ class RemoteReward:
 
     def payload(self, samples: list[Sample]) -> dict:
         return {"samples": [{"index": s.index, "prompt": s.prompt_text, "response": s.response_text,
-                             "label": _label(s.label), "metadata": _jsonable(s.metadata)} for s in samples]}
+                             "label": _jsonable(_label(s.label)), "metadata": _jsonable(s.metadata)} for s in samples]}
 
     async def score_batch(self, samples: list[Sample]) -> list[Any]:
         """The server's value for every sample (numbers or dicts with a "reward" key), in order."""
