@@ -179,3 +179,15 @@ def grades_the_first_prompt(ctx: RolloutContext):
 def tool_raises(ctx: RolloutContext):
     """A user error inside the function (a tool's output it did not expect)."""
     raise KeyError("missing")
+
+
+def sets_reward_directly(ctx: RolloutContext):
+    """Grades by setting Sample.reward, which the reward function's score replaced in silence."""
+    samples = []
+    for _ in range(ctx.params.n):
+        traj = ctx.trajectory()
+        traj.generate(max_new_tokens=2)
+        sample = traj.sample()
+        sample.reward = 1.0
+        samples.append(sample)
+    return samples

@@ -219,6 +219,9 @@ def test_a_group_reward_is_not_given_part_of_a_group(hf_engine, tokenizer):
     ("past_the_limit", ValueError, "has 10 response tokens, more than rollout.max_response_len=4"),
     ("nan_logprobs", ValueError, "has rollout logprobs [nan, nan]"),
     ("positive_logprobs", ValueError, "is finite and <= 0"),
+    ("sets_reward_directly", ValueError, "set Sample.reward=1.0 for sample index=0 (prompt '1+1='), which the reward "
+                                         "function's score would replace: give a sample's reward with "
+                                         "trajectory.sample(reward=...)"),
 ])
 def test_malformed_samples_of_a_generate_function_name_it(hf_engine, tokenizer, fn, error, words):
     with pytest.raises(error) as e:

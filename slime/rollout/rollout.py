@@ -56,6 +56,12 @@ def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: Sampl
             s.mm = None if prompt.mm is None else prompt.mm.without_images()
             samples.append(s)
     # A generate function may grade its own samples (Sample.given_reward); the reward function scores the rest.
+    direct = next((s for s in samples if generate_fn and s.given_reward is None and s.reward != 0.0), None)
+    if direct is not None:  # the reward function's score would replace it in silence
+        raise ValueError(f"rollout.generate_fn {generate_fn} set Sample.reward={direct.reward!r:.60} for sample "
+                         f"index={direct.index} (prompt {direct.prompt_text[-80:]!r}), which the reward function's "
+                         "score would replace: give a sample's reward with trajectory.sample(reward=...), or leave "
+                         "it to rollout.reward.fn")
     to_score = [s for s in samples if s.given_reward is None]
     graded_groups = {s.group_id for s in samples if s.given_reward is not None}
     mixed = next((s for s in to_score if s.group_id in graded_groups), None)
