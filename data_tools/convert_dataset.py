@@ -14,11 +14,13 @@ Column layouts (the datasets' own):
   messages as given, label = ground_truth;
 - geometry3k: images (Image feature), problem (with an <image> placeholder), answer -> the flat image form;
   the images are written as PNG files beside the jsonl (images/<split>_<row>_<k>.png).
-Rows whose answer cannot be found are skipped and counted (printed at the end), never written unlabelled.
+Rows whose answer cannot be found are skipped and counted (printed at the end), never written unlabelled;
+rows that repeat one already written (DAPO-Math-17k holds each prompt ~100 times) are left out and counted.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -156,14 +158,17 @@ def geometry3k(row: dict, i: int, *, image_dir: Path, split: str) -> dict | None
 CONVERTERS: dict[str, Callable] = {"gsm8k": gsm8k, "math": math, "dapo_math": dapo_math, "geometry3k": geometry3k}
 
 
-def convert(kind: str, rows: Iterable[dict], out: Path, *, split: str = "train") -> tuple[int, int]:
-    """Write `out` (jsonl); returns (written, skipped)."""
+def convert(kind: str, rows: Iterable[dict], out: Path, *, split: str = "train") -> tuple[int, int, int]:
+    """Write `out` (jsonl); returns (written, skipped without a usable answer, duplicates). A row that converts to
+    one already written (the hub's DAPO-Math-17k repeats each of its prompts ~100 times) is left out and counted:
+    a run would otherwise see each prompt many times per epoch."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fn = CONVERTERS[kind]
     if kind == "geometry3k":
         (out.parent / "images").mkdir(exist_ok=True)
         fn = lambda row, i: geometry3k(row, i, image_dir=out.parent / "images", split=split)  # noqa: E731
-    written = skipped = 0
+    written = skipped = duplicates = 0
+    seen: set[bytes] = set()  # digests of the rows written (without their metadata, which names the source row)
     partial = out.with_name(f".{out.name}.partial")  # renamed into place once whole: no half file left behind
     try:
         with open(partial, "w", encoding="utf-8") as f:
@@ -176,6 +181,12 @@ def convert(kind: str, rows: Iterable[dict], out: Path, *, split: str = "train")
                 if converted is None:
                     skipped += 1
                     continue
+                key = hashlib.blake2b(json.dumps({k: v for k, v in converted.items() if k != "metadata"},
+                                                 sort_keys=True).encode(), digest_size=16).digest()
+                if key in seen:
+                    duplicates += 1
+                    continue
+                seen.add(key)
                 f.write(json.dumps(converted, ensure_ascii=False) + "\n")
                 written += 1
         if not written:
@@ -184,7 +195,7 @@ def convert(kind: str, rows: Iterable[dict], out: Path, *, split: str = "train")
         os.replace(partial, out)
     finally:
         partial.unlink(missing_ok=True)
-    return written, skipped
+    return written, skipped, duplicates
 
 
 def main() -> None:
@@ -207,10 +218,11 @@ def main() -> None:
                  f"{f', config {config!r}' if config else ''}): {type(e).__name__}: {e}"
                  + (f" ({type(cause).__name__}: {cause})" if cause is not e else ""))
     try:
-        written, skipped = convert(args.kind, rows, args.out, split=args.split)
+        written, skipped, duplicates = convert(args.kind, rows, args.out, split=args.split)
     except ValueError as e:
         sys.exit(f"convert_dataset: {args.source}: {e}")
-    print(f"wrote {written} rows to {args.out}; skipped {skipped} without a usable answer")
+    print(f"wrote {written} rows to {args.out}; skipped {skipped} without a usable answer and {duplicates} "
+          "repeating a row written before")
 
 
 if __name__ == "__main__":

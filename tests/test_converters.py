@@ -31,7 +31,7 @@ def test_gsm8k(tmp_path):
         "question": ["Natalia sold clips to 48 of her friends in April, and then she sold half as many in May. "
                      "How many clips did she sell altogether?", "A broken row?"],
         "answer": ["In May she sold 48/2 = 24 clips.\nAltogether 48+24 = 72 clips.\n#### 72", "no marker here"]})
-    written, skipped = convert("gsm8k", load(str(src), "train"), tmp_path / "out.jsonl")
+    written, skipped, _ = convert("gsm8k", load(str(src), "train"), tmp_path / "out.jsonl")
     rows = read_jsonl(tmp_path / "out.jsonl")
     assert (written, skipped) == (1, 1)
     assert rows[0]["label"] == "72" and rows[0]["prompt"].startswith("Natalia sold clips")
@@ -44,7 +44,7 @@ def test_math_takes_the_last_boxed_answer_with_nested_braces(tmp_path):
         "problem": ["What is $1/2 + 0$?", "No answer"],
         "solution": [r"Adding zero: $\boxed{\frac{1}{2}}$", "none"],
         "level": ["Level 1", "Level 2"], "type": ["Algebra", "Algebra"]})
-    written, skipped = convert("math", load(str(src), "test"), tmp_path / "out.jsonl")
+    written, skipped, _ = convert("math", load(str(src), "test"), tmp_path / "out.jsonl")
     row = read_jsonl(tmp_path / "out.jsonl")[0]
     assert (written, skipped) == (1, 1) and row["label"] == r"\frac{1}{2}"
     assert row["metadata"]["level"] == "Level 1" and "boxed" in row["prompt"]
@@ -77,7 +77,7 @@ def test_geometry3k_writes_images_and_loads_as_image_text(tmp_path):
         "images": [[{"bytes": buf.getvalue(), "path": None}], [{"bytes": buf.getvalue(), "path": None}]],
         "problem": ["<image>Find x. Choices: A: 3 B: 4", "Find y."], "answer": ["A", "4"]}, features)
     out = tmp_path / "geo" / "train.jsonl"
-    written, _ = convert("geometry3k", load(str(src), "train"), out)
+    written, _, _ = convert("geometry3k", load(str(src), "train"), out)
     rows = read_jsonl(out)
     assert written == 2 and rows[0]["images"] == ["images/train_00000_0.png"] and rows[0]["label"] == "A"
     assert rows[1]["prompt"] == "<image>Find y."  # no placeholder in the source: the image goes first
@@ -117,10 +117,10 @@ def test_length_report_errors_name_its_own_flags(tmp_path, tiny_model):
 def test_converters_skip_rows_without_a_usable_answer(tmp_path):
     rows = [{"question": "1+1?", "answer": "so #### 2"}, {"question": "?", "answer": "nothing after ####"},
             {"question": "?", "answer": "no marker"}]
-    assert convert("gsm8k", rows, tmp_path / "g.jsonl") == (1, 2)
+    assert convert("gsm8k", rows, tmp_path / "g.jsonl") == (1, 2, 0)
     dapo = [{"prompt": [{"content": "no role"}], "reward_model": {"ground_truth": "1"}},
             {"prompt": [{"role": "user", "content": "1+0?"}], "reward_model": {"ground_truth": "1"}}]
-    assert convert("dapo_math", dapo, tmp_path / "d.jsonl") == (1, 1)
+    assert convert("dapo_math", dapo, tmp_path / "d.jsonl") == (1, 1, 0)
     (tmp_path / "x.png").write_bytes(b"")
     with pytest.raises(SystemExit, match="unsupported file type '.png'"):
         load(str(tmp_path / "x.png"), "train")
@@ -145,7 +145,7 @@ def test_a_local_folder_reads_the_split_of_one_subset(tmp_path):
     write_parquet(flat / "contest.parquet", {"problem": ["other"], "solution": [r"\boxed{2}"]})
     out = flat / "math500_test.jsonl"
     for _ in range(2):  # the second run finds its own output beside the source and leaves it out
-        assert convert("math", load(str(flat), "test", exclude=out), out) == (1, 0)
+        assert convert("math", load(str(flat), "test", exclude=out), out) == (1, 0, 0)
     (flat / "test.jsonl").write_text(json.dumps({"problem": "p", "solution": r"\boxed{1}"}) + "\n")
     with pytest.raises(SystemExit, match="mixes parquet and json files"):
         load(str(flat), "test", exclude=out)
@@ -173,14 +173,14 @@ def test_null_answers_are_skipped_images_given_by_path_are_copied_and_cli_mistak
     images given as paths (a column of paths, or the Image feature's {"bytes": None, "path": ...}) failed; a mistyped
     local --source went to the hub as a repo id, and an unparsable file or a missing split ended in tracebacks."""
     assert convert("gsm8k", [{"question": "1+1?", "answer": "#### 2"}, {"question": "?", "answer": None}],
-                   tmp_path / "g.jsonl") == (1, 1)
+                   tmp_path / "g.jsonl") == (1, 1, 0)
     assert convert("math", [{"problem": "p", "solution": r"\boxed{1}"}, {"problem": "q", "solution": None}],
-                   tmp_path / "m.jsonl") == (1, 1)
+                   tmp_path / "m.jsonl") == (1, 1, 0)
     Image.new("RGB", (40, 30), (10, 20, 30)).save(tmp_path / "a.png")
     rows = [{"images": [str(tmp_path / "a.png")], "problem": "<image>Find x.", "answer": "3"},
             {"images": [{"bytes": None, "path": str(tmp_path / "a.png")}], "problem": "<image>Find y.", "answer": "4"}]
     out = tmp_path / "geo" / "train.jsonl"
-    assert convert("geometry3k", rows, out) == (2, 0)
+    assert convert("geometry3k", rows, out) == (2, 0, 0)
     for row in read_jsonl(out):
         assert Image.open(out.parent / row["images"][0]).getpixel((0, 0)) == (10, 20, 30)
     with pytest.raises(ValueError, match=r"row 0: image 0 is the path 'nope.png', which is not a file here"):
@@ -229,3 +229,20 @@ def test_length_report_reads_a_runs_config_and_names_every_data_error(tmp_path, 
     typed = subprocess.run(tool + ["--config", str(config), "data.prompt_key=prompt"], capture_output=True, text=True)
     assert typed.returncode == 2 and "Traceback" not in typed.stderr and \
         "p.jsonl:2: field 'prompt' must be a string, got int" in typed.stderr, typed.stderr[-2000:]
+
+
+def test_rows_that_repeat_one_written_are_left_out_and_counted(tmp_path):
+    """The hub's DAPO-Math-17k holds each of its prompts ~100 times (1.79M rows): all were written, so a run saw
+    each prompt ~100 times per epoch. A row that converts to one already written is left out and counted; the same
+    question with another answer is kept."""
+    dapo = [{"prompt": [{"role": "user", "content": f"{i}+0?"}], "reward_model": {"ground_truth": str(i)},
+             "data_source": "math_dapo"} for i in (1, 2, 1, 1, 2)]
+    dapo.append({"prompt": [{"role": "user", "content": "1+0?"}], "reward_model": {"ground_truth": "one"}})
+    out = tmp_path / "d.jsonl"
+    assert convert("dapo_math", dapo, out) == (3, 0, 3)
+    assert [(r["messages"][0]["content"], r["label"], r["metadata"]["row"]) for r in read_jsonl(out)] == \
+        [("1+0?", "1", 0), ("2+0?", "2", 1), ("1+0?", "one", 5)]
+    src = write_parquet(tmp_path / "train.parquet", {"question": ["a?", "a?"], "answer": ["#### 1", "#### 1"]})
+    done = subprocess.run([sys.executable, str(ROOT / "data_tools" / "convert_dataset.py"), "gsm8k", "--source",
+                           str(src), "--out", str(tmp_path / "g.jsonl")], capture_output=True, text=True)
+    assert done.returncode == 0 and "wrote 1 rows" in done.stdout and "1 repeating a row written before" in done.stdout
