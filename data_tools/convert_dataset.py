@@ -15,7 +15,8 @@ Column layouts (the datasets' own):
 - geometry3k: images (Image feature), problem (with an <image> placeholder), answer -> the flat image form;
   the images are written as PNG files beside the jsonl (images/<split>_<row>_<k>.png).
 Rows whose answer cannot be found are skipped and counted (printed at the end), never written unlabelled;
-rows that repeat one already written (DAPO-Math-17k holds each prompt ~100 times) are left out and counted.
+rows that repeat one already written (DAPO-Math-17k is reported to hold each prompt ~100 times) are left out
+and counted.
 """
 from __future__ import annotations
 
@@ -160,7 +161,7 @@ CONVERTERS: dict[str, Callable] = {"gsm8k": gsm8k, "math": math, "dapo_math": da
 
 def convert(kind: str, rows: Iterable[dict], out: Path, *, split: str = "train") -> tuple[int, int, int]:
     """Write `out` (jsonl); returns (written, skipped without a usable answer, duplicates). A row that converts to
-    one already written (the hub's DAPO-Math-17k repeats each of its prompts ~100 times) is left out and counted:
+    one already written (the hub's DAPO-Math-17k is reported to repeat each prompt ~100 times) is left out and counted:
     a run would otherwise see each prompt many times per epoch."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fn = CONVERTERS[kind]
