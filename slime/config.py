@@ -184,8 +184,9 @@ class RolloutConfig:
         "0.85x the eager step's time. attention: only the decode attention over 2048 (row, key) pairs or more (64 rows "
         "x 32 keys), which long responses need most (a 256-token rollout in 0.89x the time). Both need a C++ "
         "compiler; the first rollout pays the compile (step: ~25 s for that 10-layer model, ~6-9 s with inductor's "
-        "disk cache warm, more for deeper models; attention: ~2-5 s). auto: step for Llama, Qwen2 and Qwen3 models "
-        "with hidden size >= 256 and SwiGLU MLPs on CPU, falling back with a warning to the eager step with the "
+        "disk cache warm, more for deeper models; attention: ~2-5 s). auto: step for fp32 Llama, Qwen2 and Qwen3 "
+        "models with hidden size >= 256 and SwiGLU MLPs on CPU (in bf16 its fused chains round elsewhere than the "
+        "model's forward: attention only), falling back with a warning to the eager step with the "
         "compiled decode attention (as attention) where the step's compile fails, and to plain eager decoding where "
         "that compile fails too; attention alone for such models without SwiGLU MLPs; false: neither.")
     generate_fn: str | None = field(None, "'package.module:function' building each prompt's samples (multi-turn, "

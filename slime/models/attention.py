@@ -245,7 +245,12 @@ def _decode_attention(query, key, value, mask, scaling):
     """One query per row (a decode step): (B, H, 1, D) against keys (B, Hkv, L, D) and values (B, Hkv, L, Dv), mask
     (B, 1, 1, L) bool or None -> (B, 1, H, Dv) (DeepSeek's values are narrower than its queries and keys). Two
     batched matmuls over each row's KV heads, the query heads of a group stacked as rows; about 20% faster here
-    than sdpa's CPU kernel, whose fixed cost per (row, head) dominates at one query."""
+    than sdpa's CPU kernel, whose fixed cost per (row, head) dominates at one query. In bf16 or fp16 the matmuls
+    would round the scores to that dtype before the softmax (logprobs 2-3x further from a teacher-forced forward than
+    HF's own decoding): sdpa's kernel, whose scores and softmax stay fp32, takes those."""
+    if query.dtype != torch.float32:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                              enable_gqa=True).transpose(1, 2)
     b, h, _, d = query.shape
     scores = torch.matmul(query.reshape(b, key.shape[1], h // key.shape[1], d), key.transpose(-1, -2))
     scores = scores.mul_(d ** -0.5 if scaling is None else scaling)
@@ -273,11 +278,12 @@ def decode_attention_fused(query, key, value, mask, scaling):
     cold, batched matmuls -> fused: 64 rows x 64 keys 1.50 -> 1.14 ms, x 256 keys 5.68 -> 3.44 ms; 16 rows x 256
     keys 1.51 -> 0.98 ms; 2 rows x 32 keys 0.06 -> 0.12 ms (`python bench/hf_generation.py` on whole rollouts)."""
     b, h, _, d = query.shape
-    q = query.reshape(b, key.shape[1], h // key.shape[1], d)
-    scores = (q.unsqueeze(3) * key.unsqueeze(2)).sum(-1) * (d ** -0.5 if scaling is None else scaling)
+    q = query.reshape(b, key.shape[1], h // key.shape[1], d).float()  # bf16: the sums and softmax in fp32, fused
+    scores = (q.unsqueeze(3) * key.float().unsqueeze(2)).sum(-1) * (d ** -0.5 if scaling is None else scaling)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return (scores.softmax(-1).unsqueeze(-1) * value.unsqueeze(2)).sum(3).reshape(b, 1, h, value.shape[-1])
+    out = (scores.softmax(-1).unsqueeze(-1) * value.float().unsqueeze(2)).sum(3)
+    return out.to(query.dtype).reshape(b, 1, h, value.shape[-1])
 
 
 AttentionInterface.register(GQA_SDPA, gqa_sdpa_forward)

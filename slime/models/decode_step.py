@@ -113,11 +113,14 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached_k
     head; this step's key and value k, v (B, Hkv, D); the cache's L keys and values (B, Hkv, L, D); mask (B, L + 1)
     -> (B, Hkv, G, D). The cache's and this step's scores go under one softmax without appending k and v to the
     cache first (no copy of it). Sums of products, which inductor turns into loops (`bench/decode_attention.py`
-    times them against a plain read of the cache, the bound)."""
+    times them against a plain read of the cache, the bound). In bf16 the sums and the softmax run in fp32 (inductor
+    fuses the casts into its loops), as sdpa's kernel keeps them: rounded to bf16 they put the logprobs 2-3x further
+    from a teacher-forced forward than HF's own decoding."""
+    dtype, q, k, v, cached_k, cached_v = q.dtype, q.float(), k.float(), v.float(), cached_k.float(), cached_v.float()
     scores = torch.cat([(q.unsqueeze(3) * cached_k.unsqueeze(2)).sum(-1),  # (B, Hkv, G, L): the cache's
                         (q * k.unsqueeze(2)).sum(-1, keepdim=True)], -1) * scaling  # and this step's
     p = scores.masked_fill(~mask[:, None, None], float("-inf")).softmax(-1)
-    return (p[..., :-1].unsqueeze(-1) * cached_v.unsqueeze(2)).sum(3) + p[..., -1:] * v.unsqueeze(2)
+    return ((p[..., :-1].unsqueeze(-1) * cached_v.unsqueeze(2)).sum(3) + p[..., -1:] * v.unsqueeze(2)).to(dtype)
 
 
 @functools.lru_cache(maxsize=8)
