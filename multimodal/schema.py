@@ -97,8 +97,9 @@ def parse_row(row: dict, *, prompt_key: str, messages_key: str, images_key: str,
                 # LLaMA-Factory's and ShareGPT's form: "<image>" in a turn's text marks where an image of the list
                 # goes, as in the flat form (it loaded as literal text, or skipped its row naming no placeholder)
                 pieces = content.split(placeholder)
-                content = [p for k, piece in enumerate(pieces)
-                           for p in ([{"type": "image"}] if k else []) + ([{"type": "text", "text": piece}] if piece else [])]
+                content = [part for k, piece in enumerate(pieces)
+                           for part in ([{"type": "image"}] if k else [])
+                           + ([{"type": "text", "text": piece}] if piece else [])]
             if not isinstance(content, list):
                 out.append(m)
                 continue

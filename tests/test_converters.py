@@ -189,10 +189,12 @@ def test_null_answers_are_skipped_images_given_by_path_are_copied_and_cli_mistak
     (tmp_path / "broken.jsonl").write_text('{"question": "a?", "answer": "#### 2"}\n{"question": "b?"\n')
     (tmp_path / "f").mkdir()
     (tmp_path / "f" / "train.jsonl").write_text('{"question": "a?", "answer": "#### 2"}\n')
-    tool = [sys.executable, str(ROOT / "data_tools" / "convert_dataset.py"), "gsm8k", "--out", str(tmp_path / "o.jsonl")]
+    tool = [sys.executable, str(ROOT / "data_tools" / "convert_dataset.py"), "gsm8k", "--out",
+            str(tmp_path / "o.jsonl")]
     for source, split, words in [("./trian.jsonl", "train", "--source ./trian.jsonl does not exist"),
                                  (str(tmp_path / "broken.jsonl"), "train", "could not read --source"),
-                                 (str(tmp_path / "f"), "test", "could not read --source .*split 'test'.*Unknown split")]:
+                                 (str(tmp_path / "f"), "test",
+                                  "could not read --source .*split 'test'.*Unknown split")]:
         done = subprocess.run(tool + ["--source", source, "--split", split], capture_output=True, text=True,
                               cwd=tmp_path)
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]

@@ -804,7 +804,7 @@ def test_remote_reward_that_nobody_serves():
 
     url = f"http://127.0.0.1:{free_port()}/score"
     with pytest.raises(RewardServerError, match=rf"{url} failed for sample index=100.*cannot connect "
-                                                r"\(ConnectionError: .*[Cc]onnection refused"):  # why, not just the type
+                                                r"\(ConnectionError: .*[Cc]onnection refused"):  # why, not the type
         make_reward_fn(url, max_retries=1, retry_backoff=0.01).score(text_samples(1))
 
 

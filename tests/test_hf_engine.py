@@ -247,7 +247,8 @@ def test_a_gpu_cache_starts_short_and_grows_to_the_same_generations(engines, mon
 
     monkeypatch.setattr(hf_engine, "GPU_CACHE_STEP", 3)
     as_gpu = hf_engine.cache_capacity
-    monkeypatch.setattr(hf_engine, "cache_capacity", lambda width, new, device: as_gpu(width, new, torch.device("cuda")))
+    monkeypatch.setattr(hf_engine, "cache_capacity",
+                        lambda width, new, device: as_gpu(width, new, torch.device("cuda")))
     monkeypatch.setattr(hf_engine.PreallocatedLayer, "_reserve", reserve)
     torch.manual_seed(0)
     short = engines.generate(PROMPTS, params)

@@ -62,9 +62,10 @@ class EnginePlan:
         most, least = max(served.values()), min(served.values())
         if most == least:
             return None
+        busiest = sorted(e for e in served if served[e] == most)
         return (f"{self.num_engines} SGLang engines serve {len(self.engine_of_rank)} trainer ranks unevenly (rank r "
-                f"generates on engine r % {self.num_engines}): engines {sorted(e for e in served if served[e] == most)} "
-                f"take {most} ranks' prompts, the others {least}, and each rollout waits for the busiest; a "
+                f"generates on engine r % {self.num_engines}): engines {busiest} take {most} ranks' prompts, the "
+                f"others {least}, and each rollout waits for the busiest; a "
                 "rollout.sglang.num_engines (or urls) that divides the world size balances them")
 
 
