@@ -222,6 +222,11 @@ class RolloutConfig:
                              f"rollout.max_response_len={self.max_response_len}: no response can be that long, so the "
                              "penalty never applies; DAPO sets max_len to the response limit (max_len <= "
                              "rollout.max_response_len), or 0 turns it off")
+        if penalty.max_len > self.max_response_len:
+            raise ValueError(f"rollout.overlong_penalty.max_len={penalty.max_len} > rollout.max_response_len="
+                             f"{self.max_response_len}: responses stop at the limit, so one cut there would get only "
+                             "part of the penalty (the ramp ends past it); set max_len <= rollout.max_response_len "
+                             "(DAPO sets it to the limit)")
         if not self.sync_bucket_mb > 0:
             raise ValueError(f"rollout.sync_bucket_mb={self.sync_bucket_mb} must be > 0 (MB per bucket of the weight "
                              "push)")

@@ -118,3 +118,7 @@ def numpy_values(sample: Sample):
     import numpy as np
 
     return np.bool_(sample.response_text == "a") if sample.index == 0 else np.array(0.25)
+
+
+def first_token_is_one(sample: Sample) -> float:
+    return float(sample.response_ids[0] == 1)

@@ -32,7 +32,7 @@ JOBS.update({
     "old_logprobs_rollout": ["algo.old_logprobs=rollout", "algo.advantage_estimator=reinforce_pp",
                              "algo.kl_in_reward=true", "algo.kl_coef=0.05"],
     "dapo": ["rollout.dynamic_sampling=true", "rollout.over_sample_factor=1.5", "rollout.max_sampling_attempts=3",
-             "algo.clip_high=0.28", "rollout.overlong_penalty.max_len=6", "rollout.overlong_penalty.buffer_len=2"],
+             "algo.clip_high=0.28", "rollout.overlong_penalty.max_len=5", "rollout.overlong_penalty.buffer_len=2"],
     # sequence parallel (dp=1 x sp=2): the critic and the reference take the same sharded path
     "gae_sp2": ["algo.advantage_estimator=gae", "parallel.sp=2"],
     "kl_loss_sp2": ["algo.use_kl_loss=true", "algo.kl_coef=0.1", "parallel.sp=2"],

@@ -105,6 +105,7 @@ def test_int_is_accepted_for_float():
     ("rollout.overlong_penalty.buffer_len=20", ["buffer_len=20 in [0, max_len]"]),
     ("rollout.overlong_penalty.max_len=20480", ["max_len=20480 - buffer_len=0 >= rollout.max_response_len",
                                                "never applies"]),
+
     ("data.image_fetch_timeout=0", ["data.image_fetch_timeout=0"]),
     ("data.image_placeholder=", ["data.image_placeholder is empty"]),
     ("data.max_prompt_len=0", ["data.max_prompt_len=0"]),
@@ -132,6 +133,19 @@ def test_bad_config_names_key(override, words):
         load_config(None, BASE + [override])
     for word in words:
         assert word in str(err.value)
+
+
+def test_an_overlong_ramp_past_the_response_limit_is_refused():
+    """max_len past rollout.max_response_len: a response cut at the limit got only part of the penalty (-0.25 for
+    max_len 8 and buffer 4 over a limit of 5), while the message of the neighbouring check said DAPO sets max_len
+    to the limit."""
+    with pytest.raises(ValueError, match=r"rollout.overlong_penalty.max_len=8 > rollout.max_response_len=5: .*only "
+                                         r"part of the penalty"):
+        load_config(None, BASE + ["rollout.max_response_len=5", "rollout.overlong_penalty.max_len=8",
+                                  "rollout.overlong_penalty.buffer_len=4"])
+    cfg = load_config(None, BASE + ["rollout.max_response_len=5", "rollout.overlong_penalty.max_len=5",
+                                    "rollout.overlong_penalty.buffer_len=2"])
+    assert cfg.rollout.overlong_penalty.max_len == 5
 
 
 def test_min_lr_above_lr_is_refused_where_the_schedule_decays_to_it():

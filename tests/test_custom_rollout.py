@@ -412,6 +412,48 @@ def test_kept_groups_count_the_groups_drawn_not_the_batch_size(hf_engine, tokeni
     assert len(samples) == 4 and metrics["rollout/kept_groups"] == 2 and metrics["rollout/kept_samples"] == 4
 
 
+def test_dynamic_sampling_and_the_overlong_penalty_report_what_they_drew_cut_and_cost(tokenizer):
+    """With the overlong penalty on, no metric showed the task's own reward (reward_mean has the penalty in it), and
+    dynamic sampling reported neither what it drew nor why groups were left out, while reward_mean was over every
+    group drawn, not the batch that trains. 4 prompts drawn for a batch of 1: prompts 0 and 2 have signal (rewards
+    1 and 0, the 0 at 4 tokens, penalised -1), 1 and 3 none."""
+    from slime.config import OverlongPenaltyConfig, RolloutConfig
+    from slime.rollout.rollout import collect_rollout
+
+    class Prompts:
+        turn_end = ()
+
+        def next_batch(self, n=None):
+            return prompts_of(tokenizer, [f"{i}+1=" for i in range(n)])
+
+    class Engine:
+        weight_version = 0
+
+        def wake(self):
+            pass
+
+        def sleep(self):
+            pass
+
+        def generate(self, prompts, params, mm=None):
+            mixed = [Generation([1, 9], [-0.1] * 2, "stop"), Generation([0, 9, 9, 9], [-0.1] * 4, "length")]
+            none = [Generation([0, 9], [-0.1] * 2, "stop")] * 2
+            return [[*(mixed if i % 2 == 0 else none)] for i in range(len(prompts))]
+
+    cfg = RolloutConfig(batch_size=1, n_samples_per_prompt=2, max_response_len=4, dynamic_sampling=True,
+                        over_sample_factor=4.0, overlong_penalty=OverlongPenaltyConfig(max_len=4, buffer_len=2))
+    kept, metrics = collect_rollout(Engine(), Prompts(), cfg, tokenizer,
+                                    make_reward_fn("reward_fns_for_test:first_token_is_one"), OneRank(), step=0)
+    assert [s.reward for s in kept] == [1.0, -1.0]
+    assert {k: metrics[k] for k in ("rollout/reward_mean", "rollout/task_reward_mean",
+                                    "rollout/overlong_penalized_frac", "rollout/drawn_groups",
+                                    "rollout/no_signal_groups", "rollout/surplus_groups", "rollout/kept_groups",
+                                    "rollout/kept_reward_mean")} == {
+        "rollout/reward_mean": 0.0, "rollout/task_reward_mean": 0.25, "rollout/overlong_penalized_frac": 0.25,
+        "rollout/drawn_groups": 4, "rollout/no_signal_groups": 2, "rollout/surplus_groups": 1,
+        "rollout/kept_groups": 1, "rollout/kept_reward_mean": 0.0}
+
+
 def test_dynamic_sampling_filters_on_the_task_reward_not_the_overlong_penalty():
     """DAPO drops prompts of accuracy 0 or 1: a group of wrong answers where one ran into the overlong buffer has
     unequal shaped rewards but nothing to learn about the task, so it is dropped; the penalty stays in the reward."""

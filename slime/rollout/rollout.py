@@ -141,7 +141,7 @@ def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfi
     """This rank's share of the step's batch (its own generations) and global rollout metrics."""
     kept: list[Sample] = []  # this rank's kept samples
     generated: list[Sample] = []
-    attempts, n_kept_groups = 0, 0
+    attempts, n_kept_groups, drawn_groups = 0, 0, 0
     engine.wake()
     while True:
         need = cfg.batch_size - n_kept_groups
@@ -155,10 +155,12 @@ def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfi
             break
         mine = groups_with_signal(samples)
         kept += [s for g in mine for s in g]
-        n_kept_groups += int(dims.all_reduce_sum([len(mine)])[0])
+        with_signal, drawn = dims.all_reduce_sum([len(mine), len({s.group_id for s in samples})])
+        n_kept_groups, drawn_groups = n_kept_groups + int(with_signal), drawn_groups + int(drawn)
         if n_kept_groups >= cfg.batch_size or attempts >= cfg.max_sampling_attempts:
             break
     engine.sleep()
+    with_signal = n_kept_groups
     if cfg.dynamic_sampling:
         kept = _cut_to_batch_size(kept, cfg.batch_size, dims)
         n_kept_groups = min(n_kept_groups, cfg.batch_size)
@@ -173,6 +175,11 @@ def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfi
                            n_kept_groups, cfg.batch_size, attempts)
     metrics = rollout_metrics(generated, dims)
     metrics.update({"rollout/sampling_attempts": attempts, **kept_counts(kept, dims)})
+    if cfg.dynamic_sampling:  # what was drawn, and why groups were left out; the reward of what trains
+        reward, count = dims.all_reduce_sum([sum(s.reward for s in kept), len(kept)])
+        metrics.update({"rollout/drawn_groups": drawn_groups, "rollout/no_signal_groups": drawn_groups - with_signal,
+                        "rollout/surplus_groups": with_signal - n_kept_groups,
+                        "rollout/kept_reward_mean": reward / max(count, 1)})
     return kept, metrics
 
 
@@ -299,11 +306,13 @@ def _cut_to_batch_size(kept: list[Sample], batch_size: int, dims: ParallelDims) 
 
 def rollout_metrics(samples: list[Sample], dims: ParallelDims) -> dict:
     """Global means over every rank's generated samples (before any filtering)."""
-    n, r, r2, length, trunc, turned, turns, masked = dims.all_reduce_sum([
+    shaped = [s for s in samples if s.task_reward is not None]  # the overlong penalty is on
+    n, r, r2, length, trunc, turned, turns, masked, n_shaped, task, penalised = dims.all_reduce_sum([
         len(samples), sum(s.reward for s in samples), sum(s.reward ** 2 for s in samples),
         sum(len(s.response_ids) for s in samples), sum(s.finish_reason == "length" for s in samples),
         sum("turns" in s.metadata for s in samples), sum(s.metadata.get("turns", 0) for s in samples),
-        sum(len(s.response_ids) - s.num_loss_tokens for s in samples)])
+        sum(len(s.response_ids) - s.num_loss_tokens for s in samples), len(shaped),
+        sum(s.task_reward for s in shaped), sum(s.reward < s.task_reward for s in shaped)])
     if not n:
         raise RuntimeError("no rank has a sample this step (every prompt drawn was skipped; see the warnings "
                            "above)")
@@ -311,6 +320,9 @@ def rollout_metrics(samples: list[Sample], dims: ParallelDims) -> dict:
     out = {"rollout/reward_mean": mean, "rollout/reward_std": max(r2 / n - mean ** 2, 0.0) ** 0.5,
            "rollout/response_len": length / n, "rollout/truncated_frac": trunc / n,
            "rollout/gen_tokens": length - masked}
+    if n_shaped:  # reward_mean has the overlong penalty in it: the task's own, and how many it cost
+        out.update({"rollout/task_reward_mean": task / n_shaped,
+                    "rollout/overlong_penalized_frac": penalised / n_shaped})
     if turned:  # samples of a generate function: policy turns, and the share of tokens it did not generate
         out.update({"rollout/turns": turns / turned, "rollout/observation_frac": masked / max(length, 1)})
     out.update(reward_info_metrics(samples, dims))
