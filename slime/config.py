@@ -386,7 +386,8 @@ class AlgoConfig:
 class EvalConfig:
     path: str | None = field(None, "Held-out prompt file (same schema as data.path); None = no evaluation.")
     interval: int = field(5, "Evaluate every this many steps (and before the first and after the last).")
-    max_prompts: int = field(0, "Evaluate on at most this many prompts (0 = all).")
+    max_prompts: int = field(0, "Evaluate on at most this many prompts (0 = all): the first usable ones of the file; "
+                                "eval/skipped_* still count the bad rows of the whole file.")
     max_response_len: int = field(0, "Max new tokens for eval (0 = rollout.max_response_len).")
     accuracy_threshold: float = field(1.0, "A response counts as correct when its reward is >= this.")
 
