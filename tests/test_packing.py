@@ -452,3 +452,49 @@ def test_whole_prompts_are_balanced_from_where_they_are():
     plan = plan_micro_batches(lengths, max_tokens=4096, dp_size=2, owners=owners, prompts=prompts,
                               cost_fn=functools.partial(default_cost, hidden_size=64))
     assert plan == [[[2, 3, 4, 5, 6, 7]], [[0, 1]]]
+
+
+def _finishes(fn, seconds: float = 60.0):
+    """fn's result, or a failure (not a hang) if it is still running after `seconds`: it ran in microseconds."""
+    import threading
+
+    out = []
+    worker = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert not worker.is_alive(), "still planning: the balancing loop did not terminate"
+    return out[0]
+
+
+def test_balancing_with_fractional_costs_terminates():
+    """_even_out accepted an exchange whose delta equalled the gap (it only swaps which rank is heavy) when rounding
+    made delta one ulp smaller: with fractional costs (shared prompts' (m-1)/m, image patches') the same sample
+    moved back and forth for ever, every rank spinning in the same step's plan. 3 of 1000 GRPO-like plans hung."""
+    from slime.trainer.layout import Layout
+
+    layout = Layout(packing=True, max_tokens=2048, micro_batch_size=1, hidden_size=64, share_prompts=True)
+    plan = _finishes(lambda: layout.plan([83, 25, 83], 2, owners=[0, 0, 1], prompts=[(b"p", 20)] * 3))
+    assert sorted(i for rank in plan for mb in rank for i in mb) == [0, 1, 2]
+    patches = _finishes(lambda: plan_micro_batches(  # image patch costs, no shared prompts
+        [60, 70, 30, 30, 70, 70], max_tokens=200, dp_size=2, owners=[0, 0, 1, 1, 1, 1], allow_empty=True,
+        extra_cost=[63651.84, 0.0, 0.0, 0.0, 254607.36, 254607.36],
+        cost_fn=functools.partial(default_cost, hidden_size=896)))
+    assert sorted(i for rank in patches for mb in rank for i in mb) == list(range(6))
+    rng = random.Random(1)
+
+    def many():
+        for _ in range(300):
+            dp, n = rng.choice([2, 3, 4]), rng.choice([2, 3, 4, 8])
+            lengths, prompts = [], []
+            for p in range(rng.choice([1, 2, 3, 4, 5, 8])):
+                prompt_len = rng.choice([12, 20, 33])
+                for _ in range(n):
+                    lengths.append(prompt_len + rng.choice([rng.randint(1, 64), 64, 64]) - 1)
+                    prompts.append(((p,), prompt_len))
+            owners = [i * dp // len(lengths) for i in range(len(lengths))]
+            layout = Layout(packing=True, max_tokens=2048, micro_batch_size=1, share_prompts=True,
+                            hidden_size=rng.choice([64, 896, 4096]))
+            plan = layout.plan(lengths, dp, owners=owners, prompts=prompts)
+            assert sorted(i for rank in plan for mb in rank for i in mb) == list(range(len(lengths)))
+
+    _finishes(many, seconds=120.0)

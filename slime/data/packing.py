@@ -370,8 +370,12 @@ def _karmarkar_karp(costs: Sequence[float], k: int, *, equal_count: bool = True)
 def _even_out(parts: list[list[int]], weights: Sequence[float], *, allow_moves: bool) -> None:
     """Swap (or move) one unit between the heaviest and the lightest part while that narrows
     their gap, in place. KK deals sorted chunks, so with many parts and a long tail it leaves a
-    few percent (dp=64: ~10%) that these swaps remove. Each step lowers the sum of squared part
-    weights, so it terminates; a gap within 1e-4 of the mean part is left alone."""
+    few percent (dp=64: ~10%) that these swaps remove. A gap within tol (1e-4 of the mean part) is
+    left alone, and an exchange must move more than tol and leave a gap narrower by more than tol:
+    each step then lowers the sum of squared part weights by more than 2 tol^2, so it terminates.
+    (With 0 < delta < gap alone, an exchange whose delta equals the gap, which only swaps which part
+    is heavy, passed when rounding made delta one ulp smaller: with fractional costs, shared prompts'
+    or image patches', the same unit moved back and forth for ever, every rank spinning in the plan.)"""
     sums = [sum(weights[u] for u in p) for p in parts]
     tol = 1e-4 * sum(sums) / len(parts)
     while True:
@@ -390,7 +394,7 @@ def _even_out(parts: list[list[int]], weights: Sequence[float], *, allow_moves: 
             j = bisect.bisect_left(keys, weights[a] - gap / 2)
             for w_b, b in cands[max(0, j - 1):j + 1]:
                 delta = weights[a] - w_b
-                if 0 < delta < gap and (best is None or abs(gap - 2 * delta) < best[0]):
+                if tol < delta < gap - tol and (best is None or abs(gap - 2 * delta) < best[0]):
                     best = (abs(gap - 2 * delta), a, b)
         if best is None:
             return
