@@ -56,7 +56,7 @@ def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: Sampl
             s.mm = None if prompt.mm is None else prompt.mm.without_images()
             samples.append(s)
     # A generate function may grade its own samples (Sample.given_reward); the reward function scores the rest.
-    direct = next((s for s in samples if generate_fn and s.given_reward is None and s.reward != 0.0), None)
+    direct = next((s for s in samples if s.given_reward is None and s.reward != 0.0), None) if generate_fn else None
     if direct is not None:  # the reward function's score would replace it in silence
         raise ValueError(f"rollout.generate_fn {generate_fn} set Sample.reward={direct.reward!r:.60} for sample "
                          f"index={direct.index} (prompt {direct.prompt_text[-80:]!r}), which the reward function's "
@@ -155,12 +155,12 @@ def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfi
             break
         mine = groups_with_signal(samples)
         kept += [s for g in mine for s in g]
-        with_signal, drawn = dims.all_reduce_sum([len(mine), len({s.group_id for s in samples})])
-        n_kept_groups, drawn_groups = n_kept_groups + int(with_signal), drawn_groups + int(drawn)
+        got, drawn = dims.all_reduce_sum([len(mine), len({s.group_id for s in samples})])
+        n_kept_groups, drawn_groups = n_kept_groups + int(got), drawn_groups + int(drawn)
         if n_kept_groups >= cfg.batch_size or attempts >= cfg.max_sampling_attempts:
             break
     engine.sleep()
-    with_signal = n_kept_groups
+    with_signal = n_kept_groups  # every group with signal, before the cut to the batch size
     if cfg.dynamic_sampling:
         kept = _cut_to_batch_size(kept, cfg.batch_size, dims)
         n_kept_groups = min(n_kept_groups, cfg.batch_size)

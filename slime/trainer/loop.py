@@ -223,10 +223,9 @@ def run(cfg: Config) -> dict:
         load_generate_fn(cfg.rollout.generate_fn)
     stop = StopRequest.install()
     exit_with_launcher()  # under run.sh: a kill -9 of it must not leave the ranks training
-    if dims.rank == 0 and (longest := cfg.longest_sample_warning()) is not None:
-        logger.warning(longest)
-    if dims.rank == 0 and (late := cfg.user_timeout_warning(dims.world_size)) is not None:
-        logger.warning(late)
+    for warning in (cfg.longest_sample_warning(), cfg.user_timeout_warning(dims.world_size)):
+        if dims.rank == 0 and warning is not None:
+            logger.warning(warning)
     ckpt_dir = run_dir / "checkpoints"
     tokenizer = load_tokenizer(cfg.model)
     check_stop_ids(cfg.model, cfg.rollout.stop_token_ids)
