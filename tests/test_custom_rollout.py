@@ -132,7 +132,7 @@ def test_a_given_reward_key_in_the_data_does_not_stand_in_for_the_reward(hf_engi
         assert [s.reward for s in samples] == [0.0, 0.0], generate_fn  # exact_match of "never": scored, 0
 
 
-@pytest.mark.parametrize("reward", ["0.75", True, float("nan"), "n/a"])
+@pytest.mark.parametrize("reward", ["0.75", float("nan"), "n/a", torch.tensor([1.0])])
 def test_the_reward_a_trajectory_is_given_must_be_a_finite_number(tokenizer, reward):
     from slime.rollout.custom import RolloutContext
 
@@ -140,6 +140,16 @@ def test_the_reward_a_trajectory_is_given_must_be_a_finite_number(tokenizer, rew
     with pytest.raises((TypeError, ValueError), match=r"Trajectory.sample\(reward=.*\) for prompt row 0: the reward "
                                                      r"must be a finite number"):
         ctx.trajectory().sample(reward=reward)
+
+
+def test_a_trajectory_takes_the_rewards_a_reward_function_may_return(tokenizer):
+    """A bool (a verifier's verdict) and numpy or torch scalars, as a reward function's return value is taken."""
+    import numpy as np
+    from slime.rollout.custom import RolloutContext
+
+    ctx = RolloutContext(prompts_of(tokenizer, ["1+1="])[0], SamplingParams(max_new_tokens=4, n=1), tokenizer, None)
+    given = [ctx.trajectory().sample(reward=r).given_reward for r in (True, False, np.float32(0.5), torch.tensor(2))]
+    assert given == [1.0, 0.0, 0.5, 2.0] and all(type(g) is float for g in given)
 
 
 def test_a_turn_at_another_temperature_than_the_trainers_is_refused(tokenizer):

@@ -114,8 +114,10 @@ class Trajectory:
                    label=p.label, metadata={**p.metadata, **(metadata or {}), "turns": self.turns},
                    finish_reason=self.finish_reason)
         if reward is not None:
-            if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
-                error = ValueError if isinstance(reward, numbers.Real) and not isinstance(reward, bool) else TypeError
+            if not isinstance(reward, numbers.Real) and getattr(reward, "ndim", None) == 0 and hasattr(reward, "item"):
+                reward = reward.item()  # numpy's scalars, 0-d arrays and tensors, as reward functions may return
+            if not isinstance(reward, numbers.Real) or not math.isfinite(reward):  # a bool is 0 or 1, as there
+                error = ValueError if isinstance(reward, numbers.Real) else TypeError
                 raise error(f"Trajectory.sample(reward={reward!r:.60}) for prompt row {p.index}: the reward must be "
                             "a finite number (or None, for the reward function to score the sample)")
             s.given_reward = float(reward)
