@@ -142,7 +142,10 @@ class SGLangConfig:
     mem_fraction: float = field(0.0, "--mem-fraction-static of each server; 0 = SGLang's default.")
     max_concurrency: int = field(64, "Requests in flight per rank.")
     startup_timeout: float = field(900.0, "Seconds to wait for a server to answer /health.")
-    request_timeout: float = field(600.0, "Seconds one HTTP request may take.")
+    request_timeout: float = field(300.0, "Seconds one HTTP request (a whole generation, a weight push) may take. "
+                                          "On several ranks keep it below train.dist_timeout_minutes: a rank whose "
+                                          "server hangs reports it after this long, and the other ranks' collective "
+                                          "timeout, whose message names no server, must not come first.")
     max_retries: int = field(2, "Retries of a failed request while the server is alive.")
 
     def __post_init__(self):
@@ -620,14 +623,19 @@ class Config:
         timeouts = {"rollout.reward.timeout": self.rollout.reward.timeout}
         if self.rollout.generate_fn and self.algo.policy_loss != "sft":
             timeouts["rollout.generate_fn_timeout"] = self.rollout.generate_fn_timeout or math.inf
-        late = {k: v for k, v in timeouts.items() if v >= limit}
+        if self.rollout.engine == "sglang":  # a hung server is named once a request times out and /health fails
+            timeouts["rollout.sglang.request_timeout"] = self.rollout.sglang.request_timeout
+        margin = {"rollout.sglang.request_timeout": SGLANG_HEALTH_TIMEOUT}
+        late = {k: v for k, v in timeouts.items() if v + margin.get(k, 0.0) >= limit}
         if not late:
             return None
-        return (f"{', '.join(f'{k}={v:g}s' for k, v in late.items())} not below train.dist_timeout_minutes="
-                f"{self.train.dist_timeout_minutes:g} ({limit:g} s): on {world_size} ranks, one that waits that long "
-                "in the function (a tool that never answers, a slow multi-turn rollout) stops the run by the others' "
-                "collective timeout, whose message names no function; set train.dist_timeout_minutes above the "
-                f"longest rollout a rank may take beyond another's, or lower {' / '.join(late)}")
+        named = ", ".join(f"{k}={v:g}s" + (f" (+{margin[k]:g} s on /health)" if k in margin else "")
+                          for k, v in late.items())
+        return (f"{named} not below train.dist_timeout_minutes={self.train.dist_timeout_minutes:g} ({limit:g} s): on "
+                f"{world_size} ranks, one that waits that long in the function (a tool that never answers, a slow "
+                "multi-turn rollout) or on its SGLang server stops the run by the others' collective timeout, whose "
+                "message names no function; set train.dist_timeout_minutes above the longest rollout a rank may take "
+                f"beyond another's, or lower {' / '.join(late)}")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -711,6 +719,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 # Other names users know a setting by (`async` is a Python keyword, so not a field name).
+SGLANG_HEALTH_TIMEOUT = 10.0  # seconds a client waits on /health after a failed request (SGLangClient)
 ALIASES = {"rollout.async": "rollout.one_step_off"}
 # Keys that were renamed: key -> what to write instead.
 RENAMED = {"rollout.hf_fused_attention": "rollout.hf_compile (true -> attention, false -> false; auto now compiles "

@@ -480,7 +480,7 @@ def test_a_user_functions_timeout_past_the_collectives_is_warned_on_several_rank
     """A generate_fn timeout of 3600 s (the old default) under a 10 min collective timeout: on 2 ranks a hung tool
     stopped the run by the other rank's collective timeout, which names no function, and its own message never
     came. Warned at start on several ranks; the defaults and the shipped examples warn of nothing."""
-    from slime.config import DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig
+    from slime.config import DataConfig, ModelConfig, RewardConfig, RolloutConfig, SGLangConfig, TrainConfig
 
     def build(**kw):
         return Config(model=ModelConfig(path="m"), data=DataConfig(path="d.jsonl"), **kw)
@@ -489,8 +489,8 @@ def test_a_user_functions_timeout_past_the_collectives_is_warned_on_several_rank
     assert hung.user_timeout_warning(1) is None
     assert hung.user_timeout_warning(2) == (
         "rollout.generate_fn_timeout=3600s not below train.dist_timeout_minutes=10 (600 s): on 2 ranks, one that "
-        "waits that long in the function (a tool that never answers, a slow multi-turn rollout) stops the run by the "
-        "others' collective timeout, whose message names no function; set train.dist_timeout_minutes above the "
+        "waits that long in the function (a tool that never answers, a slow multi-turn rollout) or on its SGLang "
+        "server stops the run by the others' collective timeout, whose message names no function; set train.dist_timeout_minutes above the "
         "longest rollout a rank may take beyond another's, or lower rollout.generate_fn_timeout")
     assert "rollout.generate_fn_timeout=infs" in build(rollout=RolloutConfig(generate_fn="m:f", generate_fn_timeout=0)
                                                        ).user_timeout_warning(4)
@@ -500,5 +500,16 @@ def test_a_user_functions_timeout_past_the_collectives_is_warned_on_several_rank
     assert build(rollout=RolloutConfig(reward=RewardConfig(timeout=900.0))).user_timeout_warning(2).startswith(
         "rollout.reward.timeout=900s not below")
     assert build(rollout=RolloutConfig(generate_fn="m:f")).user_timeout_warning(8) is None
+    # A rank whose SGLang server hangs names it after request_timeout and a failed /health (10 s): before the
+    # others' collective timeout only if that is shorter (the old default of 600 s was not)
+    sglang = build(rollout=RolloutConfig(engine="sglang", sglang=SGLangConfig(request_timeout=600.0)))
+    assert sglang.user_timeout_warning(1) is None
+    assert sglang.user_timeout_warning(2).startswith("rollout.sglang.request_timeout=600s (+10 s on /health) not "
+                                                     "below train.dist_timeout_minutes=10 (600 s)")
+    assert build(rollout=RolloutConfig(engine="sglang", sglang=SGLangConfig(request_timeout=595.0))
+                 ).user_timeout_warning(2) is not None
+    assert build(rollout=RolloutConfig(engine="sglang")).user_timeout_warning(8) is None  # the default
+    assert build(rollout=RolloutConfig(engine="sglang", sglang=SGLangConfig(request_timeout=600.0)),
+                 train=TrainConfig(dist_timeout_minutes=11)).user_timeout_warning(2) is None
     for example in sorted((REPO / "examples").glob("*.yaml")):
         assert load_config(str(example), ["model.path=m"]).user_timeout_warning(8) is None, example.name

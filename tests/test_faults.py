@@ -534,6 +534,26 @@ def test_only_a_collective_timeout_is_reported_as_a_rank_that_stopped_answering(
     assert (e.value is error) is not collective
 
 
+def test_a_collective_timeout_in_rollout_or_weight_sync_names_the_engine_a_rank_may_wait_on():
+    """With SGLang engines the rank that stopped answering may be waiting on its server: the other ranks' message
+    says so in the phases that talk to it (the rank itself names the server only after request_timeout)."""
+    from slime.trainer.loop import Phase
+
+    timeout = RuntimeError("Application timeout caused pair closure")
+    for now, named in (("rollout", True), ("weight sync", True), ("training", False), ("checkpoint", False)):
+        phase = Phase("waited on an SGLang engine that does not answer")
+        phase.now = now
+        with pytest.raises(RuntimeError) as e:
+            with phase.guard(step=3, minutes=10):
+                raise timeout
+        assert ("data loader, waited on an SGLang engine that does not answer, or ran out" in str(e.value)) is named
+    phase = Phase()
+    phase.now = "rollout"
+    with pytest.raises(RuntimeError, match=r"a reward function or a data loader, or ran out of memory\)"):
+        with phase.guard(step=3, minutes=10):
+            raise timeout
+
+
 @pytest.mark.parametrize("text", [
     "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
     "[127.0.0.1]:5524",

@@ -209,6 +209,28 @@ def test_client_retries_while_alive_and_reports_a_dead_server(tmp_path):
         SGLangClient(f"http://127.0.0.1:{free_port()}", timeout=5, max_retries=3, log_path=str(log)).post("/generate")
 
 
+def test_a_request_that_outlives_its_timeout_on_a_live_server_names_the_setting():
+    """A generation longer than request_timeout on a server that answers /health: each attempt timed out and the
+    message named only ReadTimeout."""
+    class Slow(_Flaky):
+        def do_POST(self):
+            time.sleep(1.5)  # past the client's timeout: what it would answer does not matter
+            self.send_response(200)
+            self.end_headers()
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = SGLangClient(f"http://127.0.0.1:{httpd.server_address[1]}", timeout=0.5, max_retries=1)
+        with pytest.raises(SGLangServerError, match=r"failed after 2 attempt\(s\): ReadTimeout.*; the server answers "
+                                                    r"/health, so each attempt outlived its 0.5 s \(rollout.sglang."
+                                                    r"request_timeout\): raise it"):
+            client.post("/generate", {})
+    finally:
+        httpd.shutdown()
+
+
 def test_a_launched_server_that_stopped_answering_is_reported_at_once(tmp_path):
     """A server of ours whose process runs but does not answer (SIGSTOP, a hang): each request waited
     request_timeout and was retried while the process ran (218 s at request_timeout=15). /health decides."""
@@ -399,6 +421,20 @@ def test_greedy_generation_matches_hf_engine_from_the_same_ids(engines):
         assert g[0].finish_reason == w[0].finish_reason
         assert max(abs(a - b) for a, b in zip(g[0].logprobs, w[0].logprobs)) < 1e-3
     assert ours.metrics()["sglang/gen_tokens_per_s"] > 0
+
+
+@needs_sglang
+def test_a_response_the_real_server_cuts_short_is_refused(engines, tiny_model):
+    """A prompt plus max_new_tokens at the model's context: SGLang ends the response a token or two short, with
+    finish_reason length (its scheduler caps max_new_tokens at context - 1 - prompt - 1)."""
+    ours, _, prompts = engines
+    context = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
+    fits = SamplingParams(max_new_tokens=context - len(prompts[0]) - 8, temperature=0.0, ignore_eos=True)
+    assert len(ours.generate(prompts[:1], fits)[0][0].response_ids) == fits.max_new_tokens
+    with pytest.raises(SGLangServerError, match=r"at its length limit after \d+ of the "
+                                                rf"{context - len(prompts[0])} new tokens asked for"):
+        ours.generate(prompts[:1], SamplingParams(max_new_tokens=context - len(prompts[0]), temperature=0.0,
+                                                  ignore_eos=True))
 
 
 @needs_sglang
@@ -780,6 +816,25 @@ def test_a_generation_the_server_ended_on_its_own_is_an_error_naming_it():
     ours.aborted = True  # aborted while the request ran: a partial generation
     engine.client.post = lambda path, body, **kw: generation([5], "abort")
     assert engine._generate_one(ours, [1, 2, 3], {}).finish_reason == "abort"
+
+
+def test_a_response_the_server_cut_below_the_length_asked_for_is_an_error_naming_the_fix():
+    """SGLang lowers max_new_tokens, in silence, to what its context and KV pool leave: responses ended at
+    "length" before rollout.max_response_len, trained on as if the limit had been reached."""
+    from slime.rollout.sglang_engine import _Call
+
+    class Client:
+        url = "http://127.0.0.1:30000"
+
+        def post(self, path, body, **kw):
+            return generation([5, 6, 7])
+
+    engine = bare_engine(Client())
+    with pytest.raises(SGLangServerError, match=r"ended request slime-e1-r0-0 \(a prompt of 3 tokens\) at its length "
+                                                r"limit after 3 of the 8 new tokens asked for.*--max-total-tokens.*"
+                                                r"rollout.max_response_len"):
+        engine._generate_one(_Call(), [1, 2, 3], {"max_new_tokens": 8})
+    assert engine._generate_one(_Call(), [1, 2, 3], {"max_new_tokens": 3}).finish_reason == "length"
 
 
 def test_an_answer_that_is_not_a_generation_names_the_server():

@@ -330,6 +330,14 @@ class SGLangEngine:
                                         f"after {len(ids)} tokens with finish reason {finish!r:.300}: not a stop or "
                                         "the length limit, and no abort was asked for. The server's log says why")
             reason = "abort"
+        elif reason == "length" and len(ids) < sampling["max_new_tokens"] and not call.aborted:
+            # SGLang lowers a request's max_new_tokens, in silence, to what its context and KV pool leave
+            raise SGLangServerError(
+                f"{self.client.url} ended request {rid} (a prompt of {len(prompt)} tokens) at its length limit after "
+                f"{len(ids)} of the {sampling['max_new_tokens']} new tokens asked for: the server caps prompt + "
+                "response below its context length and its KV pool (--max-total-tokens; /server_info has both). "
+                "Give the server a larger pool (rollout.sglang.mem_fraction, or --max-total-tokens in "
+                "rollout.sglang.extra_args), or lower data.max_prompt_len / rollout.max_response_len")
         return Generation(ids, logprobs, reason)
 
     def abort(self) -> None:

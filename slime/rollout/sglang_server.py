@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import requests
 
+from slime.config import SGLANG_HEALTH_TIMEOUT
 from slime.utils.net import HOST, free_port  # noqa: F401  (free_port is part of this module's API)
 
 logger = logging.getLogger(__name__)
@@ -264,10 +265,12 @@ class SGLangClient:
                 time.sleep(min(2.0 ** attempt, 10.0))
                 if before_retry is not None:
                     before_retry(body)
-        raise SGLangServerError(f"{method} {self.url}{path} failed after {retries + 1} attempt(s): {error}\n"
+        slow = (f"; the server answers /health, so each attempt outlived its {timeout or self.timeout:g} s "
+                "(rollout.sglang.request_timeout): raise it for generations that long" if "Timeout" in error else "")
+        raise SGLangServerError(f"{method} {self.url}{path} failed after {retries + 1} attempt(s): {error}{slow}\n"
                                 f"last lines of the server log:\n{log_tail(self.log_path)}")
 
-    HEALTH_TIMEOUT = 10.0
+    HEALTH_TIMEOUT = SGLANG_HEALTH_TIMEOUT
 
     def is_alive(self) -> bool:
         """Running (where this rank launched it) and answering /health: a stopped or hung server was retried

@@ -272,7 +272,9 @@ def run(cfg: Config) -> dict:
         ref = PolicyEngine.reference(cfg, dims) if cfg.algo.needs_reference and not sft else None
     critic = PolicyEngine.critic(cfg, dims) if cfg.trains_critic else None
     trained = {"actor": actor, **({"critic": critic} if critic is not None else {})}
-    phase = Phase()
+    sglang = cfg.rollout.sglang
+    phase = Phase(f"waited on an SGLang engine that does not answer (rollout.sglang.request_timeout="
+                  f"{sglang.request_timeout:g} s per attempt)" if cfg.rollout.engine == "sglang" else "")
     with phase.guard(0, cfg.train.dist_timeout_minutes):  # imports the user's reward module
         phase.now = "loading the reward function"
         reward_fn = reward_fn_from_config(cfg.rollout.reward, tokenizer)
@@ -483,8 +485,9 @@ def is_collective_timeout(e: BaseException) -> bool:
 class Phase:
     """Where the loop is, for the message of a collective that timed out or of user code that exited."""
 
-    def __init__(self) -> None:
-        self.now = "start"
+    def __init__(self, engine_hint: str = "") -> None:
+        self.now, self.engine_hint = "start", engine_hint  # engine_hint: how a rank may hang on its engine
+
 
     @contextlib.contextmanager
     def guard(self, step: int, minutes: float):
@@ -503,6 +506,7 @@ class Phase:
                                    "the launcher's, has the cause") from e
             if not is_collective_timeout(e):
                 raise
+            engine = f", {self.engine_hint}" if self.engine_hint and self.now.startswith(("rollout", "weight")) else ""
             raise RuntimeError(f"step {step}, {self.now}: a collective waited more than train.dist_timeout_minutes="
                                f"{minutes:g} for another rank, which stopped answering (crashed, hung in a reward "
-                               "function or a data loader, or ran out of memory): its log has the cause") from e
+                               f"function or a data loader{engine}, or ran out of memory): its log has the cause") from e
