@@ -265,7 +265,8 @@ class TISConfig:
 @dataclasses.dataclass
 class CriticConfig:
     path: str | None = field(None, "Critic initialisation (HF dir); None = the actor's model.path.")
-    lr: float = field(1e-5, "Critic learning rate.")
+    lr: float = field(1e-5, "Critic learning rate, on the actor's schedule (train.warmup_steps, lr_schedule, and "
+                            "min_lr as the same fraction of it as of train.lr) over all of train.num_steps.")
     value_clip: float = field(0.2, "Clip range of the value update around the old values.")
     value_loss_coef: float = field(0.5, "Weight of the value loss.")
     warmup_steps: int = field(0, "Steps in which only the critic trains (the actor's lr schedule spans the steps "

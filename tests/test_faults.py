@@ -393,10 +393,17 @@ def test_after_a_critics_warmup_the_actors_schedule_spans_the_steps_that_train_i
 
     run_dir = tmp_path / "run"
     launch(model, task_dir, run_dir, "train.num_steps=3", "algo.advantage_estimator=gae", "algo.critic.warmup_steps=1",
-           "train.lr_schedule=cosine", "train.warmup_steps=0", "train.min_lr=0", "checkpoint.interval=0", nproc=1)
-    actor = lr_lambda(TrainConfig(num_steps=3, lr_schedule="cosine", lr=5e-3), 2)  # two updates: steps 2 and 3
-    assert [r.get("train/lr") for r in read_metrics(run_dir)] == pytest.approx([None, 5e-3, 5e-3 * actor(1)])
-    assert actor(1) == pytest.approx(0.5)  # halfway down its cosine at its second update (0.75 over three steps)
+           "train.lr_schedule=cosine", "train.warmup_steps=0", "train.min_lr=1e-3", "algo.critic.lr=2e-3",
+           "checkpoint.interval=0", nproc=1)
+    cosine = TrainConfig(num_steps=3, lr_schedule="cosine", lr=5e-3, min_lr=1e-3)
+    actor = lr_lambda(cosine, 2)  # two updates: steps 2 and 3
+    rows = read_metrics(run_dir)
+    assert [r.get("train/lr") for r in rows] == pytest.approx([None, 5e-3, 5e-3 * actor(1)])
+    assert actor(1) == pytest.approx(0.2 + 0.8 * 0.5)  # halfway down to min_lr at its second update
+    # The critic trains at every step on the same schedule, scaled to its own rate (it kept 2e-3 throughout)
+    critic = lr_lambda(cosine, 3)
+    assert [r["critic/lr"] for r in rows] == pytest.approx([2e-3, 2e-3 * critic(1), 2e-3 * critic(2)])
+    assert critic(1) < 1
 
 
 # -- signals ----------------------------------------------------------------------------------------------------

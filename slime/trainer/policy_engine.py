@@ -46,7 +46,8 @@ LossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 def lr_lambda(train: TrainConfig, total_steps: int):
-    """Linear warmup, then constant or cosine decay to min_lr (as a multiplier of the peak lr)."""
+    """Linear warmup, then constant or cosine decay to min_lr (as a multiplier of the peak lr). The critic's
+    schedule is the same multiplier of algo.critic.lr, over every step (it also trains in its warmup steps)."""
     warmup, floor = train.warmup_steps, train.min_lr / train.lr if train.lr > 0 else 0.0
 
     def fn(step: int) -> float:
@@ -130,7 +131,7 @@ class PolicyEngine:
         self._hf_names = {n for n, _ in hf.named_parameters()}  # before expert parallelism replaces MoE blocks
         total = max(1, train.num_steps if trained_steps is None else trained_steps) * train.num_mini_batches
         self.engine = parallelize(module, dims, train, lr=None if role == "reference" else lr,
-                                  lr_lambda=lr_lambda(train, total) if role == "actor" else None,
+                                  lr_lambda=lr_lambda(train, total) if role != "reference" else None,
                                   offload_params=offload_params)
         # Shared prompts need packed_sdpa's prefix attention; image and MoE models keep their own copies (the
         # router's per-token aux loss is weighted by input tokens, the vision tower runs per sample).
