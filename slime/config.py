@@ -615,6 +615,16 @@ class Config:
                 f"train.max_tokens_per_gpu = {budget}): a step that draws one stops. Raise train.max_tokens_per_gpu "
                 f"to {-(-longest // self.parallel.sp)}, or lower data.max_prompt_len / rollout.max_response_len")
 
+    def off_policy_warning(self) -> str | None:
+        """One-step-off batches come from the weights one update older than pi_old; nothing corrects for that
+        unless algo.tis weighs it or the ratio is taken against the engine's own logprobs."""
+        if not self.rollout.one_step_off or self.algo.policy_loss == "sft" or self.algo.tis.level != "off" \
+                or self.algo.old_logprobs == "rollout":
+            return None
+        return ("rollout.one_step_off=true with algo.tis.level=off: each batch was sampled by the weights one update "
+                "older than those its PPO ratio starts from, and nothing corrects for the lag (rollout/policy_lag); "
+                "set algo.tis.level=token (or sequence / geometric), or algo.old_logprobs=rollout")
+
     def user_timeout_warning(self, world_size: int) -> str | None:
         """On several ranks, a user function's timeout at or past the collective's: a rank hung (or slow) in it
         stops the run by the other ranks' collective timeout first, whose message names no function."""

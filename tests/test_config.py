@@ -513,3 +513,20 @@ def test_a_user_functions_timeout_past_the_collectives_is_warned_on_several_rank
                  train=TrainConfig(dist_timeout_minutes=11)).user_timeout_warning(2) is None
     for example in sorted((REPO / "examples").glob("*.yaml")):
         assert load_config(str(example), ["model.path=m"]).user_timeout_warning(8) is None, example.name
+
+
+def test_one_step_off_without_a_correction_of_the_lag_is_warned():
+    """Batches sampled one update before pi_old's weights: with algo.tis off and pi_old not the engine's
+    logprobs, nothing corrects for the lag. The shipped examples and synchronous runs warn of nothing."""
+    from slime.config import AlgoConfig, DataConfig, ModelConfig, RolloutConfig, TISConfig
+
+    def build(**kw):
+        return Config(model=ModelConfig(path="m"), data=DataConfig(path="d.jsonl"), **kw)
+
+    lagged = RolloutConfig(one_step_off=True)
+    assert build(rollout=lagged).off_policy_warning().startswith("rollout.one_step_off=true with algo.tis.level=off")
+    assert build(rollout=lagged, algo=AlgoConfig(tis=TISConfig(level="token"))).off_policy_warning() is None
+    assert build(rollout=lagged, algo=AlgoConfig(old_logprobs="rollout")).off_policy_warning() is None
+    assert build().off_policy_warning() is None
+    for example in sorted((REPO / "examples").glob("*.yaml")):
+        assert load_config(str(example), ["model.path=m"]).off_policy_warning() is None, example.name
