@@ -38,7 +38,7 @@ from slime.multimodal.images import to_png_base64
 from slime.multimodal.processor import MultimodalInputs, check_contexts
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
 from slime.rollout.sglang_server import HOST, SGLangClient, SGLangServer, SGLangServerError, wait_for_url
-from slime.utils.net import address_toward, local_world_size, node_address, url_host
+from slime.utils.net import address_toward, is_this_machine, local_world_size, node_address, url_host
 from slime.rollout.sglang_weights import SharedBuffers, dtype_name, serialize_flat_bucket, split_by_dtype
 from slime.utils.net import free_port
 
@@ -170,6 +170,12 @@ class SGLangEngine:
         if cfg.urls:
             endpoints = {e: (url, None) for e, url in enumerate(cfg.urls)}
             try:  # each by the rank that owns its engine, for them all to wait at once
+                mine = cfg.urls[self.plan.engine_of_rank[dims.rank]]
+                if self.colocated and not is_this_machine(url_host(mine)):
+                    raise SGLangServerError(
+                        f"rollout.sglang.urls: {mine}, this rank's engine, is not on this machine: colocated mode "
+                        "hands the weights over in shared memory (CUDA IPC on GPUs), which another host cannot "
+                        "open. List each node's own server for its ranks, or set rollout.sglang.mode=disaggregated")
                 for e, url in enumerate(cfg.urls):
                     if self.plan.owner_of_engine[e] == dims.rank:
                         wait_for_url(url, cfg.startup_timeout, f"rollout.sglang.urls[{e}]")

@@ -38,6 +38,25 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def is_this_machine(host: str) -> bool:
+    """`host` names an address of this machine: a socket binds only to a local interface's address. False where
+    it does not resolve."""
+    if is_loopback(host):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, _, _, _, addr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.bind((addr[0], 0))
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def url_host(url: str) -> str:
     return urlparse(url).hostname or ""
 
