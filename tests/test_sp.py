@@ -69,7 +69,8 @@ def test_a_sample_too_long_even_for_sp_names_the_settings():
     layout = Layout(packing=True, max_tokens=32, micro_batch_size=1, sp=2, budget_key="train.max_tokens_per_gpu")
     layout.plan([10, 64], dp=1)  # 64 = 2 x 32 fits when cut over 2 ranks
     with pytest.raises(ValueError, match=r"70 tokens .* parallel.sp=2 x train.max_tokens_per_gpu=32 = 64 .* "
-                                         r"train.max_tokens_per_gpu to 35, or parallel.sp to 3"):
+                                         r"train.max_tokens_per_gpu to 35, or parallel.sp to 3 or more \(.*sp must "
+                                         r"divide the model's attention heads and the number of GPUs\)"):
         layout.plan([10, 70], dp=1)
 
 

@@ -65,7 +65,8 @@ class Layout:
         raise ValueError(f"a sample of {n} tokens (its prompt and response less the last token, a target only) does "
                          f"not fit a micro-batch of parallel.sp={self.sp} x {self.budget_key}={self.per_gpu} = "
                          f"{self.max_tokens} tokens: raise {self.budget_key} to {-(-n // self.sp)}, or parallel.sp to "
-                         f"{need_sp} (sequence parallelism cuts a sample over sp GPUs), or lower "
+                         f"{need_sp} or more (sequence parallelism cuts a sample over sp GPUs; sp must divide the "
+                         "model's attention heads and the number of GPUs), or lower "
                          "rollout.max_response_len")
 
     def prompt_key(self, s: Sample) -> tuple[bytes, int] | None:
