@@ -15,6 +15,7 @@ VARIANTS = {
     "gspo_tis_seq": ["algo.policy_loss=gspo", "algo.clip_low=3e-4", "algo.clip_high=4e-4",
                      "algo.loss_agg=seq_mean_token_mean", "algo.tis.level=sequence", "algo.tis.mode=mask",
                      "algo.tis.low=0.5", "algo.tis.high=2.0"],
+    "router_aux": ["algo.router_aux_loss_coef=0.1"],  # balanced over the whole row, not per shard
 }
 
 
@@ -23,7 +24,8 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("sp_models")
     # seed 1 and a larger init make attention position- and neighbour-sensitive (leaks would show)
     return {"qwen2": make_tiny_model(root / "qwen2", arch="qwen2", seed=1, init_std=0.1),
-            "gqa1": make_tiny_model(root / "gqa1", arch="qwen3", seed=1, kv_heads=1, init_std=0.1)}
+            "gqa1": make_tiny_model(root / "gqa1", arch="qwen3", seed=1, kv_heads=1, init_std=0.1),
+            "moe": make_tiny_model(root / "moe", arch="qwen3_moe", seed=1)}
 
 
 def run(model, out, nproc, *overrides):
@@ -33,7 +35,7 @@ def run(model, out, nproc, *overrides):
     return torch.load(out / "result.pt", weights_only=False)
 
 
-@pytest.mark.parametrize("model_name, variant", [("qwen2", "ppo"), ("gqa1", "gspo_tis_seq")])
+@pytest.mark.parametrize("model_name, variant", [("qwen2", "ppo"), ("gqa1", "gspo_tis_seq"), ("moe", "router_aux")])
 def test_sp2_equals_sp1(models, tmp_path, model_name, variant):
     # sp=1 reference: one rank whose budget holds what two sp ranks hold together
     ref = run(models[model_name], tmp_path / "sp1", 1, "train.max_tokens_per_gpu=64", *VARIANTS[variant])
@@ -46,6 +48,8 @@ def test_sp2_equals_sp1(models, tmp_path, model_name, variant):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
     assert sp["metrics"]["loss"] == pytest.approx(ref["metrics"]["loss"], rel=1e-5, abs=1e-7)
     assert sp["metrics"]["loss_tokens"] == ref["metrics"]["loss_tokens"]
+    if "router_aux" in ref["metrics"]:
+        assert sp["metrics"]["router_aux"] == pytest.approx(ref["metrics"]["router_aux"], rel=1e-6)
     assert sp["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
     for name, g in ref["grads"].items():
         torch.testing.assert_close(sp["grads"][name], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

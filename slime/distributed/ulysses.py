@@ -125,6 +125,23 @@ class _GatherShards(torch.autograd.Function):
         return grad[ctx.start:ctx.start + ctx.count], None, None, None
 
 
+class _SumShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        total = local.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None  # as _GatherShards: every peer's loss is the same; each keeps its own part's gradient
+
+
+def sum_shards(local: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """The sum of the sp peers' `local` tensors, on each of them, differentiable in this rank's own term."""
+    return _SumShards.apply(local, shard.group)
+
+
 def gather_shards(local: torch.Tensor, counts: list[int], shard: SequenceShard) -> torch.Tensor:
     """(counts[rank],) per-rank pieces -> (sum(counts),) in rank order, on every rank of the sp group."""
     return _GatherShards.apply(local, counts, shard.rank, shard.group)

@@ -94,11 +94,12 @@ class ModelAdapter:
                 "image_grid_thw": torch.tensor([[1, merge, merge]], device=device)}
 
     def router_stats(self, model: PreTrainedModel, router_logits: tuple[torch.Tensor, ...],
-                     real: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                     real: torch.Tensor | None = None, sp=None) -> dict[str, torch.Tensor]:
         """From one forward's router logits ((n, E) per MoE layer) and which of the n tokens are real (bool (n,),
         None: all; padding is routed too but counts for nothing): transformers' load-balancing aux loss of the real
         tokens (differentiable), and detached sums for metrics: tokens sent to each expert per layer (L, E) and
-        the routing distribution's entropy summed over tokens and layers."""
+        the routing distribution's entropy summed over tokens and layers. Under sequence parallelism (`sp`, this
+        rank's SequenceShard) the aux loss and its token count are the whole row's, as at sp=1 (`_row_aux`)."""
         import sys
 
         config = model.config.get_text_config()
@@ -106,19 +107,21 @@ class ModelAdapter:
         top_k = config.num_experts_per_tok
         aux_fn = sys.modules[type(model).__module__].load_balancing_loss_func
         if real is not None and not bool(real.all()):
-            kept = tuple(r[real] for r in router_logits)
-            # No real token (a dummy batch, a shard of padding): an aux loss of 0 that stays in the graph.
-            aux = aux_fn(kept, num_experts, top_k) if kept[0].shape[0] else sum(r.sum() for r in router_logits) * 0
-            router_logits = kept
-        else:
+            router_logits = tuple(r[real] for r in router_logits)
+        tokens = torch.tensor(float(router_logits[0].shape[0]))
+        if sp is not None:
+            aux, tokens = _row_aux(router_logits, num_experts, top_k, sp)
+        elif router_logits[0].shape[0]:
             aux = aux_fn(router_logits, num_experts, top_k)
+        else:  # no real token (a dummy batch): an aux loss of 0 that stays in the graph
+            aux = sum(r.sum() for r in router_logits) * 0
         logits = torch.stack([r.float() for r in router_logits])  # (L, n, E)
         probs = logits.detach().softmax(-1)
         chosen = probs.topk(top_k, dim=-1).indices  # (L, n, k)
         counts = torch.zeros(logits.shape[0], num_experts, device=logits.device).scatter_add_(
             1, chosen.flatten(1), torch.ones(chosen.flatten(1).shape, device=logits.device))
         entropy = -(probs * probs.clamp_min(1e-20).log()).sum(-1)  # (L, n)
-        return {"aux": aux, "tokens": torch.tensor(float(logits.shape[1])),
+        return {"aux": aux, "tokens": tokens, "peers": sp.size if sp is not None else 1,
                 "expert_counts": counts, "entropy_sum": entropy.sum(), "entropy_n": torch.tensor(float(entropy.numel()))}
 
     def hidden_states(self, model: PreTrainedModel, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -261,3 +264,26 @@ def read_checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]] | Non
         with safe_open(str(path / file), "pt") as f:
             shapes.update((k, tuple(f.get_slice(k).get_shape())) for k in f.keys())
     return shapes
+
+
+def _row_aux(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int,
+             sp) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' load_balancing_loss_func (the per-expert share of top-k choices times the mean routing
+    probability, over every layer's real tokens) of the whole sp row, and its real tokens: each shard's sums added
+    over the sp group, the probabilities' differentiably. Per shard, the aux loss would balance each shard alone
+    (and its gradient would depend on sp)."""
+    from slime.distributed.ulysses import sum_shards
+
+    device = router_logits[0].device
+    choices = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    for layer in router_logits:
+        weights = layer.softmax(-1)
+        choices = choices + torch.bincount(weights.topk(top_k, dim=-1).indices.reshape(-1),
+                                           minlength=num_experts).float()
+        probs = probs + weights.float().sum(0)  # a shard without real tokens adds zeros, still in the graph
+    counted = torch.cat([choices, torch.tensor([float(router_logits[0].shape[0])], device=device)])
+    torch.distributed.all_reduce(counted, group=sp.group)
+    rows = counted[-1] * len(router_logits)
+    probs = sum_shards(probs, sp)
+    return num_experts * ((counted[:-1] / rows.clamp_min(1)) * (probs / rows.clamp_min(1))).sum(), counted[-1].cpu()

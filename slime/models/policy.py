@@ -138,7 +138,7 @@ class PolicyModel(nn.Module):
         if isinstance(hidden, tuple):  # MoE: (hidden, router logits of this rank's tokens)
             hidden, logits = hidden
             real = token_mask.view(input_ids.shape)[..., start:end].flatten() if token_mask is not None else None
-            router = self.adapter.router_stats(self.hf, logits, real) if self.head == "logprobs" else None
+            router = self.adapter.router_stats(self.hf, logits, real, self.sp) if self.head == "logprobs" else None
         mine, targets = pred_index, target_ids
         if self.sp is not None:  # the scored positions of this shard (a target may lie in the next shard)
             here = (pred_index >= start) & (pred_index < end)

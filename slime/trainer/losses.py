@@ -52,7 +52,8 @@ def router_terms(router: dict, *, num_processed: int) -> tuple[torch.Tensor, Sum
     its tokens and N the mini-batch's tokens over all ranks. The metric sums are `router_`-prefixed (they
     reduce over the whole world)."""
     share = router["aux"] * (router["tokens"].to(router["aux"].device) / max(num_processed, 1))
-    return share, {"router_aux": share.detach(), "router_entropy_sum": router["entropy_sum"],
+    # Under sp every peer holds its row's share (each differentiates its own tokens' part): the metric counts one
+    return share, {"router_aux": share.detach() / router.get("peers", 1), "router_entropy_sum": router["entropy_sum"],
                    "router_entropy_n": router["entropy_n"].to(share.device),
                    "router_expert_counts": router["expert_counts"]}
 

@@ -55,6 +55,8 @@ def main() -> None:
     grads = {n: safe_get_full_grad(p).clone() for n, p in actor.engine.module.hf.named_parameters()}
     grad_norm = actor.optimizer_step()
     metrics = dims.all_reduce_tensors({k: sums[k] for k in ("loss", "ppo_kl", "entropy", "loss_tokens")})
+    if "router_aux" in sums:  # each sp peer routes its own shard: over the whole world, as the trainer's metric
+        metrics.update(dims.all_reduce_tensors({"router_aux": sums["router_aux"]}, group=dims.world_group))
     logprobs = gather_by_index(rb, old, dims)
     state = {n: t.cpu() for bucket in actor.gathered_weight_buckets(1.0) for n, t in bucket}
     rows = [actor.train_layout.build(rb.samples, idx).cu_seqlens.tolist() for idx in rb.mini_batches[0].micro]
