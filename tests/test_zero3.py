@@ -90,6 +90,15 @@ def test_fused_chains_run_where_told(checks, request):
     assert (result["fused_calls"] > 0) == ("fused" in request.node.callspec.id), result["fused_calls"]
 
 
+def test_layers_are_recomputed_in_backward_where_checkpointing_is_on(checks, request):
+    """model.gradient_checkpointing: HF checkpoints a layer only in training mode, which the trainer never set
+    (the model stays in eval mode, dropout off): no layer was ever checkpointed."""
+    _, result = checks
+    checkpointed = request.node.callspec.id in ("2ranks-onednn", "2ranks-fused")
+    for mode in result["modes"].values():
+        assert mode["layer_runs"] == mode["micro_batches"] * (2 if checkpointed else 1), mode
+
+
 def test_weight_sync_makes_engine_equal_trainer(checks):
     _, result = checks
     assert result["sync_names_equal"]

@@ -22,6 +22,7 @@ from typing import Callable, Literal
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from slime.config import Config, ModelConfig, TrainConfig
 from slime.data.batch import MicroBatch
@@ -117,6 +118,12 @@ class PolicyEngine:
                             f"oneDNN's kernels ({onednn} layers)" if onednn else "torch's F.linear")
         if role != "reference" and model.gradient_checkpointing:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # HF checkpoints a layer only in training mode, and from_pretrained leaves the model in eval mode,
+            # which keeps dropout off (as RL wants; nothing here sets train()): the checkpointed layers alone are
+            # marked training, not their children, or no layer was ever checkpointed.
+            for m in hf.modules():
+                if isinstance(m, GradientCheckpointingLayer):
+                    m.training = True
         if train.compile:
             compiled = compile_layers(hf)
             if role == "actor" and dims.is_main:

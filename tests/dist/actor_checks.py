@@ -122,7 +122,11 @@ def main() -> None:
         for s, lp in zip(batch.samples, old):
             s.old_logprobs = lp
         loss_fn = functools.partial(actor_loss, dataclasses.replace(cfg.algo, loss_agg=mode))
+        layer = actor.engine.module.hf.model.layers[0]
+        runs = [0]  # the first decoder layer's forward passes: twice per micro-batch where it is checkpointed
+        hook = layer.register_forward_pre_hook(lambda *_: runs.__setitem__(0, runs[0] + 1))
         sums = actor.forward_backward(batch, batch.mini_batches[0], loss_fn)
+        hook.remove()
         grads = {n: safe_get_full_grad(p).clone() for n, p in actor.engine.module.hf.named_parameters()}
         g = dims.all_reduce_tensors({k: sums[k] for k in ("loss", "ppo_kl")})
         micro = dims.all_reduce_sum([len(batch.mini_batches[0].micro)])[0]
@@ -133,7 +137,8 @@ def main() -> None:
         if dims.is_main:
             torch.save({"before": before, "grads": grads, "old_logprobs": old_all}, out / f"{mode}.pt")
         result["modes"][mode] = {"loss": g["loss"], "ppo_kl_sum": g["ppo_kl"], "micro_batches": micro,
-                               "shared_prompt_micro_batches": shared}
+                               "shared_prompt_micro_batches": shared,
+                               "layer_runs": dims.all_reduce_sum([runs[0]])[0]}
 
     ref_after = gather_by_index(batch, ref.score(batch), dims)
     ref_state = full_state(ref)
