@@ -252,3 +252,85 @@ def test_shared_prompts_refused_where_attention_cannot_see_them(model_dir):
     with pytest.raises(ValueError, match="share_prompts.*packed_sdpa"):
         model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len,
               target_ids=mb.target_ids, prompt_prefixes=mb.prompt_prefixes)
+
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, tie_word_embeddings=False,
+            pad_token_id=0, bos_token_id=1, eos_token_id=1)
+
+
+def other_family(tmp_path, name: str, **overrides):
+    """A tiny random model of a family without an adapter, saved, from its transformers config class."""
+    import transformers
+
+    kind, extra = {"cohere": ("CohereConfig", {"logit_scale": 0.0625}),
+                   "granite": ("GraniteConfig", {"logits_scaling": 4.0}),
+                   "gemma3_text": ("Gemma3TextConfig", {"head_dim": 16, "layer_types": ["full_attention"] * 2,
+                                                        "final_logit_softcapping": 30.0}),
+                   "gemma2": ("Gemma2Config", {"head_dim": 16, "layer_types": ["full_attention"] * 2,
+                                               "final_logit_softcapping": None}),
+                   "stablelm": ("StableLmConfig", {})}[name]
+    config = getattr(transformers, kind)(**{**TINY, **extra, **overrides})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / name)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize("name", ["cohere", "granite", "gemma3_text"])
+def test_a_familys_own_final_logits_are_the_logprob_heads(tmp_path, name):
+    """Cohere scales its logits (logit_scale), Granite divides them (logits_scaling), Gemma 2/3 soft-cap them
+    (final_logit_softcapping) after the LM head: the trainer's head applied none of it (logprobs off by up to 4.6)."""
+    path = other_family(tmp_path, name)
+    packed = PolicyModel(AutoModelForCausalLM.from_pretrained(path, attn_implementation=PACKED_SDPA))
+    alone = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    samples = random_samples(seed=2)
+    mb = build_micro_batch(samples, range(len(samples)))
+    logp, _ = packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len, chunk_size=5,
+                     target_ids=mb.target_ids)
+    for s, got in zip(samples, mb.split(logp)):
+        torch.testing.assert_close(got, per_sample_logprobs(alone, s), rtol=1e-5, atol=1e-5)
+    logp.sum().backward()
+    sum(per_sample_logprobs(alone, s).sum() for s in samples).backward()
+    ref = dict(alone.named_parameters())
+    for n, p in packed.hf.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n].grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"{n}: {m}")
+
+
+def test_what_packed_attention_cannot_compute_is_refused_not_dropped(tmp_path):
+    """StableLM's decoder layers call their attention without its keyword arguments (the samples' borders): a
+    packed row attended across its samples. Gemma 2's attention soft-capping was dropped in silence. Each is an
+    error now; a padded batch (no borders to pass) still runs StableLM."""
+    samples = random_samples(seed=4)
+    mb = build_micro_batch(samples, range(len(samples)))
+    stablelm = PolicyModel(AutoModelForCausalLM.from_pretrained(other_family(tmp_path, "stablelm"),
+                                                                attn_implementation=PACKED_SDPA))
+    with pytest.raises(ValueError, match="StableLmAttention got no cu_seq_lens_q for a packed row.*train.packing=false"):
+        stablelm(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len, chunk_size=5,
+                 target_ids=mb.target_ids)
+    one = build_micro_batch(samples[:1], [0])  # one sample: as a padded row of one
+    stablelm(one.input_ids[None], one.position_ids[None], None, one.pred_index, max_len=one.max_len, chunk_size=5,
+             target_ids=one.target_ids)
+    gemma2 = PolicyModel(AutoModelForCausalLM.from_pretrained(
+        other_family(tmp_path, "gemma2", attn_logit_softcapping=50.0), attn_implementation=PACKED_SDPA))
+    with pytest.raises(NotImplementedError, match="packed_sdpa does not implement softcap"):
+        gemma2(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len, chunk_size=5,
+               target_ids=mb.target_ids)
+
+
+def test_models_whose_packed_samples_would_not_compute_alone_are_refused():
+    """Linear attention and short convolutions carry state across a packed row's borders; dynamic and longrope
+    rope pick their frequencies from the row's largest position once past the original context."""
+    import transformers
+
+    from slime.models.attention import packing_refusal
+
+    assert "linear_attention layers" in packing_refusal(transformers.Qwen3NextConfig(), 100)
+    assert packing_refusal(transformers.Qwen3NextConfig(), 100, packing=False) is None  # padded rows: state ends
+    lfm2 = transformers.Lfm2Config(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"])
+    assert packing_refusal(lfm2, 100).startswith("has conv layers")
+    dynamic = transformers.LlamaConfig(max_position_embeddings=64, rope_parameters={"rope_type": "dynamic",
+                                                                                    "factor": 2.0})
+    assert packing_refusal(dynamic, 64) is None and "dynamic rope" in packing_refusal(dynamic, 65)
+    assert "dynamic rope" in packing_refusal(dynamic, 65, packing=False)  # a padded batch's too
+    for plain in (transformers.LlamaConfig(), transformers.Qwen3Config(), transformers.Gemma2Config()):
+        assert packing_refusal(plain, 10**6) is None

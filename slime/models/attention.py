@@ -22,6 +22,7 @@ On GPU, flash-attn's varlen kernel gets the same `cu_seq_lens_*` kwargs through 
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import importlib.util
 from typing import NamedTuple
@@ -33,6 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 PACKED_SDPA = "packed_sdpa"
+ATTENTION_LAYERS = ("full_attention", "sliding_attention")  # layer_types that only attend (no state across tokens)
 PAD_AREA = 1.5  # a group's padded attention area (n * L_max^2) stays within this factor of sum(L^2)
 
 
@@ -178,6 +180,33 @@ class _PackedFlash(torch.autograd.Function):
         return (*(t.transpose(0, 1)[None] for t in (dq, dk, dv)), None, None)
 
 
+# Set by PolicyModel.forward around a packed row's forward: packed_sdpa then needs the samples' borders.
+PACKED_ROW: contextvars.ContextVar[bool] = contextvars.ContextVar("packed_row", default=False)
+
+
+def packing_refusal(config, longest: int, packing: bool = True) -> str | None:
+    """Why the samples of a packed row (or a padded batch) would not compute as each alone, or None: layers that
+    carry state from token to token (linear attention, convolutions) across the samples' borders, or a rope whose
+    frequencies follow the row's (batch's) largest position once it passes the original context."""
+    text = config.get_text_config()
+    kinds = sorted({k for k in getattr(text, "layer_types", None) or () if k not in ATTENTION_LAYERS})
+    if kinds and packing:
+        return (f"has {', '.join(kinds)} layers, which carry state from each token to the next across the borders "
+                "of packed samples; set train.packing=false")
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    ropes = [rope] if "rope_type" in rope or "type" in rope else [r for r in rope.values() if isinstance(r, dict)]
+    for r in ropes:
+        kind = r.get("rope_type", r.get("type"))
+        original = r.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings",
+                                                                        None) or text.max_position_embeddings
+        if kind in ("dynamic", "longrope") and longest > original:
+            return (f"uses {kind} rope, whose frequencies follow the largest position of a packed row or padded "
+                    f"batch once it passes {original} (a sample of data.max_prompt_len + rollout.max_response_len = "
+                    f"{longest} tokens can): set train.packing=false and train.micro_batch_size=1, or keep samples "
+                    f"within {original} tokens")
+    return None
+
+
 @torch.compiler.disable  # compiled layers (train.compile) call it eagerly: its plans are Python over the borders
 def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                         sliding_window=None, prompt_prefixes=None, **kwargs):
@@ -189,7 +218,15 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
         raise NotImplementedError("packed_sdpa does not implement sliding-window attention")
     if attention_mask is not None:
         raise ValueError("packed_sdpa expects no attention mask; pass cu_seq_lens_q instead of padding")
+    unsupported = [k for k in ("softcap", "s_aux", "sinks") if kwargs.get(k) is not None]
+    if unsupported:
+        raise NotImplementedError(f"packed_sdpa does not implement {' or '.join(unsupported)} (attention logit "
+                                  "soft-capping, attention sinks), which this model's attention asks for")
     cu = kwargs.get("cu_seq_lens_q")
+    if cu is None and PACKED_ROW.get():
+        raise ValueError(f"{type(module).__name__} got no cu_seq_lens_q for a packed row: this model's decoder layers "
+                         "do not pass their keyword arguments on to the attention, which would attend across the "
+                         "samples of the row; set train.packing=false")
     dropout = dropout if module.training else 0.0
     attend = functools.partial(F.scaled_dot_product_attention, dropout_p=dropout, scale=scaling,
                                enable_gqa=query.shape[1] != key.shape[1])

@@ -5,10 +5,11 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from slime.config import ModelConfig
 from slime.models.adapters import ModelAdapter, adapter_for
+from slime.models.attention import packing_refusal
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -69,6 +70,18 @@ def check_stop_ids(cfg: ModelConfig, stop_ids) -> None:
         raise ValueError(f"rollout.stop_token_ids={list(stop_ids)}: {bad} are past the model's vocabulary of {vocab} "
                          f"tokens (vocab_size in {cfg.path}/config.json), so they never end a response; give ids of "
                          "this model's tokenizer")
+
+
+def check_packing(cfg) -> None:
+    """A model whose samples would not compute as each alone in a packed row or padded batch is refused at start
+    (slime/models/attention.py's packing_refusal), naming the setting that avoids it."""
+    if not cfg.train.packing and cfg.train.micro_batch_size == 1:
+        return
+    conf = AutoConfig.from_pretrained(cfg.model.path, gguf_file=cfg.model.gguf_file,
+                                      trust_remote_code=cfg.model.trust_remote_code)
+    why = packing_refusal(conf, cfg.data.max_prompt_len + cfg.rollout.max_response_len, packing=cfg.train.packing)
+    if why:
+        raise ValueError(f"model.path={cfg.model.path} {why}")
 
 
 def warn_past_context(cfg: ModelConfig, longest_prompt: int, max_new_tokens: int, logger,

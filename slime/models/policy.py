@@ -20,7 +20,7 @@ import torch.utils.checkpoint as ckpt
 
 from slime.distributed.ulysses import SequenceShard, gather_shards
 from slime.models.adapters import ModelAdapter, get_adapter
-from slime.models.attention import PACKED_SDPA, packed_attention_kwargs
+from slime.models.attention import PACKED_ROW, PACKED_SDPA, packed_attention_kwargs
 
 
 def logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,17 +30,35 @@ def logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[t
     return logp.gather(-1, targets[:, None]).squeeze(-1), entropy
 
 
+def final_logits(config) -> tuple[float, float | None]:
+    """(scale, softcap) of the logits a family's causal LM makes after its LM head, as its forward does:
+    Cohere's `logits * logit_scale`, Granite's `logits / logits_scaling`, Gemma 2/3's `cap * tanh(logits / cap)`
+    (final_logit_softcapping). A multiplier of another name is refused, not left out."""
+    text = config.get_text_config()
+    if getattr(text, "lm_head_multiplier", 1.0) not in (None, 1.0):
+        raise ValueError(f"{text.model_type} multiplies its logits by lm_head_multiplier={text.lm_head_multiplier}, "
+                         "which the trainer's logprob head does not: this model family is not supported")
+    scale = float(getattr(text, "logit_scale", None) or 1.0) / float(getattr(text, "logits_scaling", None) or 1.0)
+    return scale, getattr(text, "final_logit_softcapping", None)
+
+
 class LogprobHead(nn.Module):
-    def __init__(self, lm_head: nn.Linear):
+    def __init__(self, lm_head: nn.Linear, config=None):
         super().__init__()
         self.weight = lm_head.weight  # shared, like tied embeddings; named once, under hf.
         self.bias = lm_head.bias
+        self.scale, self.softcap = final_logits(config) if config is not None else (1.0, None)
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float,
                 chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden (N, H), targets (N,) -> logprobs (N,), entropies (N,)."""
         def chunk_fn(h: torch.Tensor, t: torch.Tensor):
-            return logprobs_and_entropy(F.linear(h, self.weight, self.bias).float() / temperature, t)
+            logits = F.linear(h, self.weight, self.bias)
+            if self.scale != 1.0:
+                logits = logits * self.scale
+            if self.softcap is not None:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+            return logprobs_and_entropy(logits.float() / temperature, t)
 
         logps, ents = [], []
         for i in range(0, max(hidden.shape[0], 1), chunk_size):
@@ -95,7 +113,7 @@ class PolicyModel(nn.Module):
         self.adapter = adapter or get_adapter(hf_model.config.model_type)
         self.sp = sp  # sequence parallel: this rank runs one shard of each row (slime/distributed/ulysses.py)
         if head == "logprobs":
-            self.logprob_head = LogprobHead(hf_model.get_output_embeddings())
+            self.logprob_head = LogprobHead(hf_model.get_output_embeddings(), hf_model.config)
         elif head == "value":
             self.value_head = nn.Linear(hf_model.config.get_text_config().hidden_size, 1,
                                         dtype=next(hf_model.parameters()).dtype)
@@ -133,7 +151,11 @@ class PolicyModel(nn.Module):
                              f"{' with sp' if self.sp is not None else ''}: build its micro-batches unshared")
         kwargs = packed_attention_kwargs(cu_seqlens, max_len, prompt_prefixes) if cu_seqlens is not None else {}
         start, end = self.sp.bounds(input_ids.shape[-1]) if self.sp is not None else (0, input_ids.shape[-1])
-        hidden = self.adapter.hidden_states(self.hf, input_ids, position_ids, extra, shard=(start, end), **kwargs)
+        packed = PACKED_ROW.set(cu_seqlens is not None)  # packed_sdpa refuses a packed row that reaches it bare
+        try:
+            hidden = self.adapter.hidden_states(self.hf, input_ids, position_ids, extra, shard=(start, end), **kwargs)
+        finally:
+            PACKED_ROW.reset(packed)
         router = None
         if isinstance(hidden, tuple):  # MoE: (hidden, router logits of this rank's tokens)
             hidden, logits = hidden

@@ -26,7 +26,7 @@ from slime.data.prompts import PromptSource, rows_on_every_rank, sft_samples
 from slime.distributed.ds_config import read_ds_json, zero_stage
 from slime.distributed.parallel_dims import ParallelDims
 from slime.models.export import exported_step
-from slime.models.loading import check_stop_ids, load_processor, load_tokenizer, warn_past_context
+from slime.models.loading import check_packing, check_stop_ids, load_processor, load_tokenizer, warn_past_context
 from slime.rollout.custom import load_generate_fn
 from slime.rollout.engine import make_engine
 from slime.rollout.rewards import check_reward_spec, needs_label, reward_fn_from_config
@@ -230,6 +230,7 @@ def run(cfg: Config) -> dict:
     ckpt_dir = run_dir / "checkpoints"
     tokenizer = load_tokenizer(cfg.model)
     check_stop_ids(cfg.model, cfg.rollout.stop_token_ids)
+    check_packing(cfg)
     processor = load_processor(cfg.model, tokenizer)  # image-text models only
     data = PromptSource(cfg.data, tokenizer, batch_size=cfg.rollout.batch_size, dp_rank=dims.dp_rank,
                         dp_size=dims.dp, seed=cfg.train.seed, processor=processor,
