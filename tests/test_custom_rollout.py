@@ -906,6 +906,70 @@ def test_reward_model_scores_batches_as_one_by_one(tiny_rm):
     assert len(set(round(w, 4) for w in want)) == 5  # a random head: the texts get different scores
 
 
+def other_reward_model(out: Path, kind: str) -> Path:
+    """A tiny GPT-2 reward model (its own pooling: the last token that is not the pad id; its tokenizer has only an
+    EOS, as GPT-2's) or BERT one ([CLS] pooling), with a head large enough to tell positions apart."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import (BertConfig, BertForSequenceClassification, BertTokenizerFast, GPT2Config,
+                              GPT2ForSequenceClassification, PreTrainedTokenizerFast)
+
+    torch.manual_seed(1)
+    if kind == "gpt2":
+        special = ["<eos>", "<user>", "<assistant>"]
+        vocab = {t: i for i, t in enumerate(special + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tk.pre_tokenizer, tk.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+        tk.add_special_tokens(special)
+        tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>", bos_token="<eos>")
+        model = GPT2ForSequenceClassification(GPT2Config(vocab_size=len(tok), n_positions=128, n_embd=32, n_layer=2,
+                                                         n_head=2, num_labels=1, eos_token_id=0, bos_token_id=0))
+        head = model.score
+    else:
+        words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *string.ascii_lowercase, *string.digits, *"+=.,?!"]
+        tok = BertTokenizerFast(vocab={w: i for i, w in enumerate(words)})
+        model = BertForSequenceClassification(BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=2,
+                                                         num_attention_heads=2, intermediate_size=64,
+                                                         max_position_embeddings=64, num_labels=1))
+        head = model.classifier
+    with torch.no_grad():
+        head.weight.normal_(0, 1.0)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_reward_models_of_other_architectures_score_each_text_as_it_is_alone(tmp_path, kind):
+    """GPT-2's own pooling (the last token that is not the pad id, which is EOS where the tokenizer has no pad)
+    read a text ending in EOS at the token before it; a BERT reward model got no [CLS] / [SEP] (tokenised without
+    special tokens). Each text alone, through the model as its tokenizer encodes it, is the reference."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = other_reward_model(tmp_path / kind, kind)
+    texts = ["what is 3+4? 7<eos>", "ok fine<eos>", "x"] if kind == "gpt2" else ["what is 3+4? 7", "ok fine", "x"]
+    got = [d["reward"] for d in RewardModel(f"model:{path}", batch_size=4).score_texts(texts)]
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        want = [model(**tok(t, return_tensors="pt")).logits[0, 0].item() for t in texts]
+    assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_a_reward_model_whose_tokenizer_has_no_pad_and_no_eos_scores(tmp_path):
+    """Its pad was set to its EOS, None: it loaded, then the first batch failed in the tokenizer's pad()."""
+    from transformers import AutoTokenizer
+
+    path = other_reward_model(tmp_path / "gpt2", "gpt2")
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.eos_token = tok.bos_token = None
+    tok.save_pretrained(path)
+    rm = RewardModel(f"model:{path}", batch_size=4)
+    batch = rm.score_texts(["ab", "abc d"])
+    assert [d["reward"] for d in batch] == pytest.approx([rm.score_texts([t])[0]["reward"] for t in ("ab", "abc d")],
+                                                         abs=1e-5)
+
+
 def test_reward_model_reads_the_policys_tokens_end_of_turn_included(tiny_model, tiny_rm, tmp_path):
     """It read prompt_text + response_text, the response decoded without special tokens: the end-of-turn token,
     where a reward model trained on chat text reads its score, was gone (and a multi-turn response's role markers,

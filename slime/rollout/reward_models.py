@@ -20,7 +20,8 @@
   (``num_labels=1``) loaded on every rank and scored there on that rank's samples, ``batch_size`` at a
   time, in eval mode under no_grad. It reads the policy's prompt and response tokens decoded together (chat
   template and end-of-turn token included, as the policy saw them) with its own tokenizer, so a reward model
-  trained on another template should be served remotely instead. A sample past its context is read from its
+  trained on another template should be served remotely instead (the server gets the rendered prompt, the
+  response text and the row's metadata, where the data can carry the raw question). A sample past its context is read from its
   end (counted: ``reward/rm_truncated``).
 """
 from __future__ import annotations
@@ -212,9 +213,11 @@ class RewardModel:
             raise ValueError(f"reward model {spec!r}: the checkpoint lacks {sorted(loading['missing_keys'])[:4]}, "
                              "which would start random: give a trained sequence-classification checkpoint")
         if self.tokenizer.pad_token_id is None:  # batches are right-padded; the score is read at each row's end
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+            # (any id will do where there is no EOS either: the score is read at the last real token)
+            self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.convert_ids_to_tokens(0)
         self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.tokenizer.padding_side = "right"
+        self.tokenizer.truncation_side = "left"  # a text past the context is read from its end
         self.model.to(device).eval()
         self.device, self.batch_size = device, batch_size
         self.policy_tokenizer = tokenizer
@@ -224,6 +227,13 @@ class RewardModel:
         self._warned_long = False
         # transformers' generic classifiers (a backbone and a `score` head): score_texts pools them itself
         self._own_pooling = isinstance(self.model, GenericForSequenceClassification)
+        # Other decoders' heads (GPT-2, Falcon, OPT, ...) score every token, then take the last that is not the pad
+        # id: where pad is EOS, the token before a closing EOS. Their per-token scores are read instead.
+        head = getattr(self.model, "score", None)
+        self._per_token = head if not self._own_pooling and isinstance(head, torch.nn.Linear) else None
+        # Encoders (BERT, RoBERTa, DeBERTa) pool their [CLS] token: their tokenizer adds [CLS] and [SEP]
+        self._special = not self._own_pooling and self._per_token is None
+        self._n_special = self.tokenizer.num_special_tokens_to_add() if self._special else 0
 
     def texts(self, samples: list[Sample]) -> list[str]:
         """What the policy's sequence was, as text: with the policy's tokenizer, its prompt and response tokens
@@ -242,20 +252,33 @@ class RewardModel:
         reward model's context and only its end was read}."""
         out = []
         for i in range(0, len(texts), self.batch_size):
-            ids = self.tokenizer(texts[i:i + self.batch_size], add_special_tokens=False).input_ids
-            cut = [self.max_len is not None and len(row) > self.max_len for row in ids]
+            batch = texts[i:i + self.batch_size]
+            ids = self.tokenizer(batch, add_special_tokens=False).input_ids
+            cut = [self.max_len is not None and len(row) + self._n_special > self.max_len for row in ids]
             if any(cut) and not self._warned_long:
                 self._warned_long = True
                 logger.warning("reward model %s reads %d tokens at most; a sample of %d is read from its end only "
                                "(counted in reward/rm_truncated)", self.path, self.max_len, max(map(len, ids)))
-            ids = [row[-self.max_len:] if c else row for row, c in zip(ids, cut)]
+            if self._special:  # [CLS] text [SEP], the text's start cut where it is too long (truncation_side)
+                ids = self.tokenizer(batch, truncation=self.max_len is not None, max_length=self.max_len).input_ids
+            else:
+                ids = [row[-self.max_len:] if c else row for row, c in zip(ids, cut)]
             enc = self.tokenizer.pad({"input_ids": ids}, return_tensors="pt").to(self.device)
+            rows, last = torch.arange(len(ids), device=self.device), enc["attention_mask"].sum(-1) - 1
             if self._own_pooling:
                 # The score at each row's last real token: the model's own pooling takes the last token that is
                 # not the pad id, which a text ending in EOS (the pad id, where there is no other) is not.
                 hidden = getattr(self.model, self.model.base_model_prefix)(**enc).last_hidden_state
-                last = enc["attention_mask"].sum(-1) - 1
-                scores = self.model.score(hidden[torch.arange(len(ids), device=hidden.device), last])[:, 0]
+                scores = self.model.score(hidden[rows, last])[:, 0]
+            elif self._per_token is not None:  # the same, from the head's score of every token
+                seen = {}
+                hook = self._per_token.register_forward_hook(lambda m, args, out: seen.setdefault("scores", out))
+                try:
+                    self.model(**enc)
+                finally:
+                    hook.remove()
+                each = seen["scores"]  # (rows, tokens, 1); (rows, 1) where a head scores the pooled state
+                scores = each[rows, last, 0] if each.dim() == 3 else each[:, 0]
             else:
                 scores = self.model(**enc).logits[:, 0]
             out += [{"reward": v, "rm_truncated": float(c)} for v, c in zip(scores.float().tolist(), cut)]
