@@ -95,9 +95,10 @@ class RewardConfig:
 
     max_concurrency: int = field(32, "User reward calls (or reward-server requests) in flight per rank.")
     batch_size: int = field(16, "Reward server / reward model: samples per request or forward pass.")
-    max_retries: int = field(3, "Reward server: retries of a failed request (connection error, timeout, 5xx, 429, "
+    max_retries: int = field(3, "Reward server: retries of a failed request (connection error, timeout, 5xx, 408, 429, "
                                 "malformed answer) before the run stops naming the endpoint and the samples.")
-    retry_backoff: float = field(1.0, "Reward server: seconds before the first retry; doubles each retry.")
+    retry_backoff: float = field(1.0, "Reward server: seconds before the first retry; doubles each retry, up to a "
+                                      "minute (a server's Retry-After is waited for instead, within the minute).")
 
     def __post_init__(self):
         if not 0 < self.timeout < math.inf:  # NaN too; inf would turn off the guard against a hung function

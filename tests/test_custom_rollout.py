@@ -830,6 +830,44 @@ def test_remote_reward_retries_a_failing_server_then_succeeds(server):
     assert len(server.requests) == 3
 
 
+def test_remote_reward_waits_as_the_server_asks_and_at_most_a_minute(monkeypatch):
+    """A 408 (the server timed the request out) is retried as a 5xx; a Retry-After is waited for; the exponential
+    backoff stops growing at a minute (max_retries=10 with retry_backoff=1 waited 512 s and more at the end)."""
+    import types
+
+    from slime.rollout import reward_models
+
+    answers = [(408, {}), (429, {"Retry-After": "7"}), *[(503, {})] * 8]
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            code, headers = answers.pop(0) if answers else (200, {})
+            out = json.dumps({"rewards": [1.0] * len(body["samples"])} if code == 200 else {}).encode()
+            self.send_response(code)
+            for k, v in {"Content-Length": str(len(out)), **headers}.items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(out)
+
+    waits = []
+    monkeypatch.setattr(reward_models, "time", types.SimpleNamespace(sleep=waits.append, monotonic=time.monotonic))
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        fn = make_reward_fn(f"http://127.0.0.1:{httpd.server_address[1]}/score", max_retries=10, retry_backoff=1.0)
+        assert fn.score(text_samples(1)) == [1.0]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert len(waits) == 10 and waits[1] == 7.0  # the Retry-After
+    assert waits[0] < 1.3 and max(waits) == 60.0  # 408 retried at the first backoff; later ones capped
+
+
 @pytest.mark.parametrize("mode, why, attempts", [
     ("error", r"HTTP 500: 'boom'", 3),
     ("bad_json", r"malformed answer \(want JSON", 3),

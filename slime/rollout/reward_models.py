@@ -69,8 +69,13 @@ class RewardServerError(RuntimeError):
     """A reward server failed a batch after every retry (or refused it outright)."""
 
 
+MAX_BACKOFF_S = 60.0  # the longest wait between two attempts at a reward server
+
+
 class _Retryable(Exception):
-    pass
+    def __init__(self, why: str, after: float | None = None):
+        super().__init__(why)
+        self.after = after  # the server's Retry-After, in seconds
 
 
 class RemoteReward:
@@ -113,7 +118,9 @@ class RemoteReward:
                 why = str(e)
                 if attempt == self.max_retries:
                     break
-                delay = self.retry_backoff * 2 ** attempt * (1 + 0.25 * random.random())
+                # exponential, at most a minute; a server's Retry-After (seconds) is waited for, within that minute
+                delay = min(MAX_BACKOFF_S, e.after if e.after is not None else
+                            self.retry_backoff * 2 ** attempt * (1 + 0.25 * random.random()))
                 logger.warning("reward server %s: %s; retry %d/%d in %.1fs", self.url, why, attempt + 1,
                                self.max_retries, delay)
                 time.sleep(delay)
@@ -140,8 +147,9 @@ class RemoteReward:
         finally:
             self._idle.put(session)
         text = content.decode("utf-8", errors="replace")
-        if status >= 500 or status == 429:
-            raise _Retryable(f"HTTP {status}: {text[:200]!r}")
+        if status >= 500 or status in (408, 429):  # 408: the server timed the request out
+            after = r.headers.get("Retry-After", "")
+            raise _Retryable(f"HTTP {status}: {text[:200]!r}", after=float(after) if after.isdigit() else None)
         if status >= 400:
             raise RewardServerError(f"reward server {self.url} refused {_describe(batch)}: HTTP {status}: "
                                     f"{text[:300]!r}; the request is wrong, so it is not retried")
