@@ -220,3 +220,19 @@ def test_an_export_killed_while_it_replaces_the_earlier_one_leaves_one_whole(tmp
         pass
     assert exported_step(tmp_path / "out") in (3, 5)
     assert not list(tmp_path.glob(".out.*"))
+
+
+def test_a_family_whose_code_cannot_take_the_packed_attention_is_refused_by_name(tmp_path):
+    """Falcon indexes its own table of attention classes: a bare KeyError: 'packed_sdpa' came out of the load."""
+    import transformers
+
+    from slime.config import ModelConfig
+    from slime.models.attention import PACKED_SDPA
+    from slime.models.loading import load_model
+
+    config = transformers.FalconConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "falcon")
+    with pytest.raises(ValueError, match=r"the falcon model's code does not call the attention through transformers' "
+                                         r"attention interface, so it cannot run the trainer's 'packed_sdpa'.*not "
+                                         r"supported \(KeyError: 'packed_sdpa'\)"):
+        load_model(ModelConfig(path=str(tmp_path / "falcon")), attn_implementation=PACKED_SDPA)
