@@ -334,3 +334,32 @@ def test_models_whose_packed_samples_would_not_compute_alone_are_refused():
     assert "dynamic rope" in packing_refusal(dynamic, 65, packing=False)  # a padded batch's too
     for plain in (transformers.LlamaConfig(), transformers.Qwen3Config(), transformers.Gemma2Config()):
         assert packing_refusal(plain, 10**6) is None
+
+
+def test_checkpointed_layers_recompute_with_dropout_still_off_or_are_refused(tmp_path):
+    """HF checkpoints a layer only in training mode: the layers alone are marked training (their children, and so
+    a qwen2 model's dropout, stay in eval), and the logits are those of eval mode. OPT applies its dropout (0.1 by
+    default) in the layer's own forward by that mode: refused, where it would have trained on random masks."""
+    import transformers
+
+    from slime.trainer.policy_engine import checkpoint_layers
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "q", arch="qwen2", seed=1))
+    model.config.attention_dropout = 0.5  # read by the attention module, a child: stays off
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    ids = torch.randint(5, 250, (1, 12))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    checkpoint_layers(model)
+    assert all(layer.training and not layer.self_attn.training for layer in model.model.layers)
+    runs = [0]
+    model.model.layers[0].register_forward_pre_hook(lambda *_: runs.__setitem__(0, runs[0] + 1))
+    after = model(input_ids=ids).logits
+    after.sum().backward()
+    assert runs[0] == 2  # recomputed in backward
+    torch.testing.assert_close(after.detach(), before, rtol=0, atol=0)
+    opt = transformers.OPTForCausalLM(transformers.OPTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                             ffn_dim=128, vocab_size=300, word_embed_proj_dim=64))
+    with pytest.raises(ValueError, match=r"OPTDecoderLayer applies dropout by its training mode.*'dropout': 0.1"):
+        checkpoint_layers(opt)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import math
 from typing import Callable, Literal
@@ -89,6 +90,25 @@ def actor_steps(cfg: Config) -> int:
     return cfg.train.num_steps - (cfg.algo.critic.warmup_steps if cfg.trains_critic else 0)
 
 
+def checkpoint_layers(hf) -> None:
+    """model.gradient_checkpointing: each decoder layer's activations recomputed in backward. HF checkpoints a
+    layer only in training mode, and from_pretrained leaves the model in eval mode, which keeps dropout off (as RL
+    wants; nothing here sets train()): the checkpointed layers alone are marked training, not their children, or
+    no layer was ever checkpointed. A layer that applies dropout by its own training mode is refused."""
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = [m for m in hf.modules() if isinstance(m, GradientCheckpointingLayer)]
+    dropout = {k: v for k, v in hf.config.get_text_config().to_dict().items()
+               if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0}
+    reads = sorted({type(m).__name__ for m in layers if "self.training" in inspect.getsource(type(m).forward)})
+    if dropout and reads:  # OPT, XGLM, BioGPT: dropout applied in the layer's own forward, by self.training
+        raise ValueError(f"model.gradient_checkpointing=true: {', '.join(reads)} applies dropout by its training "
+                         f"mode, which checkpointing needs on, and the config sets {dropout}: RL would train on "
+                         "random masks. Set those to 0 in the model's config.json, or model.gradient_checkpointing="
+                         "false")
+    for m in layers:
+        m.training = True
+
+
 class PolicyEngine:
     def __init__(self, role: Role, *, model: ModelConfig, train: TrainConfig, dims: ParallelDims,
                  temperature: float = 1.0, lr: float | None = None, offload_params: bool = False,
@@ -117,13 +137,7 @@ class PolicyEngine:
                 logger.info("model.cpu_linear=%s: fp32 linear layers on CPU run %s", model.cpu_linear,
                             f"oneDNN's kernels ({onednn} layers)" if onednn else "torch's F.linear")
         if role != "reference" and model.gradient_checkpointing:
-            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            # HF checkpoints a layer only in training mode, and from_pretrained leaves the model in eval mode,
-            # which keeps dropout off (as RL wants; nothing here sets train()): the checkpointed layers alone are
-            # marked training, not their children, or no layer was ever checkpointed.
-            for m in hf.modules():
-                if isinstance(m, GradientCheckpointingLayer):
-                    m.training = True
+            checkpoint_layers(hf)
         if train.compile:
             compiled = compile_layers(hf)
             if role == "actor" and dims.is_main:
