@@ -269,17 +269,24 @@ def other_family(tmp_path, name: str, **overrides):
                                                         "final_logit_softcapping": 30.0}),
                    "gemma2": ("Gemma2Config", {"head_dim": 16, "layer_types": ["full_attention"] * 2,
                                                "final_logit_softcapping": None}),
+                   "hyperclovax": ("HyperCLOVAXConfig", {"logits_scaling": 4.0}),  # multiplies: Granite divides
                    "stablelm": ("StableLmConfig", {})}[name]
-    config = getattr(transformers, kind)(**{**TINY, **extra, **overrides})
+    module = transformers if hasattr(transformers, kind) else transformers.models.hyperclovax.configuration_hyperclovax
+    config = getattr(module, kind)(**{**TINY, **extra, **overrides})
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / name)
     return tmp_path / name
 
 
-@pytest.mark.parametrize("name", ["cohere", "granite", "gemma3_text"])
+@pytest.mark.parametrize("name", ["cohere", "granite", "gemma3_text", "hyperclovax"])
 def test_a_familys_own_final_logits_are_the_logprob_heads(tmp_path, name):
     """Cohere scales its logits (logit_scale), Granite divides them (logits_scaling), Gemma 2/3 soft-cap them
     (final_logit_softcapping) after the LM head: the trainer's head applied none of it (logprobs off by up to 4.6)."""
+    import transformers
+
+    from slime.models.policy import final_logits
+
+    assert final_logits(transformers.MptConfig(logit_scale="inv_sqrt_d_model")) == (1.0, None)  # HF's MPT reads none
     path = other_family(tmp_path, name)
     packed = PolicyModel(AutoModelForCausalLM.from_pretrained(path, attn_implementation=PACKED_SDPA))
     alone = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")

@@ -32,13 +32,20 @@ def logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[t
 
 def final_logits(config) -> tuple[float, float | None]:
     """(scale, softcap) of the logits a family's causal LM makes after its LM head, as its forward does:
-    Cohere's `logits * logit_scale`, Granite's `logits / logits_scaling`, Gemma 2/3's `cap * tanh(logits / cap)`
-    (final_logit_softcapping). A multiplier of another name is refused, not left out."""
+    Cohere's `logits * logit_scale`, Granite's `logits / logits_scaling`, HyperCLOVAX's `logits * logits_scaling`,
+    and `cap * tanh(logits / cap)` where a config sets final_logit_softcapping (Gemma 2/3/4). A multiplier of
+    another family is refused, not left out (MPT's `logit_scale` is one its HF model never reads)."""
     text = config.get_text_config()
-    if getattr(text, "lm_head_multiplier", 1.0) not in (None, 1.0):
-        raise ValueError(f"{text.model_type} multiplies its logits by lm_head_multiplier={text.lm_head_multiplier}, "
-                         "which the trainer's logprob head does not: this model family is not supported")
-    scale = float(getattr(text, "logit_scale", None) or 1.0) / float(getattr(text, "logits_scaling", None) or 1.0)
+    kind, scale = text.model_type, 1.0
+    if kind.startswith("cohere"):
+        scale = float(text.logit_scale if text.logit_scale is not None else 1.0)
+    elif kind.startswith("granite"):
+        scale = 1.0 / float(text.logits_scaling or 1.0)
+    elif kind.startswith("hyperclovax"):
+        scale = float(getattr(text, "logits_scaling", None) or 1.0)
+    elif getattr(text, "lm_head_multiplier", None) not in (None, 1, 1.0):
+        raise ValueError(f"{kind} multiplies its logits by lm_head_multiplier={text.lm_head_multiplier}, which the "
+                         "trainer's logprob head does not: this model family is not supported")
     return scale, getattr(text, "final_logit_softcapping", None)
 
 
