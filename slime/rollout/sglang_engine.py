@@ -34,6 +34,7 @@ from typing import Callable, Iterable
 import torch
 
 from slime.config import SGLangConfig
+from slime.models.loading import context_length
 from slime.multimodal.images import to_png_base64
 from slime.multimodal.processor import MultimodalInputs, check_contexts
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
@@ -143,6 +144,8 @@ class SGLangEngine:
 
         self.cfg, self.dims = cfg, dims
         self.plan = plan_engines(cfg, dims.world_size, local_world_size(dims.world_size))
+        # SGLang ends a generation 2 positions short of the model's context (a response cut there is at its limit)
+        self.context = context_length(model_cfg) if model_cfg is not None else None
         if dims.rank == 0 and (uneven := self.plan.imbalance()):
             logger.warning(uneven)
         self.colocated = cfg.mode == "colocated"
@@ -336,7 +339,8 @@ class SGLangEngine:
                                         f"after {len(ids)} tokens with finish reason {finish!r:.300}: not a stop or "
                                         "the length limit, and no abort was asked for. The server's log says why")
             reason = "abort"
-        elif reason == "length" and len(ids) < sampling["max_new_tokens"] and not call.aborted:
+        elif reason == "length" and len(ids) < sampling["max_new_tokens"] and not call.aborted and not (
+                self.context is not None and len(prompt) + len(ids) >= self.context - 2):
             # SGLang lowers a request's max_new_tokens, in silence, to what its context and KV pool leave
             raise SGLangServerError(
                 f"{self.client.url} ended request {rid} (a prompt of {len(prompt)} tokens) at its length limit after "
