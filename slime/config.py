@@ -147,7 +147,8 @@ class SGLangConfig:
                                           "On several ranks keep it below train.dist_timeout_minutes: a rank whose "
                                           "server hangs reports it after this long, and the other ranks' collective "
                                           "timeout, whose message names no server, must not come first.")
-    max_retries: int = field(2, "Retries of a failed request while the server is alive.")
+    max_retries: int = field(2, "Retries of a failed request (refused, reset, 5xx) while the server is alive; a "
+                                "timed-out one is not retried.")
 
     def __post_init__(self):
         if self.tp_size < 1 or self.ranks_per_engine < 0 or self.num_engines < 1:

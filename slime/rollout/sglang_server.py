@@ -258,16 +258,23 @@ class SGLangClient:
                 error = f"HTTP {r.status_code}: {detail}"
             except requests.RequestException as e:  # refused, reset, timed out
                 error = f"{type(e).__name__}: {e}"
+                slow = isinstance(e, requests.exceptions.ReadTimeout)
+            else:
+                slow = False
             if not self.is_alive():
                 raise SGLangServerError(self.death_report(f"{method} {path} failed ({error})")) from None
+            if slow:  # a live server still at it: a retry would start the generation over, and time out again
+                raise SGLangServerError(
+                    f"{method} {self.url}{path} took longer than {timeout or self.timeout:g} s "
+                    "(rollout.sglang.request_timeout) on a server that answers /health: raise it for generations "
+                    f"that long (with train.dist_timeout_minutes on several ranks)\nlast lines of the server log:\n"
+                    f"{log_tail(self.log_path)}")
             if attempt < retries:
                 logger.warning("%s %s%s failed (%s); retry %d/%d", method, self.url, path, error, attempt + 1, retries)
                 time.sleep(min(2.0 ** attempt, 10.0))
                 if before_retry is not None:
                     before_retry(body)
-        slow = (f"; the server answers /health, so each attempt outlived its {timeout or self.timeout:g} s "
-                "(rollout.sglang.request_timeout): raise it for generations that long" if "Timeout" in error else "")
-        raise SGLangServerError(f"{method} {self.url}{path} failed after {retries + 1} attempt(s): {error}{slow}\n"
+        raise SGLangServerError(f"{method} {self.url}{path} failed after {retries + 1} attempt(s): {error}\n"
                                 f"last lines of the server log:\n{log_tail(self.log_path)}")
 
     HEALTH_TIMEOUT = SGLANG_HEALTH_TIMEOUT
