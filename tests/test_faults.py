@@ -406,6 +406,33 @@ def test_after_a_critics_warmup_the_actors_schedule_spans_the_steps_that_train_i
     assert critic(1) < 1
 
 
+def test_a_critic_saved_with_a_constant_rate_resumes_onto_the_schedule(model, task_dir, tmp_path):
+    """Checkpoints from before the critic followed the lr schedule hold no scheduler state for it: DeepSpeed's
+    load handed None to the scheduler (AttributeError). Such a checkpoint (made here by removing the state and
+    the manifest's mark) resumes, and the critic's rate at step 2 is the straight run's."""
+    import hashlib
+
+    gae = ("algo.advantage_estimator=gae", "checkpoint.interval=1")
+    launch(model, task_dir, tmp_path / "straight", "train.num_steps=2", *gae, nproc=1)
+    run_dir = tmp_path / "run"
+    launch(model, task_dir, run_dir, "train.num_steps=1", *gae, nproc=1)
+    step = run_dir / "checkpoints" / "step_1"
+    (states,) = (step / "critic").glob("*model_states.pt")
+    saved = torch.load(states, weights_only=False)
+    assert saved["lr_scheduler"] is not None
+    saved["lr_scheduler"] = None
+    torch.save(saved, states)
+    manifest = json.loads((step / "manifest.json").read_text())
+    del manifest["critic_schedule"]
+    manifest["files"][str(states.relative_to(step))] = {"bytes": states.stat().st_size,
+                                                         "sha256": hashlib.sha256(states.read_bytes()).hexdigest()}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    proc = launch(model, task_dir, run_dir, "train.num_steps=2", *gae, nproc=1)
+    assert "saved when the critic's learning rate was constant" in proc.stdout + proc.stderr
+    want = [r["critic/lr"] for r in read_metrics(tmp_path / "straight")]
+    assert [r["critic/lr"] for r in read_metrics(run_dir)][1] == pytest.approx(want[1]) and want[1] != want[0]
+
+
 # -- signals ----------------------------------------------------------------------------------------------------
 
 def run_sh(model, task_dir, run_dir, *overrides) -> tuple[list[str], dict]:

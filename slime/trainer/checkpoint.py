@@ -256,9 +256,15 @@ def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> d
         raise ValueError(f"{path} was written by {manifest.get('world_size')} ranks, this run has {dims.world_size}; "
                          "resume with the same number of ranks (DeepSpeed's ZeRO partitions are per rank)")
     for role, engine in engines.items():
-        loaded, _ = engine.load_checkpoint(str(path), tag=role)
+        # A critic saved before it followed the lr schedule holds no scheduler state (its rate was constant)
+        unscheduled = role == "critic" and not manifest.get("critic_schedule") and engine.lr_scheduler is not None
+        loaded, _ = engine.load_checkpoint(str(path), tag=role, load_lr_scheduler_states=not unscheduled)
         if loaded is None:
             raise RuntimeError(f"{path}/{role}: DeepSpeed could not load the {role}'s states")
+        if unscheduled:
+            engine.lr_scheduler.last_epoch = manifest["step"] * manifest["optim"].get("train.num_mini_batches", 1)
+            logger.warning("%s was saved when the critic's learning rate was constant: from here on it follows the "
+                           "schedule (train.warmup_steps, lr_schedule, min_lr) at its step", path)
     _set_rng_state(torch.load(path / f"rng_rank{dims.rank}.pt", weights_only=False))
     changed = {k: (manifest["optim"].get(k), v) for k, v in identity["optim"].items()
                if manifest.get("optim", {}).get(k) != v}
