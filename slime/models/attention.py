@@ -191,15 +191,16 @@ def packing_refusal(config, longest: int, packing: bool = True) -> str | None:
     text = config.get_text_config()
     kinds = sorted({k for k in getattr(text, "layer_types", None) or () if k not in ATTENTION_LAYERS})
     if kinds and packing:
-        return (f"has {', '.join(kinds)} layers, which carry state from each token to the next across the borders "
-                "of packed samples; set train.packing=false")
+        return (f"has {', '.join(kinds)} layers, which packed samples cannot run as each alone (they carry state "
+                "from each token to the next across the samples' borders, or attend in a way packed_sdpa does not "
+                "implement); set train.packing=false")
     rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
     ropes = [rope] if "rope_type" in rope or "type" in rope else [r for r in rope.values() if isinstance(r, dict)]
     for r in ropes:
         kind = r.get("rope_type", r.get("type"))
-        original = r.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings",
-                                                                        None) or text.max_position_embeddings
-        if kind in ("dynamic", "longrope") and longest > original:
+        original = (r.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings", None)
+                    or getattr(text, "max_position_embeddings", None))
+        if kind in ("dynamic", "longrope") and original is not None and longest > original:
             return (f"uses {kind} rope, whose frequencies follow the largest position of a packed row or padded "
                     f"batch once it passes {original} (a sample of data.max_prompt_len + rollout.max_response_len = "
                     f"{longest} tokens can): set train.packing=false and train.micro_batch_size=1, or keep samples "

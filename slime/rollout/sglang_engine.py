@@ -174,11 +174,12 @@ class SGLangEngine:
             endpoints = {e: (url, None) for e, url in enumerate(cfg.urls)}
             try:  # each by the rank that owns its engine, for them all to wait at once
                 mine = cfg.urls[self.plan.engine_of_rank[dims.rank]]
-                if self.colocated and not is_this_machine(url_host(mine)):
-                    raise SGLangServerError(
-                        f"rollout.sglang.urls: {mine}, this rank's engine, is not on this machine: colocated mode "
-                        "hands the weights over in shared memory (CUDA IPC on GPUs), which another host cannot "
-                        "open. List each node's own server for its ranks, or set rollout.sglang.mode=disaggregated")
+                if self.colocated and not is_this_machine(url_host(mine)):  # warned: a container's bridge address
+                    logger.warning(  # or a NAT'd one may still be this machine, where the handover works
+                        "rollout.sglang.urls: %s, this rank's engine, is not an address of this machine: colocated "
+                        "mode hands the weights over in shared memory (CUDA IPC on GPUs), which another host cannot "
+                        "open, so the first weight push would fail. List each node's own server for its ranks, or "
+                        "set rollout.sglang.mode=disaggregated", mine)
                 for e, url in enumerate(cfg.urls):
                     if self.plan.owner_of_engine[e] == dims.rank:
                         wait_for_url(url, cfg.startup_timeout, f"rollout.sglang.urls[{e}]")
