@@ -490,8 +490,9 @@ def test_a_user_functions_timeout_past_the_collectives_is_warned_on_several_rank
     assert hung.user_timeout_warning(2) == (
         "rollout.generate_fn_timeout=3600s not below train.dist_timeout_minutes=10 (600 s): on 2 ranks, one that "
         "waits that long in the function (a tool that never answers, a slow multi-turn rollout) or on its SGLang "
-        "server stops the run by the others' collective timeout, whose message names no function; set train.dist_timeout_minutes above the "
-        "longest rollout a rank may take beyond another's, or lower rollout.generate_fn_timeout")
+        "server stops the run by the others' collective timeout, whose message names no function; set "
+        "train.dist_timeout_minutes above the longest rollout a rank may take beyond another's, or lower "
+        "rollout.generate_fn_timeout")
     assert "rollout.generate_fn_timeout=infs" in build(rollout=RolloutConfig(generate_fn="m:f", generate_fn_timeout=0)
                                                        ).user_timeout_warning(4)
     assert build(rollout=RolloutConfig(generate_fn="m:f", generate_fn_timeout=3600.0),

@@ -311,7 +311,7 @@ def test_what_packed_attention_cannot_compute_is_refused_not_dropped(tmp_path):
     mb = build_micro_batch(samples, range(len(samples)))
     stablelm = PolicyModel(AutoModelForCausalLM.from_pretrained(other_family(tmp_path, "stablelm"),
                                                                 attn_implementation=PACKED_SDPA))
-    with pytest.raises(ValueError, match="StableLmAttention got no cu_seq_lens_q for a packed row.*train.packing=false"):
+    with pytest.raises(ValueError, match="StableLmAttention got no cu_seq_lens_q for a packed row.*packing=false"):
         stablelm(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len, chunk_size=5,
                  target_ids=mb.target_ids)
     one = build_micro_batch(samples[:1], [0])  # one sample: as a padded row of one

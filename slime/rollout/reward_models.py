@@ -21,8 +21,8 @@
   time, in eval mode under no_grad. It reads the policy's prompt and response tokens decoded together (chat
   template and end-of-turn token included, as the policy saw them) with its own tokenizer, so a reward model
   trained on another template should be served remotely instead (the server gets the rendered prompt, the
-  response text and the row's metadata, where the data can carry the raw question). A sample past its context is read from its
-  end (counted: ``reward/rm_truncated``).
+  response text and the row's metadata, where the data can carry the raw question). A sample past its context
+  is read from its end (counted: ``reward/rm_truncated``).
 """
 from __future__ import annotations
 

@@ -512,4 +512,5 @@ class Phase:
             engine = f", {self.engine_hint}" if self.engine_hint and self.now.startswith(("rollout", "weight")) else ""
             raise RuntimeError(f"step {step}, {self.now}: a collective waited more than train.dist_timeout_minutes="
                                f"{minutes:g} for another rank, which stopped answering (crashed, hung in a reward "
-                               f"function or a data loader{engine}, or ran out of memory): its log has the cause") from e
+                               f"function or a data loader{engine}, or ran out of memory): its log has the cause") \
+                from e
