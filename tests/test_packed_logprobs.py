@@ -43,18 +43,30 @@ def test_packed_equals_per_sample(model_dir):
             torch.testing.assert_close(got, per_sample_logprobs(alone, s), rtol=1e-5, atol=1e-5)
 
 
-def test_packed_gradients_equal_per_sample(model_dir):
-    packed = PolicyModel(AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation=PACKED_SDPA))
-    alone = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
-    samples = random_samples(seed=3)
+def packed_and_alone(path, *, seed: int, alone_attn: str = "sdpa", chunk_size: int = 4):
+    """The model at `path` packed (PolicyModel on packed_sdpa) and plain, random samples, their micro-batch and
+    its packed logprobs (with grad)."""
+    packed = PolicyModel(AutoModelForCausalLM.from_pretrained(path, attn_implementation=PACKED_SDPA))
+    alone = AutoModelForCausalLM.from_pretrained(path, attn_implementation=alone_attn)
+    samples = random_samples(seed=seed)
     mb = build_micro_batch(samples, range(len(samples)))
-    logp, _ = packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len, chunk_size=4,
-                     target_ids=mb.target_ids)
+    logp, _ = packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len,
+                     chunk_size=chunk_size, target_ids=mb.target_ids)
+    return packed, alone, samples, mb, logp
+
+
+def assert_same_gradients(packed, alone, samples, logp, atol: float) -> None:
+    """The packed logprobs' summed gradients against each sample's alone."""
     logp.sum().backward()
     sum(per_sample_logprobs(alone, s).sum() for s in samples).backward()
     ref = dict(alone.named_parameters())
     for name, p in packed.hf.named_parameters():
-        torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def test_packed_gradients_equal_per_sample(model_dir):
+    packed, alone, samples, _, logp = packed_and_alone(model_dir, seed=3)
+    assert_same_gradients(packed, alone, samples, logp, atol=1e-6)
 
 
 def test_unmasked_packing_would_leak(model_dir):
@@ -287,20 +299,11 @@ def test_a_familys_own_final_logits_are_the_logprob_heads(tmp_path, name):
     from slime.models.policy import final_logits
 
     assert final_logits(transformers.MptConfig(logit_scale="inv_sqrt_d_model")) == (1.0, None)  # HF's MPT reads none
-    path = other_family(tmp_path, name)
-    packed = PolicyModel(AutoModelForCausalLM.from_pretrained(path, attn_implementation=PACKED_SDPA))
-    alone = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
-    samples = random_samples(seed=2)
-    mb = build_micro_batch(samples, range(len(samples)))
-    logp, _ = packed(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len, chunk_size=5,
-                     target_ids=mb.target_ids)
+    packed, alone, samples, mb, logp = packed_and_alone(other_family(tmp_path, name), seed=2, alone_attn="eager",
+                                                        chunk_size=5)
     for s, got in zip(samples, mb.split(logp)):
         torch.testing.assert_close(got, per_sample_logprobs(alone, s), rtol=1e-5, atol=1e-5)
-    logp.sum().backward()
-    sum(per_sample_logprobs(alone, s).sum() for s in samples).backward()
-    ref = dict(alone.named_parameters())
-    for n, p in packed.hf.named_parameters():
-        torch.testing.assert_close(p.grad, ref[n].grad, rtol=1e-4, atol=1e-4, msg=lambda m: f"{n}: {m}")
+    assert_same_gradients(packed, alone, samples, logp, atol=1e-4)
 
 
 def test_what_packed_attention_cannot_compute_is_refused_not_dropped(tmp_path):
