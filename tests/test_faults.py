@@ -89,6 +89,29 @@ def test_a_step_without_a_token_to_learn_from_is_said(model, task_dir, tmp_path)
     assert "actor: this step has no token to learn from (every response token has loss mask 0" in out
 
 
+def test_a_model_whose_packed_samples_would_not_compute_alone_is_said_before_the_models_load(model, task_dir,
+                                                                                            tmp_path):
+    """The loop's check_packing: dynamic rope, whose frequencies follow a packed row's largest position once a
+    sample can pass the original context (here 64 < the job's longest sample), is refused at start, naming the
+    settings that avoid it; a padded run of one sample per micro-batch starts."""
+    import shutil
+
+    dynamic = tmp_path / "dynamic"
+    shutil.copytree(model, dynamic)
+    config = json.loads((dynamic / "config.json").read_text())
+    config.update(max_position_embeddings=64, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                               "rope_theta": 10000.0})
+    (dynamic / "config.json").write_text(json.dumps(config))
+    long = ("data.max_prompt_len=60", "rollout.max_response_len=8", "train.num_steps=1", "eval.path=null")
+    proc = launch(dynamic, task_dir, tmp_path / "run", *long, nproc=1, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out, out[-3000:]
+    assert f"model.path={dynamic} uses dynamic rope" in out
+    assert "set train.packing=false and train.micro_batch_size=1" in out
+    assert "RL for 1 steps" not in out
+    launch(dynamic, task_dir, tmp_path / "padded", *long, "train.packing=false", "train.micro_batch_size=1", nproc=1)
+
+
 def test_a_misspelled_generate_fn_is_said_before_the_models_load(model, task_dir, tmp_path):
     """It was loaded at the first rollout: after the actor, reference and engine (an SGLang server on a GPU) had
     loaded, and with a traceback from every rank."""
