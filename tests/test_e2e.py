@@ -78,8 +78,14 @@ def test_one_step_off_rollout(tiny_model, task_dir, tmp_path):
     trains, so from step 2 on the samples lag the trainer by one update; evaluation and checkpoints still
     happen, and the weights reach the engine (step 3's samples come from weights after 2 updates)."""
     run_dir = tmp_path / "run"
-    launch(tiny_model, task_dir, run_dir, "train.num_steps=3", "rollout.one_step_off=true", "algo.tis.level=token",
-           f"eval.path={task_dir / 'eval.jsonl'}", "eval.max_prompts=8", "eval.interval=2", "checkpoint.interval=2")
+    proc = launch(tiny_model, task_dir, run_dir, "train.num_steps=3", "rollout.one_step_off=true",
+                  "algo.tis.level=token", f"eval.path={task_dir / 'eval.jsonl'}", "eval.max_prompts=8",
+                  "eval.interval=2", "checkpoint.interval=2")
+    warning = "rollout.one_step_off=true with algo.tis.level=off"  # nothing would correct the lag
+    assert warning not in proc.stdout + proc.stderr
+    uncorrected = launch(tiny_model, task_dir, tmp_path / "uncorrected", "train.num_steps=1",
+                         "rollout.one_step_off=true")
+    assert warning in uncorrected.stdout + uncorrected.stderr
     rows = read_metrics(run_dir)
     train = [r for r in rows if "rollout/policy_lag" in r]
     evals = [r["step"] for r in rows if "eval/accuracy" in r]
