@@ -57,11 +57,6 @@ def text_config_value(cfg: ModelConfig, key: str) -> int | None:
     return int(value) if value else None
 
 
-def text_config_value_str(cfg: ModelConfig, key: str) -> str | None:
-    path = Path(cfg.path) / "config.json"
-    return json.loads(path.read_text()).get(key) if cfg.gguf_file is None and path.is_file() else None
-
-
 def context_length(cfg: ModelConfig) -> int | None:
     """The model's `max_position_embeddings`; None if not stated."""
     return text_config_value(cfg, "max_position_embeddings")
@@ -129,8 +124,7 @@ def load_model(cfg: ModelConfig, *, attn_implementation: str, dtype: torch.dtype
     except (KeyError, ValueError) as e:  # transformers' own words name its sdpa or a dict's missing key
         if not any(k in str(e) for k in (attn_implementation, "scaled_dot_product_attention")):
             raise
-        kind = text_config_value_str(cfg, "model_type") or "this"
-        raise ValueError(f"model.path={cfg.path}: the {kind} model's code does not call the attention through "
+        raise ValueError(f"model.path={cfg.path}: the {adapter.family} model's code does not call the attention through "
                          f"transformers' attention interface, so it cannot run the trainer's {attn_implementation!r} "
                          f"(packed samples); this model family is not supported ({type(e).__name__}: {e})") from None
     return model, adapter
