@@ -731,8 +731,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise AssertionError(f"unsupported annotation {tp} for {key}")
 
 
-# Other names users know a setting by (`async` is a Python keyword, so not a field name).
 SGLANG_HEALTH_TIMEOUT = 10.0  # seconds a client waits on /health after a failed request (SGLangClient)
+# Other names users know a setting by (`async` is a Python keyword, so not a field name).
 ALIASES = {"rollout.async": "rollout.one_step_off"}
 # Keys that were renamed: key -> what to write instead.
 RENAMED = {"rollout.hf_fused_attention": "rollout.hf_compile (true -> attention, false -> false; auto now compiles "
