@@ -224,8 +224,8 @@ def run(cfg: Config) -> dict:
         load_generate_fn(cfg.rollout.generate_fn)
     stop = StopRequest.install()
     exit_with_launcher()  # under run.sh: a kill -9 of it must not leave the ranks training
-    warnings = cfg.longest_sample_warning(), cfg.user_timeout_warning(dims.world_size), cfg.off_policy_warning()
-    for warning in warnings:
+    said = cfg.longest_sample_warning(), cfg.user_timeout_warning(dims.world_size), cfg.off_policy_warning()
+    for warning in said:
         if dims.rank == 0 and warning is not None:
             logger.warning(warning)
     ckpt_dir = run_dir / "checkpoints"
@@ -275,9 +275,8 @@ def run(cfg: Config) -> dict:
         ref = PolicyEngine.reference(cfg, dims) if cfg.algo.needs_reference and not sft else None
     critic = PolicyEngine.critic(cfg, dims) if cfg.trains_critic else None
     trained = {"actor": actor, **({"critic": critic} if critic is not None else {})}
-    sglang = cfg.rollout.sglang
     phase = Phase(f"waited on an SGLang engine that does not answer (rollout.sglang.request_timeout="
-                  f"{sglang.request_timeout:g} s per attempt)" if cfg.rollout.engine == "sglang" else "")
+                  f"{cfg.rollout.sglang.request_timeout:g} s)" if cfg.rollout.engine == "sglang" else "")
     with phase.guard(0, cfg.train.dist_timeout_minutes):  # imports the user's reward module
         phase.now = "loading the reward function"
         reward_fn = reward_fn_from_config(cfg.rollout.reward, tokenizer)
