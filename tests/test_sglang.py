@@ -410,8 +410,8 @@ def server(tiny_model, tmp_path_factory):
         pytest.skip("no SGLang environment (SLIME_SGLANG_PYTHON)")
     log = tmp_path_factory.mktemp("sglang") / "server.log"
     srv = SGLangServer(SGLANG_PYTHON, str(tiny_model), port=free_port(), env=server_env("module"), log_path=log,
-                       args=server_args(SGLangConfig(extra_args=CPU_ARGS), dtype=torch.float32, gpu_id=None,
-                                        colocated=True))
+                       args=server_args(SGLangConfig(extra_args=CPU_ARGS[:-2]), dtype=torch.float32, gpu_id=None,
+                                        colocated=True, seed=4321))  # the seed from server_args, not CPU_ARGS
     srv.start()
     try:
         srv.wait_ready(timeout=900)
@@ -435,6 +435,11 @@ def engines(server, tiny_model):
                for q in ("1+1=", "name a colour", "7*8", "abc")]
     yield ours, HFEngine(model_cfg, tokenizer, device=torch.device("cpu")), prompts
     ours.shutdown()
+
+
+@needs_sglang
+def test_the_server_runs_with_the_seed_it_was_given(server):
+    assert SGLangClient(server.url, timeout=30, max_retries=0).get("/server_info")["random_seed"] == 4321
 
 
 @needs_sglang
@@ -736,8 +741,8 @@ def test_moe_weight_pushes_from_an_expert_parallel_trainer(tmp_path):
 
     model = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", seed=0)
     srv = SGLangServer(SGLANG_PYTHON, str(model), port=free_port(), env=server_env("moe"), log_path=tmp_path / "s.log",
-                       args=server_args(SGLangConfig(extra_args=CPU_ARGS), dtype=torch.float32, gpu_id=None,
-                                        colocated=True))
+                       args=server_args(SGLangConfig(extra_args=CPU_ARGS[:-2]), dtype=torch.float32, gpu_id=None,
+                                        colocated=True, seed=4321))  # the seed from server_args, not CPU_ARGS
     srv.start()
     try:
         srv.wait_ready(timeout=900)
@@ -766,8 +771,43 @@ def bare_engine(client) -> SGLangEngine:
     engine.client, engine._rid, engine._lock, engine._calls = client, itertools.count(), threading.Lock(), set()
     engine._rid_tag = "e1"
     engine.dims, engine.eos_id, engine.context = types.SimpleNamespace(rank=0), None, None
+    engine.seed, engine._version, engine._calls_made = 0, 0, (0, 0)
     engine._pool, engine.events, engine._stats = ThreadPoolExecutor(8), collections.deque(), collections.Counter()
     return engine
+
+
+def test_each_request_carries_a_seed_of_the_run_the_version_the_call_and_the_sample():
+    """SGLang samples by a request's sampling_seed under --enable-deterministic-inference: a rerun (or a resumed
+    run, at the same weight version) sends the same seeds, while no two samples of a step share one."""
+    def seeds(seed: int, version: int, calls: int = 1) -> list[dict]:
+        sent = []
+
+        class Client:
+            url = "http://127.0.0.1:30000"
+
+            def post(self, path, body, **kw):
+                sent[-1].setdefault(tuple(body["input_ids"]), set()).add(body["sampling_params"]["sampling_seed"])
+                return generation([5, 6])
+
+        engine = bare_engine(Client())
+        engine.seed, engine._version = seed, version
+        for _ in range(calls):
+            sent.append({})
+            engine.generate([[1, 2], [3, 4]], SamplingParams(max_new_tokens=2, n=2))
+        return sent
+
+    first = seeds(7, version=3, calls=2)
+    assert first == seeds(7, version=3, calls=2)  # reproducible, whatever order the requests went out in
+    all_seeds = [x for call in first for per_prompt in call.values() for x in per_prompt]
+    assert len(all_seeds) == len(set(all_seeds)) == 8  # 2 calls x 2 prompts x n=2, no seed twice
+    assert all(0 <= x < 2**63 for x in all_seeds)
+    assert seeds(8, version=3)[0] != first[0] and seeds(7, version=4)[0] != first[0]
+
+
+def test_launched_servers_get_the_runs_seed():
+    args = server_args(SGLangConfig(), dtype=torch.float32, gpu_id=None, colocated=True, seed=1235)
+    assert args[args.index("--random-seed") + 1] == "1235"
+    assert "--random-seed" not in server_args(SGLangConfig(), dtype=torch.float32, gpu_id=None, colocated=True)
 
 
 def test_released_weights_are_marked_until_the_next_push():

@@ -68,8 +68,9 @@ class RolloutEngine(Protocol):
     def shutdown(self) -> None: ...
 
 
-def make_engine(cfg, model_cfg, tokenizer, dims, *, run_dir: str | None = None) -> RolloutEngine:
-    """`run_dir`: where the sglang engine writes its servers' logs (a temp dir when None)."""
+def make_engine(cfg, model_cfg, tokenizer, dims, *, run_dir: str | None = None, seed: int = 0) -> RolloutEngine:
+    """`run_dir`: where the sglang engine writes its servers' logs (a temp dir when None); `seed`: the SGLang
+    servers' and requests' seeds (the hf engine samples from torch's generators, seeded by the trainer)."""
     if cfg.engine == "hf":
         from slime.rollout.hf_engine import HFEngine
 
@@ -78,5 +79,5 @@ def make_engine(cfg, model_cfg, tokenizer, dims, *, run_dir: str | None = None) 
     if cfg.engine == "sglang":
         from slime.rollout.sglang_engine import SGLangEngine
 
-        return SGLangEngine(cfg.sglang, model_cfg, tokenizer, dims, log_dir=run_dir)
+        return SGLangEngine(cfg.sglang, model_cfg, tokenizer, dims, log_dir=run_dir, seed=seed)
     raise ValueError(f"rollout.engine={cfg.engine!r} is not one of: hf, sglang")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import hashlib
 import itertools
 import logging
 import os
@@ -93,13 +94,17 @@ def plan_engines(cfg: SGLangConfig, world_size: int, ranks_per_node: int | None 
     return EnginePlan(n, tuple(r % n for r in range(world_size)), (0,) * n, ((0,),) * n)
 
 
-def server_args(cfg: SGLangConfig, *, dtype: torch.dtype, gpu_id: int | None, colocated: bool) -> list[str]:
-    """Launch arguments; the CPU flags are those of SGLang's torch-native text path.
+def server_args(cfg: SGLangConfig, *, dtype: torch.dtype, gpu_id: int | None, colocated: bool,
+                seed: int | None = None) -> list[str]:
+    """Launch arguments; the CPU flags are those of SGLang's torch-native text path. `seed`: the server's
+    --random-seed (else SGLang draws one, and a run could not sample the same twice); extra_args may override it.
 
     --sleep-on-idle: an idle scheduler otherwise spins a CPU core at 100% between requests (while the trainer
     trains, in colocated mode); with it the scheduler waits on its request sockets, which wake it at once."""
     args = ["--tp-size", str(cfg.tp_size), "--dtype", dtype_name(dtype), "--nccl-port", str(free_port()),
             "--sleep-on-idle"]
+    if seed is not None:
+        args += ["--random-seed", str(seed)]
     if gpu_id is None:
         args += ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch"]
     else:
@@ -139,10 +144,11 @@ class _Call:
 class SGLangEngine:
     thread_safe = True  # requests go out over a pooled HTTP session: callers may generate concurrently
     ABORT_AGAIN_S = 0.5  # an aborted call's requests still in flight are aborted again this often (see _abort_again)
-    def __init__(self, cfg: SGLangConfig, model_cfg, tokenizer, dims, *, log_dir: str | None = None):
+    def __init__(self, cfg: SGLangConfig, model_cfg, tokenizer, dims, *, log_dir: str | None = None, seed: int = 0):
         from slime.models.loading import resolve_dtype
 
-        self.cfg, self.dims = cfg, dims
+        self.cfg, self.dims, self.seed = cfg, dims, seed
+        self._calls_made = (0, 0)  # (weight version, generate() calls at it so far): part of each request's seed
         self.plan = plan_engines(cfg, dims.world_size, local_world_size(dims.world_size))
         # SGLang ends a generation 2 positions short of the model's context (a response cut there is at its limit)
         self.context = context_length(model_cfg) if model_cfg is not None else None
@@ -194,7 +200,8 @@ class SGLangEngine:
                 for e in mine:
                     server = SGLangServer(python, model_cfg.path, port=free_port(), env=cfg.env, host=host,
                                           args=server_args(cfg, dtype=resolve_dtype(model_cfg.dtype),
-                                                           gpu_id=self._gpu_of(e), colocated=self.colocated),
+                                                           gpu_id=self._gpu_of(e), colocated=self.colocated,
+                                                           seed=seed + e),
                                           log_path=log_dir / f"engine{e}.log")
                     if not self._servers:
                         server.check_installed()
@@ -249,11 +256,16 @@ class SGLangEngine:
         call = _Call()  # this call's requests and abort: another thread's generate() neither clears nor cuts them
         with self._lock:
             self._calls.add(call)
+            version, made = self._calls_made
+            nth = made if version == self._version else 0
+            self._calls_made = (self._version, nth + 1)
+        base = (self.seed, params.seed, self._version, self.dims.rank, nth)
         jobs = []
         try:
-            for p, data in zip(prompts, images):  # a loop, so a submit that fails leaves `jobs` to cancel
-                for _ in range(params.n):
-                    jobs.append(self._submit(call, list(p), sampling, data))
+            for i, (p, data) in enumerate(zip(prompts, images)):  # a loop: a submit that fails leaves `jobs` to cancel
+                for j in range(params.n):
+                    jobs.append(self._submit(call, list(p), {**sampling, "sampling_seed": request_seed(*base, i, j)},
+                                             data))
             # a failure ends the call at once, not after the jobs before it
             _wait_for_all_or_a_failure(jobs, every=self.ABORT_AGAIN_S, waiting=lambda: self._abort_again(call))
             for job in jobs:
@@ -612,6 +624,14 @@ class SGLangEngine:
             client.close()
         self._kill_servers()
         self._servers = []
+
+
+def request_seed(*key: int | None) -> int:
+    """A request's `sampling_seed`, from the run's seed, the batch's, the weight version, the rank, the call and
+    the sample. SGLang samples by it only when the server runs --enable-deterministic-inference (GPU attention
+    backends); otherwise it draws from its own generator (--random-seed), in an order that batching changes."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # SGLang takes [-2**63, 2**63)
 
 
 def _image_data(mm: MultimodalInputs | None) -> list[str] | None:

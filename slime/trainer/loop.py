@@ -263,7 +263,7 @@ def run(cfg: Config) -> dict:
                               lower="data.max_prompt_len or eval.max_response_len")
     # A colocated engine starts before the trainer and releases its memory at once, so the trainer's
     # states and the engine's cache are never on the GPU together (the trainer offloads around rollout).
-    engine = make_engine(cfg.rollout, cfg.model, tokenizer, dims, run_dir=str(run_dir)) \
+    engine = make_engine(cfg.rollout, cfg.model, tokenizer, dims, run_dir=str(run_dir), seed=cfg.train.seed) \
         if not sft or evalset is not None else None
     colocate = engine is not None and cfg.rollout.engine == "sglang" and cfg.rollout.sglang.mode == "colocated"
     if colocate:
