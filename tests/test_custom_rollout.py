@@ -944,6 +944,29 @@ def test_reward_model_scores_batches_as_one_by_one(tiny_rm):
     assert len(set(round(w, 4) for w in want)) == 5  # a random head: the texts get different scores
 
 
+def test_a_bf16_reward_model_scores_in_fp32(tiny_rm, tmp_path):
+    """bf16 scores fell on a grid of 2^-8 of their size (0.0625 near 10): the head now runs in fp32 on the bf16
+    model's last state, as the reference here does by hand."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_rm)
+    with torch.no_grad():
+        model.score.weight.mul_(10 / model.score.weight.norm())  # scores of a few units
+    model.save_pretrained(tmp_path / "rm")
+    AutoTokenizer.from_pretrained(tiny_rm).save_pretrained(tmp_path / "rm")
+    texts = [f"{i}+{i}={2 * i} " * (1 + i) for i in range(6)]
+    got = [d["reward"] for d in RewardModel(f"model:{tmp_path / 'rm'}", batch_size=1,
+                                           dtype=torch.bfloat16).score_texts(texts)]
+    tok = AutoTokenizer.from_pretrained(tmp_path / "rm")  # loaded in bf16 (cast after, its rope table is bf16 too)
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        want = [(model.model(**tok(t, return_tensors="pt", add_special_tokens=False)).last_hidden_state[0, -1].float()
+                 @ model.score.weight[0].float()).item() for t in texts]
+    assert max(abs(w) for w in want) > 1
+    # one text per batch: in bf16 another text's padding moves the states themselves (~0.2% here), grid or not
+    assert got == pytest.approx(want, abs=1e-4)
+
+
 def other_reward_model(out: Path, kind: str) -> Path:
     """A tiny GPT-2 reward model (its own pooling: the last token that is not the pad id; its tokenizer has only an
     EOS, as GPT-2's) or BERT one ([CLS] pooling), with a head large enough to tell positions apart."""

@@ -277,16 +277,16 @@ class RewardModel:
                 # The score at each row's last real token: the model's own pooling takes the last token that is
                 # not the pad id, which a text ending in EOS (the pad id, where there is no other) is not.
                 hidden = getattr(self.model, self.model.base_model_prefix)(**enc).last_hidden_state
-                scores = self.model.score(hidden[rows, last])[:, 0]
-            elif self._per_token is not None:  # the same, from the head's score of every token
+                scores = fp32_head(self.model.score, hidden[rows, last])
+            elif self._per_token is not None:  # the same, from the states the head scores at every token
                 seen = {}
-                hook = self._per_token.register_forward_hook(lambda m, args, out: seen.setdefault("scores", out))
+                hook = self._per_token.register_forward_pre_hook(lambda m, args: seen.setdefault("states", args[0]))
                 try:
                     self.model(**enc)
                 finally:
                     hook.remove()
-                each = seen["scores"]  # (rows, tokens, 1); (rows, 1) where a head scores the pooled state
-                scores = each[rows, last, 0] if each.dim() == 3 else each[:, 0]
+                each = seen["states"]  # (rows, tokens, H); (rows, H) where a head scores the pooled state
+                scores = fp32_head(self._per_token, each[rows, last] if each.dim() == 3 else each)
             else:
                 scores = self.model(**enc).logits[:, 0]
             out += [{"reward": v, "rm_truncated": float(c)} for v, c in zip(scores.float().tolist(), cut)]
@@ -294,3 +294,10 @@ class RewardModel:
 
     async def score_batch(self, samples: list[Sample]) -> list[dict[str, float]]:
         return self.score_texts(self.texts(samples))
+
+
+def fp32_head(head: torch.nn.Linear, states: torch.Tensor) -> torch.Tensor:
+    """The score head in fp32: bf16 scores fall on a grid of 2^-8 of their size (0.0625 near 10), coarser than
+    the differences within a group that its advantages are made of."""
+    bias = head.bias.float() if head.bias is not None else None
+    return torch.nn.functional.linear(states.float(), head.weight.float(), bias)[:, 0]
