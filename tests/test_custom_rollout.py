@@ -889,6 +889,44 @@ def test_remote_reward_failures_name_the_endpoint_and_the_samples(server, mode, 
     assert len(server.requests) == attempts
 
 
+def test_a_failed_batch_stops_the_other_batches_retries():
+    """One batch refused (HTTP 400) fails the call; another batch, told to come back in a second (503), went on
+    retrying in its thread after the error had been raised."""
+    refused, retried = threading.Event(), []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            first = body["samples"][0]["index"] == 100
+            if not first:
+                retried.append(1)
+                refused.wait(10)  # answered once the other batch's refusal is on its way
+            self.send_response(400 if first else 503)
+            if not first:
+                self.send_header("Retry-After", "1")
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"no")
+            if first:
+                refused.set()
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        fn = make_reward_fn(f"http://127.0.0.1:{httpd.server_address[1]}/score", batch_size=2, max_concurrency=2,
+                            max_retries=3)
+        with pytest.raises(RewardServerError, match="refused"):
+            fn.score(text_samples(4))
+        time.sleep(2.5)  # the retries at 1 s and 2 s, had they gone on
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert len(retried) == 1
+
 def test_remote_reward_that_nobody_serves():
     from slime.utils.net import free_port
 

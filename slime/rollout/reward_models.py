@@ -32,6 +32,7 @@ import logging
 import math
 import queue
 import random
+import threading
 import time
 from typing import Any
 
@@ -102,14 +103,22 @@ class RemoteReward:
         """The server's value for every sample (numbers or dicts with a "reward" key), in order."""
         sem = asyncio.Semaphore(self.max_concurrency)
         batches = [samples[i:i + self.batch_size] for i in range(0, len(samples), self.batch_size)]
+        failed = threading.Event()  # once a batch failed, the others neither start nor retry: the call has failed
 
         async def one(batch):
             async with sem:
-                return await asyncio.to_thread(self._post, batch)
+                if failed.is_set():
+                    return []
+                try:
+                    return await asyncio.to_thread(self._post, batch, failed)
+                except BaseException:
+                    failed.set()
+                    raise
 
         return [v for values in await asyncio.gather(*(one(b) for b in batches)) for v in values]
 
-    def _post(self, batch: list[Sample]) -> list[Any]:
+    def _post(self, batch: list[Sample], failed: threading.Event | None = None) -> list[Any]:
+        failed = failed or threading.Event()
         body = self.payload(batch)
         for attempt in range(self.max_retries + 1):
             try:
@@ -121,9 +130,12 @@ class RemoteReward:
                 # exponential, at most a minute; a server's Retry-After (seconds) is waited for, within that minute
                 delay = min(MAX_BACKOFF_S, e.after if e.after is not None else
                             self.retry_backoff * 2 ** attempt * (1 + 0.25 * random.random()))
+                if failed.is_set():
+                    return []  # another batch of the call failed: its error is the call's
                 logger.warning("reward server %s: %s; retry %d/%d in %.1fs", self.url, why, attempt + 1,
                                self.max_retries, delay)
-                time.sleep(delay)
+                if failed.wait(delay):
+                    return []
         raise RewardServerError(
             f"reward server {self.url} failed for {_describe(batch)} after {self.max_retries + 1} attempts: {why}. "
             "Check the server (its log, that it answers {'rewards': [...]} with one value per sample) or raise "
