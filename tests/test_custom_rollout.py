@@ -854,7 +854,15 @@ def test_remote_reward_waits_as_the_server_asks_and_at_most_a_minute(monkeypatch
             self.wfile.write(out)
 
     waits = []
-    monkeypatch.setattr(reward_models, "time", types.SimpleNamespace(sleep=waits.append, monotonic=time.monotonic))
+
+    class Failed:  # a batch's wait between attempts, which another batch's failure would cut short
+        is_set, set = (lambda self: False), (lambda self: None)
+
+        def wait(self, delay):
+            waits.append(delay)
+            return False
+
+    monkeypatch.setattr(reward_models, "threading", types.SimpleNamespace(Event=Failed))
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
