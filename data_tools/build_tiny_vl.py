@@ -10,7 +10,7 @@ Three stages, all deterministic (fixed seeds):
   3. supervised training from scratch through the real trainer (algo.policy_loss=sft,
      examples/tiny_vl_sft.yaml) on CPU ranks, stopped early so the model is only partly right; its
      HF export (run_dir/hf, image processor included) becomes assets/tiny-vl.
-The measured time and accuracies are in docs/tiny_vl.md.
+The measured time and accuracies are in docs/vlm.md ("The tiny task").
 """
 from __future__ import annotations
 

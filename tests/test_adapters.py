@@ -236,3 +236,19 @@ def test_a_family_whose_code_cannot_take_the_packed_attention_is_refused_by_name
                                          r"attention interface, so it cannot run the trainer's 'packed_sdpa'.*not "
                                          r"supported \(KeyError: 'packed_sdpa'\)"):
         load_model(ModelConfig(path=str(tmp_path / "falcon")), attn_implementation=PACKED_SDPA)
+
+
+def test_an_image_text_family_without_an_adapter_is_refused_by_name(tmp_path):
+    """A Qwen3-VL loaded with the text adapter: its image rows were refused as for a text-only model, its text rows
+    failed in AutoModelForCausalLM with a list of some 200 classes."""
+    import transformers
+
+    from slime.config import ModelConfig
+    from slime.models.adapters import adapter_for
+
+    transformers.AutoConfig.for_model("qwen3_vl").save_pretrained(tmp_path / "qwen3-vl")
+    with pytest.raises(ValueError, match=r"the image-text family 'qwen3_vl' is not supported .* image-text families: "
+                                         r"qwen2_vl, qwen2_5_vl"):
+        adapter_for(ModelConfig(path=str(tmp_path / "qwen3-vl")))
+    transformers.AutoConfig.for_model("qwen3").save_pretrained(tmp_path / "qwen3")
+    assert adapter_for(ModelConfig(path=str(tmp_path / "qwen3"))).family == "qwen3"

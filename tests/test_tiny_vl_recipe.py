@@ -1,7 +1,7 @@
 """The image-text CPU recipe, shortened: SFT of a random-init Qwen2-VL (examples/tiny_vl_sft.yaml),
 then GRPO from its export (examples/cpu_tiny_vl_grpo.yaml) with held-out evaluation on 2 gloo ranks.
 Checks the pipeline end to end (images drawn, both schemas, metrics, export with its image processor);
-whether it learns is measured by the full run (docs/tiny_vl.md), not asserted here.
+whether it learns is measured by the full run (docs/vlm.md ("The tiny task")), not asserted here.
 """
 import json
 

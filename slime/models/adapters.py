@@ -244,6 +244,11 @@ def get_adapter(model_type: str) -> ModelAdapter:
 
 def adapter_for(cfg: ModelConfig) -> ModelAdapter:
     config = AutoConfig.from_pretrained(cfg.path, gguf_file=cfg.gguf_file, trust_remote_code=cfg.trust_remote_code)
+    if config.model_type not in FAMILIES and getattr(config, "vision_config", None) is not None:
+        supported = ", ".join(f for f, kind in FAMILIES.items() if kind is VL)
+        raise ValueError(f"model.path={cfg.path}: the image-text family {config.model_type!r} is not supported (its "
+                         f"images, positions and vision weights need an entry in slime/models/adapters.py); "
+                         f"image-text families: {supported}")
     return get_adapter(config.model_type)
 
 
