@@ -250,5 +250,6 @@ def test_an_image_text_family_without_an_adapter_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"the image-text family 'qwen3_vl' is not supported .* image-text families: "
                                          r"qwen2_vl, qwen2_5_vl"):
         adapter_for(ModelConfig(path=str(tmp_path / "qwen3-vl")))
-    transformers.AutoConfig.for_model("qwen3").save_pretrained(tmp_path / "qwen3")
-    assert adapter_for(ModelConfig(path=str(tmp_path / "qwen3"))).family == "qwen3"
+    for family in ("qwen3", "gemma3"):  # gemma3 has a vision tower, and a causal-LM class for its text
+        transformers.AutoConfig.for_model(family).save_pretrained(tmp_path / family)
+        assert adapter_for(ModelConfig(path=str(tmp_path / family))).family == family

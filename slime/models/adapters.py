@@ -244,7 +244,10 @@ def get_adapter(model_type: str) -> ModelAdapter:
 
 def adapter_for(cfg: ModelConfig) -> ModelAdapter:
     config = AutoConfig.from_pretrained(cfg.path, gguf_file=cfg.gguf_file, trust_remote_code=cfg.trust_remote_code)
-    if config.model_type not in FAMILIES and getattr(config, "vision_config", None) is not None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+
+    # An image-text family transformers has no causal-LM class for (Qwen3-VL) cannot load as a text model either
+    if config.model_type not in FAMILIES | CAUSAL and getattr(config, "vision_config", None) is not None:
         supported = ", ".join(f for f, kind in FAMILIES.items() if kind is VL)
         raise ValueError(f"model.path={cfg.path}: the image-text family {config.model_type!r} is not supported (its "
                          f"images, positions and vision weights need an entry in slime/models/adapters.py); "
