@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -440,6 +441,21 @@ def engines(server, tiny_model):
 @needs_sglang
 def test_the_server_runs_with_the_seed_it_was_given(server):
     assert SGLangClient(server.url, timeout=30, max_retries=0).get("/server_info")["random_seed"] == 4321
+
+
+@needs_sglang
+def test_a_server_given_by_url_that_serves_another_family_is_refused(server, engines, tiny_model, tmp_path):
+    """SGLang loads pushed tensors whose names match, from whatever model: a server of another family trained
+    nothing. (The `engines` fixture is the same check passing: the server's own model.)"""
+    import transformers
+
+    transformers.LlamaConfig().save_pretrained(tmp_path / "llama")
+    eos = engines[0].eos_id
+    with pytest.raises(SGLangServerError, match=rf"rollout.sglang.urls\[0\] = {server.url} serves a '\w+' model "
+                                                rf"\({tiny_model}\), but the trainer trains model.path=.*llama "
+                                                r"\('llama'\).*--model-path"):
+        SGLangEngine(SGLangConfig(urls=[server.url]), ModelConfig(path=str(tmp_path / "llama")),
+                     types.SimpleNamespace(eos_token_id=eos), OneRank())
 
 
 @needs_sglang

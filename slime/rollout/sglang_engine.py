@@ -35,11 +35,13 @@ from typing import Callable, Iterable
 import torch
 
 from slime.config import SGLangConfig
+from slime.models.adapters import adapter_for
 from slime.models.loading import context_length
 from slime.multimodal.images import to_png_base64
 from slime.multimodal.processor import MultimodalInputs, check_contexts
 from slime.rollout.engine import Generation, NamedTensors, SamplingParams
-from slime.rollout.sglang_server import HOST, SGLangClient, SGLangServer, SGLangServerError, wait_for_url
+from slime.rollout.sglang_server import (HOST, SGLangClient, SGLangServer, SGLangServerError, check_served_family,
+                                         wait_for_url)
 from slime.utils.net import address_toward, is_this_machine, local_world_size, node_address, url_host
 from slime.rollout.sglang_weights import SharedBuffers, dtype_name, serialize_flat_bucket, split_by_dtype
 from slime.utils.net import free_port
@@ -186,9 +188,12 @@ class SGLangEngine:
                         "mode hands the weights over in shared memory (CUDA IPC on GPUs), which another host cannot "
                         "open, so the first weight push would fail. List each node's own server for its ranks, or "
                         "set rollout.sglang.mode=disaggregated", mine)
+                family = adapter_for(model_cfg).family if model_cfg is not None else None
                 for e, url in enumerate(cfg.urls):
                     if self.plan.owner_of_engine[e] == dims.rank:
                         wait_for_url(url, cfg.startup_timeout, f"rollout.sglang.urls[{e}]")
+                        if family is not None:
+                            check_served_family(url, f"rollout.sglang.urls[{e}]", model_cfg.path, family)
             except SGLangServerError as e:
                 error = f"rank {dims.rank}: {e}"
         else:

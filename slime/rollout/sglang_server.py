@@ -175,6 +175,20 @@ def wait_for_url(url: str, timeout: float, name: str) -> None:
         time.sleep(1.0)
 
 
+def check_served_family(url: str, name: str, model_path: str, family: str) -> None:
+    """A server given by url must serve the family the trainer trains: SGLang loads a push of another model's
+    tensors, where their names match, without a word. What /model_info does not answer is not checked."""
+    try:
+        info = requests.get(url + "/model_info", timeout=30).json()
+        served = info.get("model_type")
+    except (requests.RequestException, ValueError, AttributeError):
+        return
+    if served and served != family:
+        raise SGLangServerError(f"{name} = {url} serves a {served!r} model ({info.get('model_path')}), but the "
+                                f"trainer trains model.path={model_path} ({family!r}): weight pushes would load into "
+                                f"another model. Start that server with --model-path {model_path}")
+
+
 def _signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
