@@ -177,7 +177,8 @@ def test_a_resume_with_another_mini_batch_count_keeps_the_schedule_at_its_step(c
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
     scheduler.last_epoch = 5 * 4  # as the checkpoint restores it
     actor = object.__new__(PolicyEngine)
-    actor.role, actor.engine = "actor", types.SimpleNamespace(lr_scheduler=scheduler, optimizer=optimizer)
+    actor.role, actor.engine = "actor", types.SimpleNamespace(lr_scheduler=scheduler, optimizer=optimizer,
+                                                              optimizer_params=lambda: {})
     actor.apply_optim_settings(cfg, changed={"train.num_mini_batches": (4, 1)})
     assert scheduler.last_epoch == 5
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * fn(5)) and fn(5) > 0.3
@@ -333,3 +334,10 @@ def test_a_save_that_fails_to_write_names_the_checkpoint_the_free_space_and_what
                                            r"pos .* GiB free on that file system \(a full disk, a quota\?\); the last "
                                            r"complete one \(step_3\) is untouched"):
         save_checkpoint({"actor": actor}, tmp_path, step=4, loop_state={}, dims=OneRank(), identity={})
+
+
+def test_a_zero2_resume_takes_this_runs_clipping_and_adam_eps(tiny_model, tmp_path):
+    """ZeRO-1/2's optimizer saves its clipping with its states, and the restored param groups held the checkpoint's
+    eps: a resume clipped at the old value, while the log said train.grad_clip's new one was applied."""
+    run_ranks([str(REPO / "tests/dist/optim_resume_checks.py"), str(tiny_model), str(tmp_path)], nproc=1)
+    assert json.loads((tmp_path / "result.json").read_text()) == {"clip": 0.0001, "eps": [0.001]}

@@ -299,8 +299,14 @@ class PolicyEngine:
         factor = scheduler.lr_lambdas[0](scheduler.last_epoch) if scheduler is not None else 1.0
         if scheduler is not None:
             scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+        # Every hyperparameter the optimizer was built with now (the JSON's eps, ...; the restored groups hold the
+        # checkpoint's), and the clipping ZeRO-1/2's optimizer restored with them (ZeRO-3's reads the config)
+        built = {k: tuple(v) if isinstance(v, list) else v for k, v in (self.engine.optimizer_params() or {}).items()}
         for group in optimizer.param_groups:
+            group.update({k: v for k, v in built.items() if k in group})
             group.update(lr=lr * factor, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
+        if hasattr(optimizer, "clip_grad"):
+            optimizer.clip_grad = cfg.train.grad_clip
         if mine:
             logger.warning("resumed with changed settings, applied to the %s: %s", self.role,
                            ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in mine.items()))
