@@ -407,10 +407,12 @@ class EvalConfig:
 class TrainConfig:
     num_steps: int = field(10, "RL steps (rollout + update) to run.")
     lr: float = field(1e-6, "Peak learning rate.")
-    min_lr: float = field(0.0, "Final learning rate of the cosine schedule.")
+    min_lr: float = field(0.0, "Floor of the cosine schedule: the rate one step after the last (the last step "
+                               "runs just above it).")
     lr_schedule: Literal["constant", "cosine"] = field("constant", "Schedule after warmup.")
     warmup_steps: int = field(0, "Linear warmup optimizer steps.")
-    weight_decay: float = field(0.0, "AdamW weight decay.")
+    weight_decay: float = field(0.0, "AdamW weight decay, of every parameter: norm gains and biases too (Megatron "
+                                     "and HF's Trainer leave those out).")
     betas: list = field([0.9, 0.999], "AdamW betas.")
     grad_clip: float = field(1.0, "Clip the global gradient norm to this (0 = off).")
     num_mini_batches: int = field(1, "Optimizer steps per rollout batch (PPO-style mini-batches).")

@@ -251,27 +251,37 @@ def test_ds_config_auto_fields_filled(tmp_path):
     assert ds["gradient_clipping"] == 0.5 and ds["optimizer"]["params"]["weight_decay"] == 0.1
     assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"]["enabled"] is False
     bad = tmp_path / "ds.json"
-    bad.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}}))
+    adamw = {"optimizer": {"type": "AdamW"}}
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}, **adamw}))
     with pytest.raises(ValueError, match="zero_optimization.reduce_bucket_size"):
         build_ds_config(cfg.train, bad, bf16=False)
     zero0 = tmp_path / "zero0.json"
-    zero0.write_text(json.dumps({"zero_optimization": {"stage": 0}}))
+    zero0.write_text(json.dumps({"zero_optimization": {"stage": 0}, **adamw}))
     with pytest.raises(ValueError, match="zero_optimization.stage is 0; use 1, 2 or 3"):
         build_ds_config(cfg.train, zero0, bf16=False)
     layout = tmp_path / "ep.json"
-    layout.write_text(json.dumps({"expert_parallel": {"enabled": True, "autoep_size": 2}}))
+    layout.write_text(json.dumps({"expert_parallel": {"enabled": True, "autoep_size": 2}, **adamw}))
     with pytest.raises(ValueError, match="parallel.ep"):  # set in one place only: the run config
         build_ds_config(cfg.train, layout, bf16=False)
     for content, words in (('{"zero_optimization": {"stage": 3},}', "is not valid JSON"),
                            ('{"zero_optimization": {"stage": 3}, "gradient_clipping": 0.5, "zero_optimization": {}}',
                             "the key 'zero_optimization' is given twice in one object"),
-                           ('{"zero_optimization": {"stage": "three"}}', "zero_optimization.stage='three'"),
+                           ('{"zero_optimization": {"stage": "three"}, "optimizer": {"type": "AdamW"}}',
+                            "zero_optimization.stage='three'"),
                            ('{"zero_optimization": {"stage": 3}, "gradient_clippng": 0.3}',
                             "unknown key 'gradient_clippng' (DeepSpeed would ignore it); did you mean 'gradient_clipping'"),
                            ('{"zero_optimization": {"stage": 3}, "gradient_clipping": 0.3}',
                             "'gradient_clipping' is 0.3 but the run config's train.grad_clip gives 0.5"),
                            ('{"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}',
-                            "'optimizer.params.lr' is 0.1 but the run config's train.lr gives 0.0003")):
+                            "'optimizer.params.lr' is 0.1 but the run config's train.lr gives 0.0003"),
+                           # a bare KeyError: 'optimizer' where the engine was built
+                           ('{"zero_optimization": {"stage": 3}}', "has no 'optimizer' section with a 'type'"),
+                           # a TypeError about the betas filled in for it
+                           ('{"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adagrad"}}',
+                            "optimizer type 'Adagrad' is not supported"),
+                           # DeepSpeed cast the trainer to fp16, the engines stayed in model.dtype
+                           ('{"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam"}, "fp16": {"enabled": '
+                            'true}}', "enables fp16: model.dtype sets the precision")):
         bad.write_text(content)
         with pytest.raises(ValueError) as e:
             build_ds_config(cfg.train, bad, bf16=False)
@@ -293,7 +303,7 @@ def test_ds_config_without_an_owned_key_takes_the_run_configs_and_batch_keys_are
                                 ("train_batch_size", 256, "rollout.batch_size"),
                                 ("gradient_accumulation_steps", 4, "train.max_tokens_per_gpu")):
         bad = tmp_path / f"{key}.json"
-        bad.write_text(json.dumps({"zero_optimization": {"stage": 2}, key: value}))
+        bad.write_text(json.dumps({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW"}, key: value}))
         with pytest.raises(ValueError, match=rf"remove '{key}' .*the run config's {setting}"):
             build_ds_config(cfg.train, bad, bf16=False)
 

@@ -53,6 +53,7 @@ def build_ds_config(train: TrainConfig, path: str | Path | None = None, *, bf16:
         "optimizer.params.fused": FUSED,
     }
     _refuse_second_settings(ds, auto, str(path))
+    _check_optimizer_and_precision(ds, path)
     _own_missing(ds)
     _fill(ds, auto, str(path))
     params = ds.get("optimizer", {}).get("params", {})
@@ -142,21 +143,35 @@ def _refuse_second_settings(ds: dict, auto: dict, source: str) -> None:
                          f"set {setting} and leave '{full}' as \"auto\" (one setting, one place)")
 
 
+ADAM_TYPES = ("adam", "adamw")  # what train.betas, train.weight_decay and torch_adam are settings of
+
+
+def _check_optimizer_and_precision(ds: dict, path: Path) -> None:
+    optimizer = ds.get("optimizer")
+    if not isinstance(optimizer, dict) or not isinstance(optimizer.get("type"), str):
+        raise ValueError(f"train.ds_config: {path} has no 'optimizer' section with a 'type': copy the one of "
+                         "ds_configs/zero3.json ({\"type\": \"AdamW\", \"params\": {...\"auto\"...}})")
+    if optimizer["type"].lower() not in ADAM_TYPES:
+        raise ValueError(f"train.ds_config: {path}: optimizer type {optimizer['type']!r} is not supported: the run "
+                         "config's train.betas and train.weight_decay are Adam's; use \"Adam\" or \"AdamW\"")
+    if (ds.get("fp16") or {}).get("enabled") not in (None, False, "auto"):
+        raise ValueError(f"train.ds_config: {path} enables fp16: model.dtype sets the precision (bfloat16 or "
+                         "float32), and the rollout engines would run another dtype than the trainer; remove the "
+                         "'fp16' section")
+
+
 def _own_missing(ds: dict) -> None:
     """An owned key the JSON leaves out is filled like "auto": without it DeepSpeed used its own default (no
     clipping, AdamW's betas and weight decay, fp32) and the run config's value was dropped without a word."""
     ds.setdefault("gradient_clipping", "auto")
-    if not (ds.get("fp16") or {}).get("enabled"):
-        bf16 = ds.setdefault("bf16", {})
-        if isinstance(bf16, dict):
-            bf16.setdefault("enabled", "auto")
-    optimizer = ds.get("optimizer")
-    if isinstance(optimizer, dict):  # no optimizer section: refused where the engine is built
-        params = optimizer.setdefault("params", {})
-        if isinstance(params, dict):
-            for full in OWNED:
-                if full.startswith("optimizer.params."):
-                    params.setdefault(full.rsplit(".", 1)[1], "auto")
+    bf16 = ds.setdefault("bf16", {})
+    if isinstance(bf16, dict):
+        bf16.setdefault("enabled", "auto")
+    params = ds["optimizer"].setdefault("params", {})  # the section is there (_check_optimizer_and_precision)
+    if isinstance(params, dict):
+        for full in OWNED:
+            if full.startswith("optimizer.params."):
+                params.setdefault(full.rsplit(".", 1)[1], "auto")
 
 
 # DeepSpeed keys for what the trainer decides itself: a value in the JSON was overridden (accumulation, micro-batch
