@@ -341,3 +341,27 @@ def test_a_zero2_resume_takes_this_runs_clipping_and_adam_eps(tiny_model, tmp_pa
     eps: a resume clipped at the old value, while the log said train.grad_clip's new one was applied."""
     run_ranks([str(REPO / "tests/dist/optim_resume_checks.py"), str(tiny_model), str(tmp_path)], nproc=1)
     assert json.loads((tmp_path / "result.json").read_text()) == {"clip": 0.0001, "eps": [0.001]}
+
+
+def test_a_checkpoint_without_the_critic_this_run_trains_is_refused_and_an_unused_critic_is_said(tmp_path, caplog):
+    """A GRPO checkpoint resumed with GAE died in DeepSpeed's bare `assert len(self.ckpt_list) > 0`; a GAE one
+    resumed with GRPO dropped the critic's states without a word."""
+    import types
+
+    from one_rank import OneRank as FullRank
+    from slime.trainer.checkpoint import load_checkpoint
+
+    loads = []
+    loader = types.SimpleNamespace(lr_scheduler=None,
+                                   load_checkpoint=lambda path, tag, **kw: loads.append(tag) or (path, {}))
+    identity = {"optim": {}, "zero_stage": 3}
+    save_checkpoint({"actor": FakeEngine()}, tmp_path / "grpo", step=2, loop_state={}, dims=OneRank(),
+                    identity=identity)
+    with pytest.raises(ValueError, match=r"step_2 holds no critic states: it was written by a run without a critic "
+                                         r"\(another algo.advantage_estimator\?\)"):
+        load_checkpoint({"actor": loader, "critic": loader}, tmp_path / "grpo", dims=FullRank(), identity=identity)
+    assert loads == []
+    save_checkpoint({"actor": FakeEngine(), "critic": FakeEngine()}, tmp_path / "gae", step=2, loop_state={},
+                    dims=OneRank(), identity=identity)
+    assert load_checkpoint({"actor": loader}, tmp_path / "gae", dims=FullRank(), identity=identity)["step"] == 2
+    assert loads == ["actor"] and "holds critic states this run does not train" in caplog.text

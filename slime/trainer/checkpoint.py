@@ -255,6 +255,14 @@ def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> d
     if manifest.get("world_size") != dims.world_size:
         raise ValueError(f"{path} was written by {manifest.get('world_size')} ranks, this run has {dims.world_size}; "
                          "resume with the same number of ranks (DeepSpeed's ZeRO partitions are per rank)")
+    saved_roles = {name.split("/", 1)[0] for name in manifest.get("files", {}) if "/" in name}
+    missing = [role for role in engines if role not in saved_roles]
+    if missing:  # DeepSpeed's own words: a bare AssertionError in its checkpoint list
+        raise ValueError(f"{path} holds no {missing[0]} states: it was written by a run without a {missing[0]} (another "
+                         "algo.advantage_estimator?). Resume with that run's algorithm, or start a new log.run_dir")
+    if unused := sorted(saved_roles - set(engines)):
+        logger.warning("%s holds %s states this run does not train (another algo.advantage_estimator?): they are "
+                       "not loaded, and the checkpoints this run writes will not hold them", path, ", ".join(unused))
     for role, engine in engines.items():
         # A critic saved before it followed the lr schedule holds no scheduler state (its rate was constant)
         unscheduled = role == "critic" and not manifest.get("critic_schedule") and engine.lr_scheduler is not None
