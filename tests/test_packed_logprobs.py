@@ -1,4 +1,7 @@
 """Packed micro-batches give the same logprobs (and gradients) as running each sample alone."""
+import json
+import re
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -304,6 +307,18 @@ def test_a_familys_own_final_logits_are_the_logprob_heads(tmp_path, name):
     for s, got in zip(samples, mb.split(logp)):
         torch.testing.assert_close(got, per_sample_logprobs(alone, s), rtol=1e-5, atol=1e-5)
     assert_same_gradients(packed, alone, samples, logp, atol=1e-4)
+
+
+def test_a_family_without_an_adapter_is_checked_packed_against_alone_at_start(tmp_path):
+    """What the families above got wrong in silence (a packed row attending across its samples) is measured when an
+    unknown family's actor starts: its borders dropped, the same model is refused."""
+    from conftest import REPO, run_ranks
+
+    run_ranks([str(REPO / "tests/dist/packing_probe_checks.py"), str(other_family(tmp_path, "gemma3_text")),
+               str(tmp_path)], nproc=1)
+    refused = json.loads((tmp_path / "result.json").read_text())["refused"]
+    assert re.search(r"the 'gemma3_text' family scores two samples packed in one row unlike each alone \(mean "
+                     r"logprob gap [\d.]+, more than 0.001 of torch.float32\).*train.packing=false", refused), refused
 
 
 def test_what_packed_attention_cannot_compute_is_refused_not_dropped(tmp_path):

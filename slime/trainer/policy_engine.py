@@ -35,6 +35,7 @@ from slime.distributed.ulysses import SequenceShard, check_heads, register_ulyss
 from slime.models.attention import PACKED_SDPA, resolve_attn_implementation
 from slime.models import fused
 from slime.models.export import save_hf_dir
+from slime.models.adapters import FAMILIES
 from slime.models.loading import load_model, resolve_dtype
 from slime.models.onednn import resolve_cpu_linear, use_onednn_linears
 from slime.models.policy import PolicyModel, compile_layers
@@ -82,6 +83,18 @@ def sample_positions(adapter, model, s: Sample) -> torch.Tensor:
     mask = torch.zeros_like(ids, dtype=torch.bool)
     mask[:len(s.prompt_ids)] = ids[:len(s.prompt_ids)] == s.mm.token_id
     return adapter.position_ids(model, ids, s.mm.image_grid_thw, mask)
+
+
+PROBE = [Sample(prompt_ids=[3, 9, 4, 7, 1], response_ids=[5, 2, 8, 6], index=0),
+         Sample(prompt_ids=[6, 1, 2], response_ids=[4, 9, 3, 5, 7, 2], index=1)]
+
+
+@torch.no_grad()
+def packing_gap(logprobs: Callable[[list[int]], torch.Tensor]) -> float:
+    """The mean gap between the logprobs of PROBE's samples packed in one row (`logprobs([0, 1])`) and alone."""
+    packed = logprobs([0, 1]).float()
+    alone = torch.cat([logprobs([i]) for i in range(len(PROBE))]).float()
+    return float((packed - alone).abs().mean())
 
 
 def actor_steps(cfg: Config) -> int:
@@ -172,6 +185,22 @@ class PolicyEngine:
         self.train_layout, self.nograd_layout = Layout.for_training(train, **terms), Layout.for_nograd(train, **terms)
         self.skipped_steps = self.consecutive_skips = 0
         self.vocab_size = hf.get_input_embeddings().num_embeddings  # an attribute: ZeRO-3 partitions only the weight
+        if role == "actor" and train.packing and self.adapter.family not in FAMILIES:
+            self.check_packing(model.path, dtype)
+
+    def check_packing(self, path: str, dtype: torch.dtype) -> None:
+        """A family without an adapter: two samples packed in one row must score as each does alone. (Every rank
+        runs the same forwards, as ZeRO-3 needs.) A family whose attention misses the row's borders trained on
+        samples that saw each other, in silence."""
+        diff = packing_gap(lambda idx: self.forward(self.nograd_layout.build(PROBE, idx))[0])
+        limit = 1e-3 if dtype == torch.float32 else 0.05
+        if self.dims.is_main:
+            logger.info("model family %r (no adapter): packed samples score as alone (mean logprob gap %.2g)",
+                        self.adapter.family, diff)
+        if diff > limit:
+            raise ValueError(f"model.path={path}: the {self.adapter.family!r} family scores two samples packed in one "
+                             f"row unlike each alone (mean logprob gap {diff:.3g}, more than {limit:g} of {dtype}): its "
+                             "attention does not keep to the row's samples. Set train.packing=false")
 
     # Builders from the run config: which sub-configs each role reads.
     @classmethod
