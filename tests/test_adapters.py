@@ -196,6 +196,23 @@ def test_an_export_that_fails_midway_leaves_the_earlier_one_whole(tmp_path):
     assert exported_step(tmp_path / "nowhere") is None
 
 
+def test_a_shard_the_disk_cannot_take_names_the_file_and_the_free_space(tmp_path, monkeypatch):
+    """safetensors says only "I/O error: No space left on device (os error 28)", with no path."""
+    from slime.models import export
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m", arch="qwen3", seed=0))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def full(*args, **kwargs):
+        raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(export, "save_file", full)
+    with pytest.raises(RuntimeError, match=r"writing the HF export's .*\.out\.partial/model.safetensors failed: "
+                                           r"Error while serializing.*GiB free on that file system \(a full disk, "
+                                           r"a quota\?\); .*out is as it was"):
+        export.save_hf_dir(tmp_path / "out", state, model=model)
+
+
 def test_an_export_killed_while_it_replaces_the_earlier_one_leaves_one_whole(tmp_path, monkeypatch):
     """The new folder took the export's name in two renames (the earlier one aside, the new one in): a kill
     between them left no export at all. They are exchanged in one step now."""

@@ -34,7 +34,12 @@ def save_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], *, model, e
     split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
-        save_file({n: state[n].contiguous() for n in names}, str(out / filename), metadata={"format": "pt"})
+        try:
+            save_file({n: state[n].contiguous() for n in names}, str(out / filename), metadata={"format": "pt"})
+        except Exception as e:  # safetensors' own error names neither the file nor the free space
+            free = shutil.disk_usage(out).free / 2**30
+            raise RuntimeError(f"writing the HF export's {out / filename} failed: {e}. {free:.2f} GiB free on that "
+                               f"file system (a full disk, a quota?); {final} is as it was") from e
     if split.is_sharded:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
                  "weight_map": split.tensor_to_filename}
