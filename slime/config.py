@@ -411,8 +411,8 @@ class TrainConfig:
                                "runs just above it).")
     lr_schedule: Literal["constant", "cosine"] = field("constant", "Schedule after warmup.")
     warmup_steps: int = field(0, "Linear warmup optimizer steps.")
-    weight_decay: float = field(0.0, "AdamW weight decay, of every parameter: norm gains and biases too (Megatron "
-                                     "and HF's Trainer leave those out).")
+    weight_decay: float = field(0.0, "AdamW weight decay of the weight matrices (embeddings included); norm gains "
+                                     "and biases get none, as in Megatron and HF's Trainer.")
     betas: list = field([0.9, 0.999], "AdamW betas.")
     grad_clip: float = field(1.0, "Clip the global gradient norm to this (0 = off).")
     num_mini_batches: int = field(1, "Optimizer steps per rollout batch (PPO-style mini-batches).")

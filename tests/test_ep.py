@@ -98,6 +98,13 @@ def test_ep2_equals_ep1_with_the_router_aux_loss(qwen3_runs):
     assert ref["metrics"]["train/expert_imbalance"] >= 1.0 and ref["metrics"]["train/router_aux_loss"] > 0
 
 
+def test_ep2_equals_ep1_with_weight_decay(moe_models, tmp_path):
+    """Weight decay puts norm gains and biases in a group of their own: AutoEP's expert groups split each."""
+    decay = ["train.weight_decay=0.1"]
+    assert_same_step(run(moe_models["qwen3_moe"], tmp_path / "ep1", 2, "parallel.ep=1", *decay),
+                     run(moe_models["qwen3_moe"], tmp_path / "ep2", 2, "parallel.ep=2", *decay))
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_ep2_equals_ep1_other_families(moe_models, tmp_path, arch):
     assert_same_step(run(moe_models[arch], tmp_path / "ep1", 2, "parallel.ep=1"),

@@ -336,11 +336,14 @@ def test_a_save_that_fails_to_write_names_the_checkpoint_the_free_space_and_what
         save_checkpoint({"actor": actor}, tmp_path, step=4, loop_state={}, dims=OneRank(), identity={})
 
 
-def test_a_zero2_resume_takes_this_runs_clipping_and_adam_eps(tiny_model, tmp_path):
+def test_a_zero2_resume_takes_this_runs_clipping_and_adam_eps_and_decay_spares_norms(tiny_model, tmp_path):
     """ZeRO-1/2's optimizer saves its clipping with its states, and the restored param groups held the checkpoint's
     eps: a resume clipped at the old value, while the log said train.grad_clip's new one was applied."""
     run_ranks([str(REPO / "tests/dist/optim_resume_checks.py"), str(tiny_model), str(tmp_path)], nproc=1)
-    assert json.loads((tmp_path / "result.json").read_text()) == {"clip": 0.0001, "eps": [0.001]}
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert {k: result[k] for k in ("clip", "eps")} == {"clip": 0.0001, "eps": [0.001]}
+    # weight decay: matrices x (1 - 0.1 * 0.5), every norm gain (and bias) untouched (they were decayed too)
+    assert result["decayed"] and result["flat_kept"] and result["flat"] >= 5
 
 
 def test_a_checkpoint_without_the_critic_this_run_trains_is_refused_and_an_unused_critic_is_said(tmp_path, caplog):
@@ -365,3 +368,17 @@ def test_a_checkpoint_without_the_critic_this_run_trains_is_refused_and_an_unuse
                     dims=OneRank(), identity=identity)
     assert load_checkpoint({"actor": loader}, tmp_path / "gae", dims=FullRank(), identity=identity)["step"] == 2
     assert loads == ["actor"] and "holds critic states this run does not train" in caplog.text
+
+
+def test_a_checkpoint_of_another_parameter_grouping_is_refused_naming_the_weight_decay(tmp_path):
+    """Weight decay > 0 puts norm gains and biases in a group of their own: a checkpoint with one group (written
+    without decay, or before) cannot take this run's two, nor the reverse."""
+    from one_rank import OneRank as FullRank
+    from slime.trainer.checkpoint import load_checkpoint
+
+    save_checkpoint({"actor": FakeEngine()}, tmp_path, step=2, loop_state={}, dims=OneRank(),
+                    identity={"optim": {"train.weight_decay": 0.0}, "zero_stage": 3})
+    decayed = {"optim": {"train.weight_decay": 0.1}, "zero_stage": 3, "decay_groups": True}
+    with pytest.raises(ValueError, match=r"holds optimizer states of one, but train.weight_decay=0.1 needs two \(norm "
+                                         r"gains and biases without decay\).*Resume with train.weight_decay = 0"):
+        load_checkpoint({"actor": None}, tmp_path, dims=FullRank(), identity=decayed)

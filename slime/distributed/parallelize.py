@@ -52,6 +52,17 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, train: TrainConfig, 
         return engine
     ds_config["optimizer"]["params"]["lr"] = lr
     sched = (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)) if lr_lambda else None
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, train.weight_decay),
                                       config=ds_config, lr_scheduler=sched)
     return engine
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list:
+    """The trained parameters; with weight decay, norm gains and biases (1-D) in a group of their own without it,
+    as Megatron and HF's Trainer do. (Without decay, one group: the layout of checkpoints written before.)"""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    flat = [p for p in trained if p.dim() < 2]
+    if not weight_decay or not flat:
+        return trained
+    return [{"name": "decay", "params": [p for p in trained if p.dim() >= 2]},
+            {"name": "no_decay", "params": flat, "weight_decay": 0.0, "no_decay": True}]

@@ -252,6 +252,13 @@ def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> d
         raise ValueError(f"{path} was written with parallel.ep={saved_ep}, this run has parallel.ep="
                          f"{identity.get('parallel_ep', 1)}; resume with parallel.ep={saved_ep} (expert parallelism "
                          "lays the experts' modules and states out per ep), or start a new log.run_dir")
+    saved_groups, groups = manifest.get("decay_groups", False), identity.get("decay_groups", False)
+    if saved_groups != groups:  # a checkpoint of before weight decay left norm gains and biases out: one group
+        raise ValueError(f"{path} holds optimizer states of {'two parameter groups' if saved_groups else 'one'}, but "
+                         f"train.weight_decay={identity['optim'].get('train.weight_decay')} needs "
+                         f"{'two (norm gains and biases without decay)' if groups else 'one'}: the states would not "
+                         f"fit. Resume with train.weight_decay {'> 0' if saved_groups else '= 0'}, or start a new "
+                         "log.run_dir")
     if manifest.get("world_size") != dims.world_size:
         raise ValueError(f"{path} was written by {manifest.get('world_size')} ranks, this run has {dims.world_size}; "
                          "resume with the same number of ranks (DeepSpeed's ZeRO partitions are per rank)")

@@ -333,7 +333,8 @@ class PolicyEngine:
         built = {k: tuple(v) if isinstance(v, list) else v for k, v in (self.engine.optimizer_params() or {}).items()}
         for group in optimizer.param_groups:
             group.update({k: v for k, v in built.items() if k in group})
-            group.update(lr=lr * factor, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
+            group.update(lr=lr * factor, betas=tuple(cfg.train.betas),
+                         weight_decay=0.0 if group.get("no_decay") else cfg.train.weight_decay)
         if hasattr(optimizer, "clip_grad"):
             optimizer.clip_grad = cfg.train.grad_clip
         if mine:
