@@ -382,3 +382,21 @@ def test_a_checkpoint_of_another_parameter_grouping_is_refused_naming_the_weight
     with pytest.raises(ValueError, match=r"holds optimizer states of one, but train.weight_decay=0.1 needs two \(norm "
                                          r"gains and biases without decay\).*Resume with train.weight_decay = 0"):
         load_checkpoint({"actor": None}, tmp_path, dims=FullRank(), identity=decayed)
+
+
+def test_a_checkpoint_of_another_precision_or_critic_model_is_refused_naming_the_setting(tmp_path):
+    """Another model.dtype failed in DeepSpeed with a FileNotFoundError for one of its files (as a torn checkpoint
+    would: a GPU run's checkpoint resumed on CPU, model.dtype auto); a critic of another model failed on a tensor
+    size, or, of the same shapes, was replaced by the checkpoint's without a word."""
+    from one_rank import OneRank as FullRank
+    from slime.trainer.checkpoint import load_checkpoint
+
+    saved = {"optim": {}, "zero_stage": 3, "dtype": "torch.bfloat16", "critic_path": "/models/critic",
+             "critic_config_sha256": "aa"}
+    save_checkpoint({"actor": FakeEngine()}, tmp_path, step=2, loop_state={}, dims=OneRank(), identity=saved)
+    with pytest.raises(ValueError, match=r"written in torch.bfloat16, this run trains in torch.float32 \(model.dtype; "
+                                         r"auto is .*Resume with model.dtype=bfloat16"):
+        load_checkpoint({"actor": None}, tmp_path, dims=FullRank(), identity={**saved, "dtype": "torch.float32"})
+    for key, value in (("critic_path", "/models/other"), ("critic_config_sha256", "bb")):
+        with pytest.raises(ValueError, match=rf"written for {key}=.* but this run has '{value}'.*algo.critic.path"):
+            load_checkpoint({"actor": None}, tmp_path, dims=FullRank(), identity={**saved, key: value})

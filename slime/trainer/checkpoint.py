@@ -242,6 +242,16 @@ def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> d
             raise ValueError(f"{path} was written for {key}={manifest.get(key)!r} but this run has "
                              f"{identity.get(key)!r}: resuming would load another model's weights. Use a new "
                              "log.run_dir for this model (or move the old run's folder away)")
+    for key in ("critic_path", "critic_config_sha256"):  # recorded since they were checked (and only with a critic)
+        if key in manifest and key in identity and manifest[key] != identity[key]:
+            raise ValueError(f"{path} was written for {key}={manifest[key]!r} but this run has {identity[key]!r}: "
+                             "resuming would load another critic's states. Set algo.critic.path as it was, or use a "
+                             "new log.run_dir")
+    if "dtype" in manifest and manifest["dtype"] != identity.get("dtype"):  # recorded since it was checked
+        raise ValueError(f"{path} was written in {manifest['dtype']}, this run trains in {identity.get('dtype')} "
+                         "(model.dtype; auto is bfloat16 on a GPU, float32 on CPU): DeepSpeed lays the states out "
+                         f"per precision. Resume with model.dtype={manifest['dtype'].removeprefix('torch.')}, or "
+                         "start a new log.run_dir")
     saved_stage = manifest.get("zero_stage", 3)  # recorded since ZeRO-2 was offered; before, the configs were ZeRO-3
     if saved_stage != identity.get("zero_stage"):
         raise ValueError(f"{path} holds ZeRO-{saved_stage} states but train.ds_config sets ZeRO stage "

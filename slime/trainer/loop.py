@@ -26,7 +26,8 @@ from slime.data.prompts import PromptSource, rows_on_every_rank, sft_samples
 from slime.distributed.ds_config import read_ds_json, zero_stage
 from slime.distributed.parallel_dims import ParallelDims
 from slime.models.export import exported_step
-from slime.models.loading import check_packing, check_stop_ids, load_processor, load_tokenizer, warn_past_context
+from slime.models.loading import (check_packing, check_stop_ids, load_processor, load_tokenizer, resolve_dtype,
+                                  warn_past_context)
 from slime.rollout.custom import load_generate_fn
 from slime.rollout.engine import make_engine
 from slime.rollout.rewards import check_reward_spec, needs_label, reward_fn_from_config
@@ -103,10 +104,16 @@ def score_batch(batch: RankBatch, cfg: Config, actor: PolicyEngine, ref: PolicyE
 
 def checkpoint_identity(cfg: Config) -> dict:
     """What a checkpoint must match to be resumed (the model), and the settings it was trained with."""
-    config = Path(cfg.model.path) / "config.json"
-    t = cfg.train
+    def sha256(path: str) -> str | None:
+        config = Path(path) / "config.json"
+        return hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None
+
+    t, critic = cfg.train, cfg.algo.critic.path or cfg.model.path
     return {"model_path": str(Path(cfg.model.path).resolve()),
-            "model_config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None,
+            "model_config_sha256": sha256(cfg.model.path),
+            "dtype": str(resolve_dtype(cfg.model.dtype)),  # DeepSpeed lays bf16 and fp32 states out apart
+            **({"critic_path": str(Path(critic).resolve()), "critic_config_sha256": sha256(critic)}
+               if cfg.trains_critic else {}),
             "zero_stage": zero_stage(read_ds_json(t)[0]),  # the states' layout on disk
             "parallel_ep": cfg.parallel.ep,  # AutoEP's experts: their modules and states, per ep
             "critic_schedule": True,  # the critic's scheduler state is saved (before, it had none)
