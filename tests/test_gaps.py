@@ -145,7 +145,7 @@ def test_latest_without_a_loadable_checkpoint_is_an_error(tmp_path):
 
     (tmp_path / "latest").write_text("step_3")
     (tmp_path / "step_3").mkdir()
-    with pytest.raises(RuntimeError, match=r"holds checkpoints but none is usable:\n.*step_3: no manifest.json"):
+    with pytest.raises(ValueError, match=r"holds checkpoints but none is usable:\n.*step_3: no manifest.json"):
         load_checkpoint({}, tmp_path, dims=OneRank(), identity={})
     assert load_checkpoint({}, tmp_path / "empty", dims=OneRank(), identity={}) is None  # nothing to resume
 

@@ -231,9 +231,9 @@ def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> d
             logger.warning("resuming from %s checkpoint %s", "the older" if newer else "the", path)
     if path is None:
         if notes:
-            raise RuntimeError(f"{ckpt_dir} holds checkpoints but none is usable:\n  " + "\n  ".join(notes) +
-                               "\nmove the folder away to start over, or set checkpoint.resume=false with a new "
-                               "log.run_dir")
+            raise ValueError(f"{ckpt_dir} holds checkpoints but none is usable:\n  " + "\n  ".join(notes) +
+                             "\nmove the folder away to start over, or set checkpoint.resume=false with a new "
+                             "log.run_dir")
         return None
     path = Path(path)
     manifest = json.loads((path / MANIFEST).read_text())
