@@ -57,7 +57,8 @@ class DataConfig:
     label_key: str = field("label", "Field holding the ground truth passed to the reward function.")
     metadata_key: str = field("metadata", "Optional dict field copied into Sample.metadata.")
     apply_chat_template: bool = field(True, "Wrap prompts with the tokenizer's chat template when it has one.")
-    system_prompt: str | None = field(None, "System message prepended when the chat template is applied.")
+    system_prompt: str | None = field(None, "System message prepended when the chat template is applied (a row "
+                                            "with a system message of its own keeps that one).")
     max_prompt_len: int = field(512, "Prompts longer than this (in tokens, image tokens included) are dropped "
                                      "and counted.")
     shuffle: bool = field(True, "Shuffle prompts every epoch (seeded by train.seed and the epoch).")

@@ -386,7 +386,7 @@ def test_a_row_the_chat_template_refuses_is_named_with_its_line(tiny_model, tmp_
                          "{{ m['content'] }}{% endfor %}")
     path = tmp_path / "p.jsonl"
     write_jsonl(path, [{"messages": [{"role": "user", "content": "1+1="}]},
-                       {"messages": [{"role": "assistant", "content": "hi"}]}])
+                       {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "x"}]}])
     with pytest.raises(ValueError, match=r"p.jsonl:2: the chat template of model.path refused this row "
                                          r"\(TemplateError: Conversation roles must alternate.*"
                                          r"data.apply_chat_template=false"):
@@ -520,3 +520,45 @@ def evaluation_stops(tokenizer, path) -> tuple[int, ...]:
     with pytest.raises(Seen) as seen:
         evaluate(SeenEngine(), load_eval_prompts(cfg, tokenizer, OneRank()), cfg, tokenizer, None, OneRank())
     return seen.value.args[0]
+
+
+def test_an_rl_chat_ending_with_the_assistants_reply_is_refused_naming_the_line(tiny_model, tmp_path):
+    """Rendered for RL, the reply sat in the prompt before a new assistant turn: the policy saw the answer."""
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    path = tmp_path / "p.jsonl"
+    chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
+    write_jsonl(path, [{"messages": chat[:1], "label": "2"}, {"messages": chat, "label": "2"}])
+    with pytest.raises(ValueError, match=r"p.jsonl:2: the chat in 'messages' ends with the assistant's message: the "
+                                         r"policy would see that reply.*algo.policy_loss=sft"):
+        load_prompts(DataConfig(path=str(path)), tok, label_required=True)
+    sft, _ = load_prompts(DataConfig(path=str(path)), tok, label_required=True, label_is_text=True)
+    assert [p.label for p in sft] == ["2", "2"]  # SFT learns the reply (from the messages before it)
+
+
+def test_a_label_the_built_in_reward_cannot_compare_is_refused_at_load(tiny_model, tmp_path):
+    """It was found when the row was first drawn, maybe hours into the run, with no file or line."""
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    path = tmp_path / "p.jsonl"
+    write_jsonl(path, [{"prompt": "1+1=", "label": ["2", 2.0]}, {"prompt": "2+2=", "label": {"answer": "4"}}])
+    with pytest.raises(ValueError, match=r"p.jsonl:2: 'label' is \{'answer': '4'\}: the built-in reward compares "
+                                         r"the answer with a string or a number, or a list of them, not a dict"):
+        load_prompts(DataConfig(path=str(path)), tok, label_required=True)
+    assert len(load_prompts(DataConfig(path=str(path)), tok)[0]) == 2  # a function of the user's reads it
+
+
+def test_a_prompt_without_a_chat_template_starts_with_the_tokenizers_bos():
+    """Llama, Gemma and Mistral expect a BOS: a plain prompt was tokenised without it. No EOS after it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from slime.data.prompts import plain_ids
+
+    vocab = {c: i for i, c in enumerate(["<s>", "</s>", *"abc "])}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="a"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 1)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>")
+    assert tok("ab c").input_ids == [0, 2, 3, 5, 4, 1]
+    assert plain_ids(tok, "ab c") == [0, 2, 3, 5, 4]
+    tk.post_processor = None  # a tokenizer that adds nothing (Qwen's): the text's ids alone
+    assert plain_ids(PreTrainedTokenizerFast(tokenizer_object=tk), "ab c") == [2, 3, 5, 4]

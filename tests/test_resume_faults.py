@@ -339,7 +339,8 @@ def test_a_save_that_fails_to_write_names_the_checkpoint_the_free_space_and_what
 def test_a_zero2_resume_takes_this_runs_clipping_and_adam_eps_and_decay_spares_norms(tiny_model, tmp_path):
     """ZeRO-1/2's optimizer saves its clipping with its states, and the restored param groups held the checkpoint's
     eps: a resume clipped at the old value, while the log said train.grad_clip's new one was applied."""
-    run_ranks([str(REPO / "tests/dist/optim_resume_checks.py"), str(tiny_model), str(tmp_path)], nproc=1)
+    proc = run_ranks([str(REPO / "tests/dist/optim_resume_checks.py"), str(tiny_model), str(tmp_path)], nproc=1)
+    assert "train.grad_clip 1.0 -> 0.0001, train.ds_config optimizer.params.eps 1e-08 -> 0.001" in proc.stderr
     result = json.loads((tmp_path / "result.json").read_text())
     assert {k: result[k] for k in ("clip", "eps")} == {"clip": 0.0001, "eps": [0.001]}
     # weight decay: matrices x (1 - 0.1 * 0.5), every norm gain (and bias) untouched (they were decayed too)

@@ -191,9 +191,18 @@ def encode_prompt(row: dict, line: int, cfg: DataConfig, tokenizer, path: str,
         raise ValueError(f"{path}:{line}: neither '{cfg.prompt_key}' nor '{cfg.messages_key}' is present; set "
                          "data.prompt_key / data.messages_key to the field holding the prompt")
     if not use_template:
-        return content, tokenizer(content, add_special_tokens=False).input_ids
+        return content, plain_ids(tokenizer, content)
     text = _render(messages, cfg, tokenizer)
     return text, tokenizer(text, add_special_tokens=False).input_ids
+
+
+def plain_ids(tokenizer, text: str) -> list[int]:
+    """A prompt without a chat template, as its tokenizer encodes a text: with the special tokens it puts before
+    one (a BOS, which Llama, Gemma and Mistral expect; a template writes its own), none after (an EOS would end
+    the prompt)."""
+    bare, full = tokenizer(text, add_special_tokens=False).input_ids, tokenizer(text).input_ids
+    lead = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), 0)
+    return full[:lead] + bare
 
 
 def encode_image_prompt(messages: list[dict], refs: list, cfg: DataConfig, processor: VLProcessor,
@@ -224,6 +233,18 @@ def _is_empty(row: dict, cfg: DataConfig) -> bool:
         return all(p.get("type") == "text" and isinstance(p.get("text"), str) and not p["text"].strip()
                    for p in content or [] if isinstance(p, dict))  # other parts: check_messages names them
     return all(empty(m.get("content")) for m in messages if isinstance(m, dict))
+
+
+def _ends_with_reply(row: dict, cfg: DataConfig) -> bool:
+    messages = row.get(cfg.messages_key)
+    return isinstance(messages, list) and bool(messages) and isinstance(messages[-1], dict) \
+        and messages[-1].get("role") == "assistant"
+
+
+def _unscorable(label: Any) -> Any:
+    """The first answer of `label` the built-in rewards cannot compare (a dict, a nested list, a bool), else None."""
+    answers = list(label) if isinstance(label, (list, tuple)) else [label]
+    return next((x for x in answers if isinstance(x, bool) or not isinstance(x, (str, int, float))), None)
 
 
 def _reply_as_label(row: dict, cfg: DataConfig, path: str, line: int) -> dict:
@@ -305,6 +326,11 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
         try:
             if label_is_text or reply_as_label:
                 row = _reply_as_label(row, cfg, path, line)
+            elif _ends_with_reply(row, cfg):  # rendered, the reply and a new assistant turn after it
+                raise ValueError(f"{path}:{line}: the chat in '{cfg.messages_key}' ends with the assistant's message: "
+                                 "the policy would see that reply in its prompt and answer after it. Remove it (an "
+                                 f"answer to compare against goes in '{cfg.label_key}'), or learn it with SFT "
+                                 "(algo.policy_loss=sft)")
             # Said before placeholders are matched to images (a wrong type of the field is parse_row's to name)
             if processor is None and isinstance(row.get(cfg.images_key), list) and row[cfg.images_key]:
                 raise ValueError(f"{path}:{line}: the row has images but model.path is a text-only model")
@@ -346,6 +372,10 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
             if not ids:
                 raise SkippedRow("empty_prompt", "the prompt is empty")
             label = row.get(cfg.label_key)
+            if label_required and not label_is_text and (bad := _unscorable(label)) is not None:
+                raise ValueError(f"{path}:{line}: '{cfg.label_key}' is {label!r:.60}: the built-in reward compares the "
+                                 "answer with a string or a number, or a list of them, not a "
+                                 f"{type(bad).__name__}; fix the label, or score it with a reward function of your own")
             if label_is_text and label is not None and (isinstance(label, bool) or not isinstance(label, (str, int, float))):
                 raise ValueError(f"{path}:{line}: SFT learns the label's text as the response, but '{cfg.label_key}' is "
                                  f"a {type(label).__name__} ({str(label)[:60]}); give one string")

@@ -331,7 +331,10 @@ class PolicyEngine:
         # Every hyperparameter the optimizer was built with now (the JSON's eps, ...; the restored groups hold the
         # checkpoint's), and the clipping ZeRO-1/2's optimizer restored with them (ZeRO-3's reads the config)
         built = {k: tuple(v) if isinstance(v, list) else v for k, v in (self.engine.optimizer_params() or {}).items()}
+        owned = ("lr", "betas", "weight_decay")  # train.*: their changes are in `changed`
         for group in optimizer.param_groups:
+            mine.update({f"train.ds_config optimizer.params.{k}": (group[k], v) for k, v in built.items()
+                         if k in group and k not in owned and group[k] != v})
             group.update({k: v for k, v in built.items() if k in group})
             group.update(lr=lr * factor, betas=tuple(cfg.train.betas),
                          weight_decay=0.0 if group.get("no_decay") else cfg.train.weight_decay)
