@@ -562,3 +562,18 @@ def test_a_prompt_without_a_chat_template_starts_with_the_tokenizers_bos():
     assert plain_ids(tok, "ab c") == [0, 2, 3, 5, 4]
     tk.post_processor = None  # a tokenizer that adds nothing (Qwen's): the text's ids alone
     assert plain_ids(PreTrainedTokenizerFast(tokenizer_object=tk), "ab c") == [2, 3, 5, 4]
+
+
+def test_a_json_object_wrapping_its_rows_or_holding_columns_is_refused_naming_the_shape(tiny_model, tmp_path):
+    """Read as one row, the error named the wrapper's keys ("neither 'prompt' nor 'messages'") at line 1."""
+    import pandas as pd
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    rows = [{"prompt": "1+1=", "label": "2"}, {"prompt": "2+2=", "label": "4"}]
+    (tmp_path / "wrapped.json").write_text(json.dumps({"data": rows}))
+    pd.DataFrame(rows).to_json(tmp_path / "columns.json")
+    for name, shape in (("wrapped", "its rows in the field 'data'"), ("columns", "columns of values by row")):
+        with pytest.raises(ValueError, match=rf"{name}.json: one JSON object holding {shape}.*orient='records'"):
+            load_prompts(DataConfig(path=str(tmp_path / f"{name}.json")), tok)
+    (tmp_path / "one.json").write_text(json.dumps({"messages": [{"role": "user", "content": "1+1="}], "label": "2"}))
+    assert len(load_prompts(DataConfig(path=str(tmp_path / "one.json")), tok)[0]) == 1  # one row, as before

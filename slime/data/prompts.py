@@ -101,8 +101,15 @@ def read_json(path: Path) -> list[tuple[int, dict]]:
         if raw.lstrip()[:1] == b"[":  # one array, perhaps over many lines: the parser's line is the one to name
             raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
         return read_jsonl(path)  # JSON lines (or broken JSON: the error then names the line)
-    if isinstance(data, dict):
-        return [(1, data)]  # one object, on one line or many
+    if isinstance(data, dict):  # one object, on one line or many; unless it wraps the rows or holds columns
+        wrapped = next((k for k, v in data.items() if isinstance(v, list) and v and
+                        all(isinstance(r, dict) and "role" not in r for r in v)), None)  # (a chat's list is one row)
+        if wrapped is not None or (data and all(isinstance(v, dict) for v in data.values())):
+            shape = f"its rows in the field {wrapped!r}" if wrapped is not None else \
+                "columns of values by row (pandas' to_json default)"
+            raise ValueError(f"{path}: one JSON object holding {shape}; a .json prompt file is a list of row "
+                             "objects, or one object per line (pandas: to_json(path, orient='records', lines=True))")
+        return [(1, data)]
     if not isinstance(data, list):
         raise ValueError(f"{path}: a .json prompt file must hold a list of objects (or one object per line), got "
                          f"a JSON {type(data).__name__}")
