@@ -299,7 +299,7 @@ class AlgoConfig:
     clip_high: float = field(0.2, "Clip range above ratio 1 (clip-higher when > clip_low).")
     dual_clip: float | None = field(None, "Dual-clip constant c > 1 bounding the loss of negative advantages.")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = field(
-        "token_mean", "How per-token losses are averaged over the global batch.")
+        "token_mean", "How per-token losses are averaged over each mini-batch, all ranks together.")
     loss_agg_constant: float = field(1.0, "Divisor for seq_mean_token_sum_norm (Dr.GRPO uses max_response_len).")
     entropy_coef: float = field(0.0, "Entropy bonus coefficient (0 = only logged).")
     use_reference: bool = field(False, "Keep a frozen reference model (implied by kl_coef > 0); KL to it is logged.")
@@ -372,6 +372,10 @@ class AlgoConfig:
                            "(a geometric mean over the response's tokens) stays far closer to 1 than PPO's per-token "
                            "ratios, so a range this wide seldom clips; the GSPO paper uses clip_low=3e-4, "
                            "clip_high=4e-4", self.clip_low, self.clip_high)
+        if self.loss_agg == "seq_mean_token_sum_norm" and self.loss_agg_constant == 1.0:
+            logger.warning("algo.loss_agg=seq_mean_token_sum_norm divides each sequence's summed loss by "
+                           "algo.loss_agg_constant=1.0: a gradient about rollout.max_response_len times Dr.GRPO's, "
+                           "which divides by the generation budget (set algo.loss_agg_constant to it)")
         if self.policy_loss == "gspo" and self.loss_agg == "token_mean":
             logger.warning("algo.policy_loss=gspo with algo.loss_agg=token_mean weighs each sequence's loss by its "
                            "length; GSPO's objective averages over sequences: algo.loss_agg=seq_mean_token_mean")

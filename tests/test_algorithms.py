@@ -283,6 +283,10 @@ def test_clipped_value_loss():
     close(loss[:3], [0.125, 0.18, 1.805])
     close(metrics["value_clip_frac"], 2 / 3)
     close(metrics["value_loss"], (0.125 + 0.18 + 1.805) / 3)
+    # inside the clip range, old + (v - old) rounds off v (float32) and its error passes v's by a hair: not clipped
+    v, o, r = (torch.tensor([x]) for x in (0.0015595387667417526, 0.07563036680221558, -0.3927062749862671))
+    assert (o + (v - o).clamp(-0.2, 0.2) - r).square() > (v - r).square()
+    assert clipped_value_loss(v, o, r, torch.tensor([1.0]), clip=0.2)[1]["value_clip_frac"] == 0
 
 
 # seq 0: 3 tokens; seq 1: 2 loss tokens plus a masked garbage token.

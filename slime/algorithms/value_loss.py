@@ -36,7 +36,8 @@ def clipped_value_loss(
         values_clipped = old_values + (values - old_values).clamp(-clip, clip)
         err_clipped = (values_clipped - returns).square()
         loss = 0.5 * torch.maximum(err, err_clipped)
-        clipped = err_clipped > err
+        # where the clamp acted: elsewhere old + (v - old) may round off v, and err_clipped pass err by a hair
+        clipped = ((values - old_values).abs() > clip) & (err_clipped > err)
 
     with torch.no_grad():
         metrics = {

@@ -373,7 +373,8 @@ class PolicyEngine:
         prefix = "critic" if self.role == "critic" else "train"
         if loss_tokens == 0 and self.dims.rank == 0:
             logger.warning("%s: this step has no token to learn from (every response token has loss mask 0: a "
-                           "generate function that masks them all, or only empty responses); it changes nothing",
+                           "generate function that masks them all, or only empty responses): its gradient is zero, "
+                           "but Adam's momentum of earlier steps still moves the weights",
                            self.role)
         out = {f"{prefix}/grad_norm": sum(grad_norms) / n_mini, f"{prefix}/lr": sum(lrs) / n_mini,
                f"{prefix}/skipped_steps": float(self.skipped_steps - skipped_before)}
