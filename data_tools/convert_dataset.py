@@ -47,6 +47,14 @@ def load(source: str, split: str, config: str | None = None, *, exclude: Path | 
             raise SystemExit(f"--source {source}: unsupported file type '{path.suffix}'; give a .parquet, .json or "
                              ".jsonl file, a folder of them, or a hub dataset name")
         return datasets.load_dataset(kind, data_files=str(path), split="train")
+    if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+        saved = datasets.load_from_disk(str(path))  # a Dataset (or DatasetDict) written by save_to_disk
+        if isinstance(saved, datasets.DatasetDict):
+            if split not in saved:
+                raise SystemExit(f"--source {source}: no split '{split}' in this saved dataset; its splits: "
+                                 f"{', '.join(saved)} (--split)")
+            return saved[split]
+        return saved
     if path.is_dir() and not (path / "dataset_info.json").is_file() and not list(path.glob("*.py")):
         files = split_files(path, split, config, exclude)
         if files:

@@ -248,3 +248,14 @@ def test_rows_that_repeat_one_written_are_left_out_and_counted(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "data_tools" / "convert_dataset.py"), "gsm8k", "--source",
                            str(src), "--out", str(tmp_path / "g.jsonl")], capture_output=True, text=True)
     assert done.returncode == 0 and "wrote 1 rows" in done.stdout and "1 repeating a row written before" in done.stdout
+
+
+def test_a_dataset_saved_to_disk_is_read_with_its_split(tmp_path):
+    """A folder written by save_to_disk failed in load_dataset, whose advice (load_from_disk) a CLI user cannot take."""
+    rows = {"question": ["1+1?", "2+2?"], "answer": ["#### 2", "#### 4"]}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "one"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)}).save_to_disk(str(tmp_path / "dict"))
+    assert [r["question"] for r in load(str(tmp_path / "one"), "train")] == rows["question"]
+    assert [r["question"] for r in load(str(tmp_path / "dict"), "train")] == rows["question"]
+    with pytest.raises(SystemExit, match="no split 'test' in this saved dataset; its splits: train"):
+        load(str(tmp_path / "dict"), "test")
