@@ -71,6 +71,10 @@ def test_two_steps_run_and_update(results, name):
         assert all("critic/value_loss" in r for r in rows)
     if name == "ppo_critic_warmup":
         assert "train/loss" not in rows[0] and "train/loss" in rows[1]  # actor waits for the critic
+    for option, key in (("dual_clip", "train/pg_dual_clipfrac"), ("cispo", "train/is_weight_mean")):
+        if option in name:  # logged with its option only; before any update, ratio 1: nothing bounded, weight 1
+            assert first[key] == (0.0 if option == "dual_clip" else pytest.approx(1.0)), key
+        assert all((key in r) == (option in name) for r in trained), key
 
 
 def test_kl_to_reference_starts_at_zero_then_grows(results):

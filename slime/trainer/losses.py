@@ -75,6 +75,10 @@ def _actor_loss(algo: AlgoConfig, mb: MicroBatch, logp: torch.Tensor, entropy: t
         old = logp.detach()
     per_token, m = policy_token_loss(algo, logp, old, mb.field("advantages"), mask, seq_ids)
     sums.update(pg_clipfrac=m["clip_frac"] * n_local, ppo_kl=m["ppo_kl"] * n_local)
+    if algo.dual_clip is not None:  # where the dual clip bounded a negative advantage's loss (not in pg_clipfrac)
+        sums["pg_dual_clipfrac"] = m["dual_clip_frac"] * n_local
+    if "is_weight_mean" in m:  # CISPO's clamped importance weight
+        sums["is_weight_mean"] = m["is_weight_mean"] * n_local
     rollout = mb.field("rollout_logprobs")
     if rollout is not None:
         tis = algo.tis
