@@ -575,5 +575,7 @@ def test_a_json_object_wrapping_its_rows_or_holding_columns_is_refused_naming_th
     for name, shape in (("wrapped", "its rows in the field 'data'"), ("columns", "columns of values by row")):
         with pytest.raises(ValueError, match=rf"{name}.json: one JSON object holding {shape}.*orient='records'"):
             load_prompts(DataConfig(path=str(tmp_path / f"{name}.json")), tok)
-    (tmp_path / "one.json").write_text(json.dumps({"messages": [{"role": "user", "content": "1+1="}], "label": "2"}))
-    assert len(load_prompts(DataConfig(path=str(tmp_path / "one.json")), tok)[0]) == 1  # one row, as before
+    for i, row in enumerate(({"messages": [{"role": "user", "content": "1+1="}], "label": "2"},
+                             {"prompt": "1+1=", "tools": [{"name": "calc"}], "label": "2"})):  # one row, as before
+        (tmp_path / f"one{i}.json").write_text(json.dumps(row))
+        assert len(load_prompts(DataConfig(path=str(tmp_path / f"one{i}.json")), tok)[0]) == 1

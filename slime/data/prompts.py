@@ -102,8 +102,9 @@ def read_json(path: Path) -> list[tuple[int, dict]]:
             raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
         return read_jsonl(path)  # JSON lines (or broken JSON: the error then names the line)
     if isinstance(data, dict):  # one object, on one line or many; unless it wraps the rows or holds columns
-        wrapped = next((k for k, v in data.items() if isinstance(v, list) and v and
-                        all(isinstance(r, dict) and "role" not in r for r in v)), None)  # (a chat's list is one row)
+        # a single field listing objects that are not chat messages (a row's images or tools sit beside its prompt)
+        wrapped = next((k for k, v in data.items() if len(data) == 1 and isinstance(v, list) and v and
+                        all(isinstance(r, dict) and "role" not in r for r in v)), None)
         if wrapped is not None or (data and all(isinstance(v, dict) for v in data.values())):
             shape = f"its rows in the field {wrapped!r}" if wrapped is not None else \
                 "columns of values by row (pandas' to_json default)"
