@@ -275,8 +275,9 @@ def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> d
     saved_roles = {name.split("/", 1)[0] for name in manifest.get("files", {}) if "/" in name}
     missing = [role for role in engines if role not in saved_roles]
     if missing:  # DeepSpeed's own words: a bare AssertionError in its checkpoint list
-        raise ValueError(f"{path} holds no {missing[0]} states: it was written by a run without a {missing[0]} (another "
-                         "algo.advantage_estimator?). Resume with that run's algorithm, or start a new log.run_dir")
+        raise ValueError(f"{path} holds no {missing[0]} states: it was written by a run without a {missing[0]} "
+                         "(another algo.advantage_estimator?). Resume with that run's algorithm, or start a new "
+                         "log.run_dir")
     if unused := sorted(saved_roles - set(engines)):
         logger.warning("%s holds %s states this run does not train (another algo.advantage_estimator?): they are "
                        "not loaded, and the checkpoints this run writes will not hold them", path, ", ".join(unused))

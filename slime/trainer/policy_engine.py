@@ -198,9 +198,9 @@ class PolicyEngine:
             logger.info("model family %r (no adapter): packed samples score as alone (mean logprob gap %.2g)",
                         self.adapter.family, diff)
         if diff > limit:
-            raise ValueError(f"model.path={path}: the {self.adapter.family!r} family scores two samples packed in one "
-                             f"row unlike each alone (mean logprob gap {diff:.3g}, more than {limit:g} of {dtype}): its "
-                             "attention does not keep to the row's samples. Set train.packing=false")
+            raise ValueError(f"model.path={path}: the {self.adapter.family!r} family scores two samples packed in "
+                             f"one row unlike each alone (mean logprob gap {diff:.3g}, more than {limit:g} of "
+                             f"{dtype}): its attention does not keep to the row's samples. Set train.packing=false")
 
     # Builders from the run config: which sub-configs each role reads.
     @classmethod
