@@ -309,16 +309,17 @@ def test_a_familys_own_final_logits_are_the_logprob_heads(tmp_path, name):
     assert_same_gradients(packed, alone, samples, logp, atol=1e-4)
 
 
-def test_a_family_without_an_adapter_is_checked_packed_against_alone_at_start(tmp_path):
+@pytest.mark.parametrize("dtype, limit", [("float32", "0.001"), ("bfloat16", "0.02")])
+def test_a_family_without_an_adapter_is_checked_packed_against_alone_at_start(tmp_path, dtype, limit):
     """What the families above got wrong in silence (a packed row attending across its samples) is measured when an
-    unknown family's actor starts: its borders dropped, the same model is refused."""
+    unknown family's actor starts: its borders dropped, the same model is refused (bf16 too: the GPU default)."""
     from conftest import REPO, run_ranks
 
-    run_ranks([str(REPO / "tests/dist/packing_probe_checks.py"), str(other_family(tmp_path, "gemma3_text")),
-               str(tmp_path)], nproc=1)
+    run_ranks([str(REPO / "tests/dist/packing_probe_checks.py"), str(other_family(tmp_path, "cohere")),
+               str(tmp_path), f"model.dtype={dtype}"], nproc=1)
     refused = json.loads((tmp_path / "result.json").read_text())["refused"]
-    assert re.search(r"the 'gemma3_text' family scores two samples packed in one row unlike each alone \(mean "
-                     r"logprob gap [\d.]+, more than 0.001 of torch.float32\).*train.packing=false", refused), refused
+    assert re.search(rf"the 'cohere' family scores two samples packed in one row unlike each alone \(mean logprob "
+                     rf"gap [\d.]+, more than {limit} of torch.{dtype}\).*train.packing=false", refused), refused
 
 
 def test_what_packed_attention_cannot_compute_is_refused_not_dropped(tmp_path):

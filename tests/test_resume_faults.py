@@ -371,17 +371,25 @@ def test_a_checkpoint_without_the_critic_this_run_trains_is_refused_and_an_unuse
     assert loads == ["actor"] and "holds critic states this run does not train" in caplog.text
 
 
-def test_a_checkpoint_of_another_parameter_grouping_is_refused_naming_the_weight_decay(tmp_path):
-    """Weight decay > 0 puts norm gains and biases in a group of their own: a checkpoint with one group (written
-    without decay, or before) cannot take this run's two, nor the reverse."""
+def test_a_resume_keeps_its_checkpoints_parameter_grouping(tmp_path):
+    """Weight decay > 0 puts norm gains and biases in a group of their own; a checkpoint with one group (written
+    without decay, or before the groups) was refused, its run lost. The run builds its optimizer as the newest
+    checkpoint's manifest says; one of the other grouping (a newer one skipped as unusable) is refused."""
     from one_rank import OneRank as FullRank
-    from slime.trainer.checkpoint import load_checkpoint
+    from slime.trainer.checkpoint import load_checkpoint, saved_decay_groups
 
+    assert saved_decay_groups(tmp_path / "none") is None
     save_checkpoint({"actor": FakeEngine()}, tmp_path, step=2, loop_state={}, dims=OneRank(),
-                    identity={"optim": {"train.weight_decay": 0.0}, "zero_stage": 3})
+                    identity={"optim": {"train.weight_decay": 0.1}, "zero_stage": 3})  # as before: no record
+    assert saved_decay_groups(tmp_path) is False
+    save_checkpoint({"actor": FakeEngine()}, tmp_path, step=3, loop_state={}, dims=OneRank(),
+                    identity={"optim": {"train.weight_decay": 0.1}, "zero_stage": 3, "decay_groups": True})
+    assert saved_decay_groups(tmp_path) is True
+    (tmp_path / "step_3" / "manifest.json").write_text("{")  # the newest unusable: step_2 is read, the fallback
+    assert saved_decay_groups(tmp_path) is False
     decayed = {"optim": {"train.weight_decay": 0.1}, "zero_stage": 3, "decay_groups": True}
-    with pytest.raises(ValueError, match=r"holds optimizer states of one, but train.weight_decay=0.1 needs two \(norm "
-                                         r"gains and biases without decay\).*Resume with train.weight_decay = 0"):
+    with pytest.raises(ValueError, match=r"step_2 holds optimizer states of one, but this run's optimizer has two "
+                                         r"\(built as a newer checkpoint, skipped as unusable, says"):
         load_checkpoint({"actor": None}, tmp_path, dims=FullRank(), identity=decayed)
 
 

@@ -30,10 +30,11 @@ def layout_settings(dims: ParallelDims, config) -> dict:
 
 
 def parallelize(model: torch.nn.Module, dims: ParallelDims, train: TrainConfig, *, lr: float | None,
-                lr_lambda: Callable[[int], float] | None = None, offload_params: bool = False):
+                lr_lambda: Callable[[int], float] | None = None, offload_params: bool = False,
+                decay_groups: bool = False):
     """A ZeRO engine over dp (stage 3 by default; 1 or 2 from train.ds_config); with lr None an inference-only
     engine (no optimizer; under ZeRO-3 the parameters are still sharded). `offload_params` keeps the parameter
-    partitions in CPU memory (a frozen reference)."""
+    partitions in CPU memory (a frozen reference); `decay_groups`: see param_groups."""
     bf16 = next(model.parameters()).dtype == torch.bfloat16
     ds_config = build_ds_config(train, bf16=bf16)
     stage = zero_stage(ds_config)
@@ -52,17 +53,17 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, train: TrainConfig, 
         return engine
     ds_config["optimizer"]["params"]["lr"] = lr
     sched = (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)) if lr_lambda else None
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, train.weight_decay),
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, decay_groups),
                                       config=ds_config, lr_scheduler=sched)
     return engine
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list:
-    """The trained parameters; with weight decay, norm gains and biases (1-D) in a group of their own without it,
-    as Megatron and HF's Trainer do. (Without decay, one group: the layout of checkpoints written before.)"""
+def param_groups(model: torch.nn.Module, decay_groups: bool) -> list:
+    """The trained parameters; `decay_groups`: norm gains and biases (1-D) in a group of their own without weight
+    decay, as Megatron and HF's Trainer do (else one group: checkpoints without decay, or written before)."""
     trained = [p for p in model.parameters() if p.requires_grad]
     flat = [p for p in trained if p.dim() < 2]
-    if not weight_decay or not flat:
+    if not decay_groups or not flat:
         return trained
     return [{"name": "decay", "params": [p for p in trained if p.dim() >= 2]},
             {"name": "no_decay", "params": flat, "weight_decay": 0.0, "no_decay": True}]

@@ -202,6 +202,17 @@ def candidates(ckpt_dir: Path) -> list[str]:
     return later + [tag] + [t for t in folders if t != tag and t not in later]
 
 
+def saved_decay_groups(ckpt_dir: Path) -> bool | None:
+    """Whether the newest checkpoint with a manifest keeps weight decay off norm gains and biases (its optimizer has
+    two parameter groups); False for one written before that was recorded; None where there is none."""
+    for tag in candidates(ckpt_dir) if ckpt_dir.is_dir() else []:
+        try:
+            return bool(json.loads((ckpt_dir / tag / MANIFEST).read_text()).get("decay_groups", False))
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def find_checkpoint(ckpt_dir: Path, verify=verify, tags: list[str] | None = None) -> tuple[Path | None, list[str]]:
     """The newest checkpoint that verifies (of `tags`, default `candidates`), and a note for each one skipped."""
     notes: list[str] = []
@@ -263,12 +274,12 @@ def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> d
                          f"{identity.get('parallel_ep', 1)}; resume with parallel.ep={saved_ep} (expert parallelism "
                          "lays the experts' modules and states out per ep), or start a new log.run_dir")
     saved_groups, groups = manifest.get("decay_groups", False), identity.get("decay_groups", False)
-    if saved_groups != groups:  # a checkpoint of before weight decay left norm gains and biases out: one group
+    if saved_groups != groups:  # the run built its optimizer as the newest checkpoint's manifest says
         raise ValueError(f"{path} holds optimizer states of {'two parameter groups' if saved_groups else 'one'}, but "
-                         f"train.weight_decay={identity['optim'].get('train.weight_decay')} needs "
-                         f"{'two (norm gains and biases without decay)' if groups else 'one'}: the states would not "
-                         f"fit. Resume with train.weight_decay {'> 0' if saved_groups else '= 0'}, or start a new "
-                         "log.run_dir")
+                         f"this run's optimizer has {'two' if groups else 'one'} (built as a newer checkpoint, "
+                         "skipped as unusable, says; weight decay leaves norm gains and biases out in two): the "
+                         "states would not fit. Move the unusable checkpoints out of the checkpoints folder and "
+                         "rerun")
     if manifest.get("world_size") != dims.world_size:
         raise ValueError(f"{path} was written by {manifest.get('world_size')} ranks, this run has {dims.world_size}; "
                          "resume with the same number of ranks (DeepSpeed's ZeRO partitions are per rank)")

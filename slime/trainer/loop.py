@@ -33,7 +33,7 @@ from slime.rollout.engine import make_engine
 from slime.rollout.rewards import check_reward_spec, needs_label, reward_fn_from_config
 from slime.rollout.rollout import RolloutAhead, collect_rollout, over_sampled
 from slime.trainer.advantages import compute_advantages
-from slime.trainer.checkpoint import load_checkpoint, save_checkpoint
+from slime.trainer.checkpoint import load_checkpoint, save_checkpoint, saved_decay_groups
 from slime.trainer.layout import RankBatch, distribute
 from slime.trainer.losses import actor_loss, critic_loss
 from slime.trainer.policy_engine import PolicyEngine
@@ -278,10 +278,20 @@ def run(cfg: Config) -> dict:
         engine.sleep()
     # The sampling streams seeded above must not depend on the layout: AutoEP's expert set-up (parallel.ep > 1)
     # draws from the global generator, so ep=2's rollouts differed from ep=1's from the first step.
+    # With weight decay, norm gains and biases go in a group without it; a resumed run keeps its checkpoint's
+    # grouping, which its optimizer states fit (one group: written without decay, or before the groups)
+    decay_groups = bool(cfg.train.weight_decay)
+    saved = saved_decay_groups(ckpt_dir) if cfg.checkpoint.resume else None
+    if saved is not None and saved != decay_groups:
+        decay_groups = saved
+        if dims.is_main and cfg.train.weight_decay:
+            logger.warning("%s holds one optimizer group (written without weight decay, or before norm gains and "
+                           "biases were left out of it): this run keeps it, so train.weight_decay=%g applies to "
+                           "them too; a new log.run_dir leaves them out", ckpt_dir, cfg.train.weight_decay)
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-        actor = PolicyEngine.actor(cfg, dims)
+        actor = PolicyEngine.actor(cfg, dims, decay_groups=decay_groups)
         ref = PolicyEngine.reference(cfg, dims) if cfg.algo.needs_reference and not sft else None
-    critic = PolicyEngine.critic(cfg, dims) if cfg.trains_critic else None
+    critic = PolicyEngine.critic(cfg, dims, decay_groups=decay_groups) if cfg.trains_critic else None
     trained = {"actor": actor, **({"critic": critic} if critic is not None else {})}
     phase = Phase(f"waited on an SGLang engine that does not answer (rollout.sglang.request_timeout="
                   f"{cfg.rollout.sglang.request_timeout:g} s)" if cfg.rollout.engine == "sglang" else "")
@@ -289,7 +299,7 @@ def run(cfg: Config) -> dict:
         phase.now = "loading the reward function"
         reward_fn = reward_fn_from_config(cfg.rollout.reward, tokenizer)
 
-    identity, start_step = checkpoint_identity(cfg), 0
+    identity, start_step = {**checkpoint_identity(cfg), "decay_groups": decay_groups}, 0
     if cfg.checkpoint.resume:
         state = load_checkpoint({k: e.engine for k, e in trained.items()}, ckpt_dir, dims=dims, identity=identity)
         if state is not None:

@@ -2,7 +2,7 @@
 samples packed in one row score as each alone; the same family, its rows' borders dropped (as a family whose
 attention ignored them would), is refused.
 
-    python tests/spawn_ranks.py 1 tests/dist/packing_probe_checks.py MODEL_DIR OUT_DIR
+    python tests/spawn_ranks.py 1 tests/dist/packing_probe_checks.py MODEL_DIR OUT_DIR [overrides...]
 """
 import json
 import sys
@@ -20,8 +20,9 @@ with long_lived_imports():
 
 
 def main() -> None:
-    model_dir, out = sys.argv[1], Path(sys.argv[2])
-    cfg = load_config(None, [f"model.path={model_dir}", "data.path=unused.jsonl"])
+    model_dir, out, *overrides = sys.argv[1:]
+    out = Path(out)
+    cfg = load_config(None, [f"model.path={model_dir}", "data.path=unused.jsonl", *overrides])
     dims = ParallelDims.build()
     PolicyEngine.actor(cfg, dims)  # raises unless the packed row scores as its samples alone
     borders = policy.packed_attention_kwargs
