@@ -209,8 +209,9 @@ def test_a_shard_the_disk_cannot_take_names_the_file_and_the_free_space(tmp_path
     monkeypatch.setattr(export, "save_file", full)
     with pytest.raises(RuntimeError, match=r"writing the HF export's .*\.out\.partial/model.safetensors failed: "
                                            r"Error while serializing.*GiB free on that file system \(a full disk, "
-                                           r"a quota\?\); .*out is as it was"):
+                                           r"a quota\?\), its partial shards removed; no earlier export is at"):
         export.save_hf_dir(tmp_path / "out", state, model=model)
+    assert not (tmp_path / ".out.partial").exists()
 
 
 def test_an_export_killed_while_it_replaces_the_earlier_one_leaves_one_whole(tmp_path, monkeypatch):

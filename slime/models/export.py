@@ -37,9 +37,11 @@ def save_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], *, model, e
         try:
             save_file({n: state[n].contiguous() for n in names}, str(out / filename), metadata={"format": "pt"})
         except Exception as e:  # safetensors' own error names neither the file nor the free space
-            free = shutil.disk_usage(out).free / 2**30
+            shutil.rmtree(out, ignore_errors=True)  # the shards written so far would hold the space
+            free = shutil.disk_usage(final.parent).free / 2**30
+            kept = f"{final} is as it was" if final.exists() else f"no earlier export is at {final}"
             raise RuntimeError(f"writing the HF export's {out / filename} failed: {e}. {free:.2f} GiB free on that "
-                               f"file system (a full disk, a quota?); {final} is as it was") from e
+                               f"file system (a full disk, a quota?), its partial shards removed; {kept}") from e
     if split.is_sharded:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
                  "weight_map": split.tensor_to_filename}
