@@ -281,7 +281,9 @@ def test_ds_config_auto_fields_filled(tmp_path):
                             "optimizer type 'Adagrad' is not supported"),
                            # DeepSpeed cast the trainer to fp16, the engines stayed in model.dtype
                            ('{"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam"}, "fp16": {"enabled": '
-                            'true}}', "enables fp16: model.dtype sets the precision")):
+                            'true}}', "enables fp16: model.dtype sets the precision"),
+                           ('{"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam"}, "fp16": true}',
+                            "enables fp16: model.dtype sets the precision")):
         bad.write_text(content)
         with pytest.raises(ValueError) as e:
             build_ds_config(cfg.train, bad, bf16=False)

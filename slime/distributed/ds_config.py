@@ -154,7 +154,8 @@ def _check_optimizer_and_precision(ds: dict, path: Path) -> None:
     if optimizer["type"].lower() not in ADAM_TYPES:
         raise ValueError(f"train.ds_config: {path}: optimizer type {optimizer['type']!r} is not supported: the run "
                          "config's train.betas and train.weight_decay are Adam's; use \"Adam\" or \"AdamW\"")
-    if (ds.get("fp16") or {}).get("enabled") not in (None, False, "auto"):
+    fp16 = ds.get("fp16")
+    if (fp16.get("enabled") if isinstance(fp16, dict) else fp16) not in (None, False, "auto"):
         raise ValueError(f"train.ds_config: {path} enables fp16: model.dtype sets the precision (bfloat16 or "
                          "float32), and the rollout engines would run another dtype than the trainer; remove the "
                          "'fp16' section")

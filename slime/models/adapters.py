@@ -247,7 +247,8 @@ def adapter_for(cfg: ModelConfig) -> ModelAdapter:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
 
     # An image-text family transformers has no causal-LM class for (Qwen3-VL) cannot load as a text model either
-    if config.model_type not in FAMILIES | CAUSAL and getattr(config, "vision_config", None) is not None:
+    if config.model_type not in FAMILIES | CAUSAL and getattr(config, "vision_config", None) is not None \
+            and "AutoModelForCausalLM" not in (getattr(config, "auto_map", None) or {}):  # its own code's class
         supported = ", ".join(f for f, kind in FAMILIES.items() if kind is VL)
         raise ValueError(f"model.path={cfg.path}: the image-text family {config.model_type!r} is not supported (its "
                          f"images, positions and vision weights need an entry in slime/models/adapters.py); "
