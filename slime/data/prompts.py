@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from slime.config import DataConfig
-from slime.data.sample import Sample
+from slime.data.sample import Sample, unscorable_answers
 from slime.multimodal.images import REASONS, ImageError, read_image
 from slime.multimodal.processor import MultimodalInputs, VLProcessor
 from slime.multimodal.schema import parse_row
@@ -249,12 +249,6 @@ def _ends_with_reply(row: dict, cfg: DataConfig) -> bool:
         and messages[-1].get("role") == "assistant"
 
 
-def _unscorable(label: Any) -> Any:
-    """The first answer of `label` the built-in rewards cannot compare (a dict, a nested list, a bool), else None."""
-    answers = list(label) if isinstance(label, (list, tuple)) else [label]
-    return next((x for x in answers if isinstance(x, bool) or not isinstance(x, (str, int, float))), None)
-
-
 def _reply_as_label(row: dict, cfg: DataConfig, path: str, line: int) -> dict:
     """SFT: a chat whose last message is the assistant's reply learns that reply, from the messages before it. It
     was rendered into the prompt and the label learned after it: the model copied an answer it could see (with the
@@ -380,10 +374,11 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
             if not ids:
                 raise SkippedRow("empty_prompt", "the prompt is empty")
             label = row.get(cfg.label_key)
-            if label_required and not label_is_text and (bad := _unscorable(label)) is not None:
-                raise ValueError(f"{path}:{line}: '{cfg.label_key}' is {label!r:.60}: the built-in reward compares the "
-                                 "answer with a string or a number, or a list of them, not a "
-                                 f"{type(bad).__name__}; fix the label, or score it with a reward function of your own")
+            if label_required and not label_is_text and (bad := unscorable_answers(label)):
+                raise ValueError(f"{path}:{line}: '{cfg.label_key}' is {label!r:.60}: the built-in reward compares "
+                                 "the answer with a string or a number, or a list of them, not a "
+                                 f"{type(bad[0]).__name__}; fix the label, or score it with a reward function of "
+                                 "your own")
             if label_is_text and label is not None and (isinstance(label, bool) or not isinstance(label, (str, int, float))):
                 raise ValueError(f"{path}:{line}: SFT learns the label's text as the response, but '{cfg.label_key}' is "
                                  f"a {type(label).__name__} ({str(label)[:60]}); give one string")

@@ -86,3 +86,10 @@ class Sample:
 def as_token_tensor(values) -> torch.Tensor:
     """A per-token field as a detached 1-D float32 CPU tensor."""
     return torch.as_tensor(values, dtype=torch.float32).detach().reshape(-1).cpu()
+
+
+def unscorable_answers(label) -> list:
+    """The answers of `label` the built-in rewards cannot compare with a response (a dict, a nested list, a bool,
+    None: str() of one would be compared as its Python repr, and never match)."""
+    answers = list(label) if isinstance(label, (list, tuple)) else [label]
+    return [x for x in answers if isinstance(x, bool) or not isinstance(x, (str, int, float))]

@@ -40,7 +40,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from slime.data.sample import Sample
+from slime.data.sample import Sample, unscorable_answers
 from slime.rollout.reward_models import RemoteReward, RewardModel, is_remote, is_reward_model
 
 logger = logging.getLogger(__name__)
@@ -101,13 +101,12 @@ def _labels(sample: Sample, reward: str) -> list[str]:
             f"sample index={sample.index} has no label; the {reward!r} reward compares against "
             "ground truth, so put the answer in the prompt file's 'label' field"
         )
-    answers = list(label) if isinstance(label, (list, tuple)) else [label]
-    bad = [x for x in answers if isinstance(x, bool) or not isinstance(x, (str, int, float))]
-    if bad:  # str() of a dict or a nested list would compare against its Python repr, and never match
+    if bad := unscorable_answers(label):  # (a label from a generate_fn: not checked at load)
         raise TypeError(f"sample index={sample.index} has the label {label!r}: the {reward!r} reward compares the "
                         f"answer with a string or a number, or a list of them, not a {type(bad[0]).__name__}; fix "
                         "the prompt file's 'label' field (data.label_key), or score it with a reward function of "
                         "your own")
+    answers = list(label) if isinstance(label, (list, tuple)) else [label]
     return [_positional(x) if isinstance(x, float) else str(x) for x in answers]
 
 

@@ -117,7 +117,6 @@ def checkpoint_identity(cfg: Config) -> dict:
             "zero_stage": zero_stage(read_ds_json(t)[0]),  # the states' layout on disk
             "parallel_ep": cfg.parallel.ep,  # AutoEP's experts: their modules and states, per ep
             "critic_schedule": True,  # the critic's scheduler state is saved (before, it had none)
-            "decay_groups": bool(t.weight_decay),  # norm gains and biases in a group of their own (parallelize)
             "optim": {"train.lr": t.lr, "train.min_lr": t.min_lr, "train.lr_schedule": t.lr_schedule,
                       "train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
                       "train.betas": list(t.betas), "train.grad_clip": t.grad_clip,
@@ -299,6 +298,7 @@ def run(cfg: Config) -> dict:
         phase.now = "loading the reward function"
         reward_fn = reward_fn_from_config(cfg.rollout.reward, tokenizer)
 
+    # decay_groups: norm gains and biases in an optimizer group of their own (parallelize)
     identity, start_step = {**checkpoint_identity(cfg), "decay_groups": decay_groups}, 0
     if cfg.checkpoint.resume:
         state = load_checkpoint({k: e.engine for k, e in trained.items()}, ckpt_dir, dims=dims, identity=identity)
