@@ -419,3 +419,46 @@ def test_the_last_balanced_box_is_found_in_one_pass_as_by_scanning_from_each_box
     assert sum(f is not None for f in found) > 1000 and sum(f is None for f in found) > 1000
     assert _last_boxed("\\boxed{a{b}c} then \\boxed{d") == "a{b}c"
     assert _last_boxed("\\boxed{x+" * 5000 + "\\boxed{7}") == "7"
+
+
+EXIT_SCRIPT = '''
+import sys, threading, time
+from pathlib import Path
+from slime.data.sample import Sample
+from slime.rollout import rewards
+import stuck_math
+
+rewards._math_in_child = stuck_math.stuck  # a sample the child never finishes scoring
+rewards.MATH_CHILD_LIMIT_S = 3600
+out = []
+if __name__ == "__main__":
+    threading.Thread(target=lambda: out.append(rewards.math_reward(Sample(prompt_ids=[], response_text="x", label="1"))),
+                     daemon=True).start()
+    started = Path(sys.argv[1])
+    while not started.exists():
+        time.sleep(0.05)
+    print("main thread done", flush=True)
+'''
+
+
+def test_a_run_that_ends_while_its_math_child_scores_does_not_wait_for_it(tmp_path):
+    """A run stopping while a thread has a sample in the math child (a one-step-off batch discarded at a stop) waited
+    at exit until the child finished or the thread's limit (MATH_CHILD_LIMIT_S) killed it: concurrent.futures joins
+    its pools at exit. The child is killed at exit instead. Here the child never finishes: without the kill the
+    process would not end."""
+    import subprocess
+    import sys
+
+    started = tmp_path / "started"
+    (tmp_path / "stuck_math.py").write_text(
+        "import time\nfrom pathlib import Path\n\n"
+        f"def stuck(*args):\n    Path({str(started)!r}).touch()\n    time.sleep(3600)\n")
+    (tmp_path / "script.py").write_text(EXIT_SCRIPT)
+    try:
+        proc = subprocess.run([sys.executable, "script.py", str(started)], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the process did not exit with its math child busy: {e}")
+    assert proc.returncode == 0, proc.stderr
+    assert "main thread done" in proc.stdout and started.exists()
+    assert "counted as math/error" not in proc.stderr  # the kill at exit is no failure of a sample

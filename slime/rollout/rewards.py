@@ -222,6 +222,26 @@ _math_pool: list = []  # the child process scoring math off the main thread, sta
 _math_lock = threading.Lock()
 
 
+def _kill_at_exit(pool) -> None:
+    """Kill `pool`'s child when the interpreter exits. concurrent.futures joins its pools at exit, after the
+    sample in their child is scored: a run ending while a thread scores one (a one-step-off batch discarded at a
+    stop) waited for it, up to MATH_CHILD_LIMIT_S. Hooks of threading's exit run last registered first, so this
+    one runs before concurrent.futures' join; atexit's run after it (too late)."""
+    def kill():
+        _math_exiting.set()
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            proc.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    try:
+        threading._register_atexit(kill)
+    except (AttributeError, RuntimeError):  # another Python; or exiting already: shut down by atexit, as before
+        atexit.register(pool.shutdown, wait=False, cancel_futures=True)
+
+
+_math_exiting = threading.Event()
+
+
 def _math_in_child(response_text: str, label: Any, index: int) -> dict[str, float]:
     return math_reward(Sample(prompt_ids=[], response_text=response_text, label=label, index=index))
 
@@ -238,7 +258,7 @@ def _math_off_main(sample: Sample) -> dict[str, float]:
         if not _math_pool:
             _math_pool.append(concurrent.futures.ProcessPoolExecutor(
                 max_workers=1, mp_context=multiprocessing.get_context("spawn")))
-            atexit.register(_math_pool[0].shutdown, wait=False, cancel_futures=True)
+            _kill_at_exit(_math_pool[0])
         pool = _math_pool[0]
         future = pool.submit(_math_in_child, sample.response_text, sample.label, sample.index)
         try:
@@ -248,7 +268,8 @@ def _math_off_main(sample: Sample) -> dict[str, float]:
                 why = f"math-verify ran past {MATH_CHILD_LIMIT_S}s on it; its process was killed"
             else:  # killed from outside (the kernel's OOM killer, say): the pool is broken for every later call
                 why = f"its process died ({e}); a new one scores the next"
-            logger.warning("math reward of sample index=%d counted as math/error: %s", sample.index, why)
+            if not _math_exiting.is_set():  # at exit the child was killed by _kill_at_exit
+                logger.warning("math reward of sample index=%d counted as math/error: %s", sample.index, why)
             for proc in list((getattr(pool, "_processes", None) or {}).values()):  # None once the pool broke
                 proc.kill()
             pool.shutdown(wait=False, cancel_futures=True)
