@@ -199,9 +199,9 @@ class RolloutConfig:
                                           "tools; see docs/custom_rollouts.md); None = one completion per sample.")
     generate_fn_timeout: float = field(300.0, "Seconds rollout.generate_fn may take for one prompt's samples, besides "
                                               "the time its requests queue for the engine (a tool that never answers "
-                                              "ends the run naming the function and the prompt row, not a hang); 0 = "
-                                              "no limit. On several ranks keep it below train.dist_timeout_minutes "
-                                              "(warned otherwise).")
+                                              "ends the run naming the function and the prompt's file:line, not a "
+                                              "hang); 0 = no limit. On several ranks keep it below "
+                                              "train.dist_timeout_minutes (warned otherwise).")
     one_step_off: bool = field(False, "Asynchronous rollout: generate step k+1's batch while training on step k's "
                                       "(one-step-off-policy, as slime's train_async); the engine must not share the "
                                       "trainer's GPUs (hf engine, or SGLang disaggregated). Use algo.tis to correct "

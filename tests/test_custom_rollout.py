@@ -47,7 +47,7 @@ def hf_engine(tiny_model):
 
 def prompts_of(tokenizer, texts, labels=None):
     return [Prompt(prompt_ids=tokenizer(t).input_ids, prompt_text=t, label=(labels or [None] * len(texts))[i],
-                   metadata={}, index=i) for i, t in enumerate(texts)]
+                   metadata={}, index=i, source=f"prompts.jsonl:{i + 1}") for i, t in enumerate(texts)]
 
 
 def never_called(sample):
@@ -95,10 +95,11 @@ def test_generate_fn_reward_and_errors(hf_engine, tokenizer):
     assert [s.reward for s in graded] == [float(len(s.response_ids)) for s in graded]
     assert [s.index for s in graded] == list(range(8)) and graded[4].group_id == 6
     with pytest.raises(TypeError, match=r"custom_rollouts:wrong_count must return a list of 4 Sample.*"
-                                        r"n_samples_per_prompt=4\), got a list of 1 \(Sample\) for prompt row 0"):
+                                        r"n_samples_per_prompt=4\), got a list of 1 \(Sample\) for the prompt at "
+                                        r"prompts.jsonl:1"):
         generate_rollout(hf_engine, prompts, params, tokenizer, make_reward_fn("exact_match"), first_group_id=0,
                          generate_fn="custom_rollouts:wrong_count")
-    with pytest.raises(TypeError, match=r"got a list of 4 \(dict\) for prompt row 0"):
+    with pytest.raises(TypeError, match=r"got a list of 4 \(dict\) for the prompt at prompts.jsonl:1"):
         generate_rollout(hf_engine, prompts, params, tokenizer, make_reward_fn("exact_match"), first_group_id=0,
                          generate_fn="custom_rollouts:dicts")
     with pytest.raises(TypeError, match=r"got a coroutine \(an object whose __call__ is async is not recognised: "
@@ -114,8 +115,8 @@ def test_generate_fn_reward_and_errors(hf_engine, tokenizer):
 
 
 def test_a_given_reward_must_be_finite(hf_engine, tokenizer):
-    with pytest.raises(ValueError, match=r"Trajectory.sample\(reward=inf\) for prompt row 0: the reward must be a "
-                                         r"finite number"):
+    with pytest.raises(ValueError, match=r"Trajectory.sample\(reward=inf\) for the prompt at prompts.jsonl:1: the "
+                                         r"reward must be a finite number"):
         generate_rollout(hf_engine, prompts_of(tokenizer, ["1+1="]), SamplingParams(max_new_tokens=4, n=2), tokenizer,
                          make_reward_fn("exact_match"), first_group_id=0, generate_fn="custom_rollouts:infinite_reward")
 
@@ -137,8 +138,8 @@ def test_the_reward_a_trajectory_is_given_must_be_a_finite_number(tokenizer, rew
     from slime.rollout.custom import RolloutContext
 
     ctx = RolloutContext(prompts_of(tokenizer, ["1+1="])[0], SamplingParams(max_new_tokens=4, n=1), tokenizer, None)
-    with pytest.raises((TypeError, ValueError), match=r"Trajectory.sample\(reward=.*\) for prompt row 0: the reward "
-                                                     r"must be a finite number"):
+    with pytest.raises((TypeError, ValueError), match=r"Trajectory.sample\(reward=.*\) for the prompt at "
+                                                     r"prompts.jsonl:1: the reward must be a finite number"):
         ctx.trajectory().sample(reward=reward)
 
 
@@ -163,8 +164,8 @@ def test_a_turn_at_another_temperature_than_the_trainers_is_refused(tokenizer):
 
     prompt = prompts_of(tokenizer, ["1+1="])[0]
     train = RolloutContext(prompt, SamplingParams(max_new_tokens=4, temperature=1.0, n=1), tokenizer, Engine())
-    with pytest.raises(ValueError, match=r"Trajectory.generate\(temperature=0.3\) for prompt row 0: the trainer "
-                                         r"scores .* at rollout.temperature=1.0"):
+    with pytest.raises(ValueError, match=r"Trajectory.generate\(temperature=0.3\) for the prompt at prompts.jsonl:1: "
+                                         r"the trainer scores .* at rollout.temperature=1.0"):
         train.trajectory().generate(temperature=0.3)
     assert train.trajectory().generate(temperature=1.0).response_ids == [7, 8]
     assert train.generate(prompt.prompt_ids, max_new_tokens=2, temperature=0.3).response_ids == [7, 8]
@@ -183,7 +184,8 @@ def test_observed_ids_may_be_numpy_integers_but_not_text(tokenizer):
     traj = ctx.trajectory()
     traj.observe(np.array([5, 6]))
     assert traj.response_ids == [5, 6] and all(type(t) is int for t in traj.response_ids)
-    with pytest.raises(TypeError, match=r"observe\(\) for prompt row 0 takes token ids.*tokenize text"):
+    with pytest.raises(TypeError, match=r"observe\(\) for the prompt at prompts.jsonl:1 takes token ids.*tokenize "
+                                        r"text"):
         traj.observe("19")
 
 
@@ -200,8 +202,8 @@ def test_a_generate_functions_own_error_keeps_its_type_and_names_the_prompt(toke
         run_generate_fn(tool_raises, "custom_rollouts:tool_raises", None, prompts_of(tokenizer, ["1+1="]),
                         SamplingParams(max_new_tokens=4, n=1), tokenizer, timeout=timeout)
     if sys.version_info >= (3, 11):  # exception notes
-        assert "raised by rollout.generate_fn custom_rollouts:tool_raises for prompt row 0 ('1+1=')" in \
-            e.value.__notes__
+        assert "raised by rollout.generate_fn custom_rollouts:tool_raises for the prompt at prompts.jsonl:1 " \
+               "('1+1=')" in e.value.__notes__
 
 
 def test_a_group_reward_is_not_given_part_of_a_group(hf_engine, tokenizer):
@@ -210,8 +212,8 @@ def test_a_group_reward_is_not_given_part_of_a_group(hf_engine, tokenizer):
     from slime.rollout.rewards import RewardFn
 
     reward_fn = RewardFn("reward_fns_for_test:async_group_size", granularity="group")
-    with pytest.raises(ValueError, match=r"custom_rollouts:grades_the_first_sample graded some samples of prompt row "
-                                         r"0 but not all.*scores whole groups"):
+    with pytest.raises(ValueError, match=r"custom_rollouts:grades_the_first_sample graded some samples of the prompt "
+                                         r"at prompts.jsonl:1 but not all.*scores whole groups"):
         generate_rollout(hf_engine, prompts_of(tokenizer, ["1+1="]), SamplingParams(max_new_tokens=4, n=4), tokenizer,
                          reward_fn, first_group_id=0, generate_fn="custom_rollouts:grades_the_first_sample")
     # whole groups graded, whole groups not: the group function gets the ungraded groups, whole
@@ -222,7 +224,7 @@ def test_a_group_reward_is_not_given_part_of_a_group(hf_engine, tokenizer):
 
 
 @pytest.mark.parametrize("fn, error, words", [
-    ("one_sample_repeated", ValueError, "returned one Sample object twice (prompt row 0)"),
+    ("one_sample_repeated", ValueError, "returned one Sample object twice (the prompt at prompts.jsonl:1)"),
     ("mask_of_fives", ValueError, "has response mask values [5]"),
     ("text_reward", TypeError, "set given_reward='n/a' for sample index=0"),
     ("float_ids", ValueError, "has token ids that are not non-negative integers"),
@@ -243,7 +245,7 @@ def test_malformed_samples_of_a_generate_function_name_it(hf_engine, tokenizer, 
 @pytest.mark.parametrize("fn", ["hangs", "hangs_async"])
 def test_a_generate_function_that_hangs_ends_with_its_name_and_prompt_row(hf_engine, tokenizer, fn):
     with pytest.raises(TimeoutError, match=rf"rollout.generate_fn custom_rollouts:{fn} did not return within "
-                                           r"rollout.generate_fn_timeout=0.5s for prompt row 0"):
+                                           r"rollout.generate_fn_timeout=0.5s for the prompt at prompts.jsonl:1"):
         generate_rollout(hf_engine, prompts_of(tokenizer, ["1+1="]), SamplingParams(max_new_tokens=4, n=2), tokenizer,
                          make_reward_fn("exact_match"), first_group_id=0, generate_fn=f"custom_rollouts:{fn}",
                          generate_fn_timeout=0.5)
@@ -336,7 +338,8 @@ def test_an_async_function_that_blocks_the_event_loop_ends_the_process_naming_it
     done = subprocess.run([sys.executable, "-c", BLOCKS_THE_LOOP, where, str(tiny_model)], capture_output=True,
                           text=True, env=env, cwd=tests, timeout=120)
     assert done.returncode == 1 and "returned" not in done.stdout, done.stderr[-3000:]
-    what = ("rollout.generate_fn custom_rollouts:blocks_the_loop for prompt row 0" if where == "generate_fn" else
+    what = ("rollout.generate_fn custom_rollouts:blocks_the_loop for the prompt at prompts.jsonl:1"
+            if where == "generate_fn" else
             "reward function reward_fns_for_test:blocks_the_loop for sample index=3 (prompt 'q')")
     assert f"{what} ran" in done.stderr and "past its limit of 1 s, in synchronous code that holds the event loop" \
         in done.stderr and "must await its I/O" in done.stderr

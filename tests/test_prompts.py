@@ -176,7 +176,7 @@ def test_json_arrays_keep_their_values(tmp_path, tok):
         prompts, _ = load_prompts(DataConfig(path=str(tmp_path / name)), tok)
         assert [p.label for p in prompts] == ["007", 4, "1e3"], name
     (tmp_path / "b.json").write_text(json.dumps([{"prompt": "1"}, "2"]))
-    with pytest.raises(ValueError, match="b.json: row 2 must be a JSON object, got str"):
+    with pytest.raises(ValueError, match=r"b.json:1 \(row 2\): must be a JSON object, got str"):
         load_prompts(DataConfig(path=str(tmp_path / "b.json")), tok)
     # Pretty-printed: one object over many lines is one row; a broken array names the parser's line
     (tmp_path / "o.json").write_text(json.dumps({"prompt": "1+1=", "label": "2"}, indent=2))
@@ -186,13 +186,32 @@ def test_json_arrays_keep_their_values(tmp_path, tok):
         load_prompts(DataConfig(path=str(tmp_path / "c.json")), tok)
 
 
+def test_a_row_of_a_pretty_printed_json_array_is_named_by_its_line(tmp_path, tok, caplog):
+    """Errors named a .json array's row by its number as if it were a line (`file:3` for the object on line 9 of a
+    pretty-printed array): they name the line the row's object starts on, and its number."""
+    import logging
+
+    rows = [{"prompt": "1+1=", "label": "2"}, {"prompt": "", "label": "4"}, {"prompt": "3+3=", "metadata": 5}]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(rows, indent=2))  # rows start on lines 2, 6 and 10
+    with caplog.at_level(logging.WARNING), \
+            pytest.raises(TypeError, match=r"p.json:10 \(row 3\): field 'metadata' must be an object"):
+        load_prompts(DataConfig(path=str(path), max_skipped_frac=1.0), tok)
+    assert "p.json:6 (row 2): skipped (empty_prompt)" in caplog.text
+    rows[2]["metadata"] = {}
+    path.write_text(json.dumps(rows, indent=2))
+    prompts, _ = load_prompts(DataConfig(path=str(path), max_skipped_frac=1.0), tok)
+    assert [p.index for p in prompts] == [0, 2]  # the row's number, as before
+    assert prompts[1].where == f"the prompt at {path}:10 (row 3)"  # in a generate_fn's errors
+
+
 def test_a_key_twice_in_a_row_is_an_error_naming_the_row(tmp_path, tok):
     """json keeps a key's last value: the first prompt (or label) the user wrote would be dropped without a word."""
     row = '{"prompt": "1+1=", "label": "2", "prompt": "2+2="}'
     for name, text, where in (("l.jsonl", f'{{"prompt": "3+3="}}\n{row}\n', "l.jsonl:2"),
                               ("l.json", f'{{"prompt": "3+3="}}\n{row}\n', "l.json:2"),
                               ("first.json", f'{row}\n{{"prompt": "3+3="}}\n', "first.json:1"),
-                              ("a.json", f'[{{"prompt": "3+3="}},\n {row}]', "a.json"),
+                              ("a.json", f'[{{"prompt": "3+3="}},\n {row}]', r"a.json:2 \(row 2\)"),
                               ("o.json", row.replace(", ", ",\n  "), "o.json")):
         (tmp_path / name).write_text(text)
         with pytest.raises(ValueError, match=rf"{where}: the key 'prompt' is given twice in one object"):

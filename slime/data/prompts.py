@@ -17,6 +17,7 @@ import itertools
 import json
 import logging
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,13 @@ class Prompt:
     """Image-text rows: the image references (checked at load; decoded again when drawn)."""
     mm: MultimodalInputs | None = None
     """Pixel patches and grids, filled when the prompt is drawn on the rank that uses it."""
+    source: str = ""
+    """file:line of its row ("" for a prompt made in code)."""
+
+    @property
+    def where(self) -> str:
+        """The prompt as messages name it: at its file:line (by index where it has no file)."""
+        return f"the prompt at {self.source}" if self.source else f"prompt index {self.index}"
 
 
 @dataclasses.dataclass
@@ -88,7 +96,9 @@ def read_json(path: Path) -> list[tuple[int, dict]]:
     try:
         data = jsonfiles.loads(raw)
     except jsonfiles.DuplicateKeyError as e:
-        if raw.lstrip()[:1] != b"[":  # JSON lines, whose error names the line; or one object over many lines
+        if raw.lstrip()[:1] == b"[":  # one array: the row's line is named
+            _array_rows(raw, path)
+        else:  # JSON lines, whose error names the line; or one object over many lines
             try:
                 read_jsonl(path)
             except ValueError as by_line:
@@ -114,10 +124,54 @@ def read_json(path: Path) -> list[tuple[int, dict]]:
     if not isinstance(data, list):
         raise ValueError(f"{path}: a .json prompt file must hold a list of objects (or one object per line), got "
                          f"a JSON {type(data).__name__}")
-    for n, row in enumerate(data, 1):
+    rows = list(zip(_array_rows(raw, path), data))
+    for n, row in rows:
         if not isinstance(row, dict):
-            raise ValueError(f"{path}: row {n} must be a JSON object, got {type(row).__name__}")
-    return list(enumerate(data, 1))
+            raise ValueError(f"{path}:{n}: must be a JSON object, got {type(row).__name__}")
+    return rows
+
+
+class ArrayRow(int):
+    """The number (from 1) of a row of a .json array, written `line (row n)` with the line its object starts on:
+    in messages, `file:line` names it in a pretty-printed array as in a one-line one."""
+    line: int
+
+    def __new__(cls, n: int, line: int) -> ArrayRow:
+        self = super().__new__(cls, n)
+        self.line = line
+        return self
+
+    def __str__(self) -> str:
+        return f"{self.line} (row {int(self)})"
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _array_rows(raw: bytes, path: Path) -> list[ArrayRow]:
+    """The row numbers of the .json array `raw`, as ArrayRow with the line each row starts on (plain row numbers
+    where the file is not UTF-8, which json.loads also reads). A key twice in a row's object raises naming it."""
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        return list(range(1, len(jsonfiles.loads(raw)) + 1))
+    decoder, rows, line, at = jsonfiles.decoder(), [], 1, 0
+    i = _JSON_SPACE.match(text, 0).end() + 1  # past the "["
+    while True:
+        i = _JSON_SPACE.match(text, i).end()
+        if text[i] == "]":
+            return rows
+        line += text.count("\n", at, i)
+        rows.append(ArrayRow(len(rows) + 1, line))
+        try:
+            at, i = i, decoder.raw_decode(text, i)[1]
+        except jsonfiles.DuplicateKeyError as e:
+            raise ValueError(f"{path}:{rows[-1]}: {e}") from None
+        i = _JSON_SPACE.match(text, i).end()
+        i += text[i] == ","
 
 
 def load_rows(path: str) -> list[tuple[int, dict]]:
@@ -396,7 +450,7 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
         except (ImageError, SkippedRow) as e:
             report.skipped[e.reason] += 1
             if logged < 20:
-                logger.warning("%s:%d: skipped (%s): %s", path, line, e.reason, e)
+                logger.warning("%s:%s: skipped (%s): %s", path, line, e.reason, e)
             logged += 1
             continue
         if len(ids) > cfg.max_prompt_len:
@@ -408,7 +462,7 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
         meta = {} if meta is None else meta
         if not isinstance(meta, dict):
             raise TypeError(f"{path}:{line}: field '{cfg.metadata_key}' must be an object, got {type(meta).__name__}")
-        prompts.append(Prompt(ids, text, row.get(cfg.label_key), meta, line - 1, images=refs))
+        prompts.append(Prompt(ids, text, row.get(cfg.label_key), meta, line - 1, images=refs, source=f"{path}:{line}"))
     bad = sum(report.skipped.values())
     if bad:
         if logged > 20:

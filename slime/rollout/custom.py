@@ -68,7 +68,7 @@ class Trajectory:
         distributions. (`RolloutContext.generate` takes any temperature, for text the trajectory observes.)"""
         run_t = self.ctx.params.temperature
         if temperature is not None and temperature != run_t and run_t != 0:
-            raise ValueError(f"Trajectory.generate(temperature={temperature}) for prompt row {self.ctx.prompt.index}: "
+            raise ValueError(f"Trajectory.generate(temperature={temperature}) for {self.ctx.prompt.where}: "
                              f"the trainer scores the trajectory's generated tokens at rollout.temperature={run_t}, so "
                              "their rollout logprobs must be sampled at it too; generate text at another temperature "
                              "with ctx.generate() and add it with trajectory.observe() (no loss)")
@@ -97,7 +97,7 @@ class Trajectory:
         try:  # numpy's or torch's integers as Python ints; a float is refused
             ids = [operator.index(t) for t in ids]
         except TypeError:
-            raise TypeError(f"trajectory.observe() for prompt row {self.ctx.prompt.index} takes token ids (integers), "
+            raise TypeError(f"trajectory.observe() for {self.ctx.prompt.where} takes token ids (integers), "
                             f"got {list(ids)[:5]!r:.80}; tokenize text with ctx.tokenizer first") from None
         room = max(self.remaining, 0)
         if len(ids) > room:
@@ -118,7 +118,7 @@ class Trajectory:
                 reward = reward.item()  # numpy's scalars, 0-d arrays and tensors, as reward functions may return
             if not isinstance(reward, numbers.Real) or not math.isfinite(reward):  # a bool is 0 or 1, as there
                 error = ValueError if isinstance(reward, numbers.Real) else TypeError
-                raise error(f"Trajectory.sample(reward={reward!r:.60}) for prompt row {p.index}: the reward must be "
+                raise error(f"Trajectory.sample(reward={reward!r:.60}) for {p.where}: the reward must be "
                             "a finite number (or None, for the reward function to score the sample)")
             s.given_reward = float(reward)
         return s
@@ -206,7 +206,7 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
     Each prompt's call gets `timeout` seconds (0: no limit), not counting the time its requests queue for an engine
     that serves one at a time (async functions start every prompt at once): an async function is cancelled, a sync
     one runs in a daemon thread that is abandoned (Python cannot stop a thread), so a tool that never answers ends
-    the run with the function and the prompt row named instead of hanging it. Sync functions run one group at a
+    the run with the function and the prompt named instead of hanging it. Sync functions run one group at a
     time, or up to 64 at once on an engine that serves concurrent requests."""
     lock = None if getattr(engine, "thread_safe", False) else threading.Lock()
     contexts = [RolloutContext(p, params, tokenizer, engine, lock) for p in prompts]
@@ -216,18 +216,18 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
         at_once = asyncio.Semaphore(len(contexts) if is_async else 64 if lock is None else 1)
 
         async def finished(ctx, call):
-            """The call's result; the user's own exception as it is, with the function and the prompt row added."""
+            """The call's result; the user's own exception as it is, with the function and the prompt added."""
             try:
                 return await call
             except Exception as e:
                 if hasattr(e, "add_note"):  # Python 3.11+
-                    e.add_note(f"raised by rollout.generate_fn {spec} for prompt row {ctx.prompt.index} "
+                    e.add_note(f"raised by rollout.generate_fn {spec} for {ctx.prompt.where} "
                                f"({ctx.prompt.prompt_text[-80:]!r})")
                 raise
 
         async def one(ctx):
             async with at_once:
-                where = f"rollout.generate_fn {spec} for prompt row {ctx.prompt.index}"
+                where = f"rollout.generate_fn {spec} for {ctx.prompt.where}"
                 call = asyncio.ensure_future(watched(fn(ctx), where, timeout) if is_async else
                                              in_daemon_thread(fn, ctx, name="generate_fn"))
                 if not timeout:
@@ -239,7 +239,7 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
                         return await finished(ctx, call)
                 call.cancel()
                 raise TimeoutError(f"rollout.generate_fn {spec} did not return within rollout.generate_fn_timeout="
-                                   f"{timeout:g}s for prompt row {ctx.prompt.index} "
+                                   f"{timeout:g}s for {ctx.prompt.where} "
                                    f"({ctx.prompt.prompt_text[-80:]!r}); fix the function (a tool that never "
                                    "answers?) or raise the timeout")
         return await asyncio.gather(*(one(ctx) for ctx in contexts))
@@ -259,38 +259,38 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
                 got = type(group).__name__
             raise TypeError(f"rollout.generate_fn {spec} must return a list of {params.n} Sample objects per prompt "
                             f"(RolloutContext.trajectory().sample(); rollout.n_samples_per_prompt={params.n}), got "
-                            f"{got} for prompt row {ctx.prompt.index}")
+                            f"{got} for {ctx.prompt.where}")
         for s in group:
             if id(s) in seen:
-                raise ValueError(f"rollout.generate_fn {spec} returned one Sample object twice (prompt row "
-                                 f"{ctx.prompt.index}); build each of the n samples from its own trajectory")
+                raise ValueError(f"rollout.generate_fn {spec} returned one Sample object twice ("
+                                 f"{ctx.prompt.where}); build each of the n samples from its own trajectory")
             seen.add(id(s))
             r = len(s.response_ids)
             if r == 0:
-                raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has no "
+                raise ValueError(f"rollout.generate_fn {spec}: a sample of {ctx.prompt.where} has no "
                                  "response tokens; call trajectory.generate() at least once")
             if r > params.max_new_tokens:  # the trainer sizes micro-batches (and says what to change) by this limit
-                raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has {r} "
+                raise ValueError(f"rollout.generate_fn {spec}: a sample of {ctx.prompt.where} has {r} "
                                  f"response tokens, more than rollout.max_response_len={params.max_new_tokens} (a "
                                  "trajectory's generate() and observe() stop at it; a sample built by hand must too)")
             if len(s.loss_mask) != r or s.rollout_logprobs is None or len(s.rollout_logprobs) != r:
-                raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has "
+                raise ValueError(f"rollout.generate_fn {spec}: a sample of {ctx.prompt.where} has "
                                  f"{r} response tokens but {len(s.loss_mask)} mask entries and "
                                  f"{None if s.rollout_logprobs is None else len(s.rollout_logprobs)} logprobs")
             bad = [t for t in (*s.prompt_ids, *s.response_ids) if isinstance(t, bool) or not isinstance(t, int) or t < 0]
             if bad:
-                raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has token ids "
+                raise ValueError(f"rollout.generate_fn {spec}: a sample of {ctx.prompt.where} has token ids "
                                  f"that are not non-negative integers: {bad[:5]}")
             if not isinstance(s.rollout_logprobs, torch.Tensor):  # a list: the batch concatenates tensors
                 s.rollout_logprobs = as_token_tensor(s.rollout_logprobs)
             logps = s.rollout_logprobs.float()
             if not bool(torch.isfinite(logps).all()) or bool((logps > 1e-4).any()):
                 wrong = logps[~torch.isfinite(logps) | (logps > 1e-4)].tolist()
-                raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has rollout "
+                raise ValueError(f"rollout.generate_fn {spec}: a sample of {ctx.prompt.where} has rollout "
                                  f"logprobs {wrong[:5]}: a token's log-probability is finite and <= 0 (observation "
                                  "tokens carry 0)")
             if s.response_mask is not None and any(m not in (0, 1) for m in s.response_mask):
-                raise ValueError(f"rollout.generate_fn {spec}: a sample of prompt row {ctx.prompt.index} has response "
+                raise ValueError(f"rollout.generate_fn {spec}: a sample of {ctx.prompt.where} has response "
                                  f"mask values {sorted(set(s.response_mask) - {0, 1})[:5]}; the mask is 1 for tokens "
                                  "the policy generated and 0 for observations")
     return [list(g) for g in groups]

@@ -66,8 +66,8 @@ def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: Sampl
     graded_groups = {s.group_id for s in samples if s.given_reward is not None}
     mixed = next((s for s in to_score if s.group_id in graded_groups), None)
     if mixed is not None and getattr(reward_fn, "granularity", "sample") == "group":
-        raise ValueError(f"rollout.generate_fn {generate_fn} graded some samples of prompt row "
-                         f"{prompts[mixed.group_id - first_group_id].index} but not all, and the reward function "
+        raise ValueError(f"rollout.generate_fn {generate_fn} graded some samples of "
+                         f"{prompts[mixed.group_id - first_group_id].where} but not all, and the reward function "
                          f"{reward_fn.spec} scores whole groups: grade all of a group's samples or none")
     for sample, reward in zip(to_score, reward_fn.score(to_score) if to_score else []):
         sample.reward = float(reward)

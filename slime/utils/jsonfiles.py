@@ -23,3 +23,8 @@ def _unique(pairs: list[tuple[str, object]]) -> dict:
 def loads(text: str | bytes) -> object:
     """json.loads, raising DuplicateKeyError (a ValueError) on a key twice in one object."""
     return json.loads(text, object_pairs_hook=_unique)
+
+
+def decoder() -> json.JSONDecoder:
+    """A JSONDecoder raising DuplicateKeyError on a key twice in one object (for raw_decode)."""
+    return json.JSONDecoder(object_pairs_hook=_unique)
