@@ -186,9 +186,12 @@ def test_an_export_that_fails_midway_leaves_the_earlier_one_whole(tmp_path):
             raise OSError(28, "No space left on device")
 
     bumped = {k: v + 1 for k, v in state.items()}
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(RuntimeError, match=r"writing the HF export's config and tokenizer files in .*\.out\.partial "
+                                           r"failed: \[Errno 28\] No space left.*its partial files removed; .*out is "
+                                           r"as it was"):
         save_hf_dir(tmp_path / "out", bumped, model=model, extra_savers=[DiskFull()], marker={"step": 5},
                     max_shard_size="20KB")
+    assert not (tmp_path / ".out.partial").exists()  # its shards held the space of the full disk
     assert exported_step(tmp_path / "out") == 3  # the earlier export, whole: no new shard, no index beside it
     assert sorted(p.name for p in (tmp_path / "out").glob("model*")) == ["model.safetensors"]
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
@@ -209,9 +212,28 @@ def test_a_shard_the_disk_cannot_take_names_the_file_and_the_free_space(tmp_path
     monkeypatch.setattr(export, "save_file", full)
     with pytest.raises(RuntimeError, match=r"writing the HF export's .*\.out\.partial/model.safetensors failed: "
                                            r"Error while serializing.*GiB free on that file system \(a full disk, "
-                                           r"a quota\?\), its partial shards removed; no earlier export is at"):
+                                           r"a quota, a read-only folder\?\), its partial files removed; no earlier "
+                                           r"export is at"):
         export.save_hf_dir(tmp_path / "out", state, model=model)
     assert not (tmp_path / ".out.partial").exists()
+
+
+def test_an_export_folder_that_cannot_be_made_is_named(tmp_path, monkeypatch):
+    """A read-only run folder gave Python's bare PermissionError (run as root here: the denial is simulated)."""
+    from pathlib import Path
+
+    from slime.models import export
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m", arch="qwen3", seed=0))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def denied(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", denied)
+    with pytest.raises(RuntimeError, match=r"creating the HF export's folder .*\.out\.partial failed: \[Errno 13\] "
+                                           r"Permission denied.*read-only folder\?\).*no earlier export is at"):
+        export.save_hf_dir(tmp_path / "out", state, model=model)
 
 
 def test_an_export_killed_while_it_replaces_the_earlier_one_leaves_one_whole(tmp_path, monkeypatch):

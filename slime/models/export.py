@@ -29,39 +29,49 @@ def save_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], *, model, e
     # Written whole beside the folder, then renamed into place: a kill or a full disk mid-way leaves the earlier
     # export (or none) as it was, never a folder of some new shards (or an old shard read with new ones).
     out = final.with_name(f".{final.name}.partial")
+
+    def failed(what: str, e: Exception) -> RuntimeError:
+        shutil.rmtree(out, ignore_errors=True)  # what was written so far would hold the space
+        free = shutil.disk_usage(final.parent).free / 2**30 if final.parent.exists() else 0.0
+        kept = f"{final} is as it was" if final.exists() else f"no earlier export is at {final}"
+        return RuntimeError(f"{what} failed: {e}. {free:.2f} GiB free on that file system (a full disk, a quota, a "
+                            f"read-only folder?), its partial files removed; {kept}")
+
     shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    try:
+        out.mkdir(parents=True)
+    except OSError as e:
+        raise failed(f"creating the HF export's folder {out}", e) from e
     split = split_torch_state_dict_into_shards(state, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     for filename, names in split.filename_to_tensors.items():
         try:
             save_file({n: state[n].contiguous() for n in names}, str(out / filename), metadata={"format": "pt"})
         except Exception as e:  # safetensors' own error names neither the file nor the free space
-            shutil.rmtree(out, ignore_errors=True)  # the shards written so far would hold the space
-            free = shutil.disk_usage(final.parent).free / 2**30
-            kept = f"{final} is as it was" if final.exists() else f"no earlier export is at {final}"
-            raise RuntimeError(f"writing the HF export's {out / filename} failed: {e}. {free:.2f} GiB free on that "
-                               f"file system (a full disk, a quota?), its partial shards removed; {kept}") from e
-    if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
-                 "weight_map": split.tensor_to_filename}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
-    config = copy.deepcopy(model.config)
-    for key, value in (config_updates or {}).items():
-        if value is not None:
-            setattr(config, key, value)
-        elif key in vars(config):
-            delattr(config, key)
-    config.save_pretrained(out)
-    if getattr(model, "generation_config", None) is not None and model.can_generate():
-        model.generation_config.save_pretrained(out)
-    for saver in extra_savers:
-        saver.save_pretrained(out)
-    if marker is not None:
-        (out / EXPORT_MARKER).write_text(json.dumps(marker))
-    for f in out.iterdir():  # on disk before the folder takes the export's name (as checkpoints are)
-        fsync_path(f)
-    fsync_path(out)
+            raise failed(f"writing the HF export's {out / filename}", e) from e
+    try:
+        if split.is_sharded:
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+                     "weight_map": split.tensor_to_filename}
+            (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+        config = copy.deepcopy(model.config)
+        for key, value in (config_updates or {}).items():
+            if value is not None:
+                setattr(config, key, value)
+            elif key in vars(config):
+                delattr(config, key)
+        config.save_pretrained(out)
+        if getattr(model, "generation_config", None) is not None and model.can_generate():
+            model.generation_config.save_pretrained(out)
+        for saver in extra_savers:
+            saver.save_pretrained(out)
+        if marker is not None:
+            (out / EXPORT_MARKER).write_text(json.dumps(marker))
+        for f in out.iterdir():  # on disk before the folder takes the export's name (as checkpoints are)
+            fsync_path(f)
+        fsync_path(out)
+    except OSError as e:
+        raise failed(f"writing the HF export's config and tokenizer files in {out}", e) from e
     if final.exists() and _exchange(out, final):  # one step: there is always a whole export at `final`
         shutil.rmtree(out)  # the earlier export, now
     else:
