@@ -111,6 +111,37 @@ def nan_logprobs(ctx: RolloutContext):
     return _two_token_samples(ctx, lambda s: setattr(s, "rollout_logprobs", s.rollout_logprobs * float("nan")))
 
 
+def other_prompt(ctx: RolloutContext):
+    """The prompt tokenised again with more before it (a chat template applied twice, say)."""
+    return _two_token_samples(ctx, lambda s: setattr(s, "prompt_ids", [1, 2, 3] + s.prompt_ids))
+
+
+def no_prompt(ctx: RolloutContext):
+    return _two_token_samples(ctx, lambda s: setattr(s, "prompt_ids", []))
+
+
+def no_logprobs(ctx: RolloutContext):
+    return _two_token_samples(ctx, lambda s: setattr(s, "rollout_logprobs", None))
+
+
+def logprobs_2d(ctx: RolloutContext):
+    """Logprobs kept (R, 1), as a gather(...) gives them."""
+    return _two_token_samples(ctx, lambda s: setattr(s, "rollout_logprobs", s.rollout_logprobs[:, None]))
+
+
+def numpy_and_tuple_ids(ctx: RolloutContext):
+    """Token ids as numpy integers in a tuple (observe() takes such): taken, as a list of ints."""
+    import numpy as np
+
+    return _two_token_samples(ctx, lambda s: setattr(s, "response_ids", tuple(np.int64(t) for t in s.response_ids)))
+
+
+def raises_on_the_second(ctx: RolloutContext):
+    if ctx.prompt.index == 1:
+        raise KeyError("tool")
+    return _two_token_samples(ctx, lambda s: None)
+
+
 def list_logprobs(ctx: RolloutContext):
     """Logprobs as a Python list (the Sample docstring asks for tensors): taken, as a tensor."""
     return _two_token_samples(ctx, lambda s: setattr(s, "rollout_logprobs", s.rollout_logprobs.tolist()))

@@ -124,6 +124,23 @@ class Trajectory:
         return s
 
 
+def _token_ids(ids, what: str) -> list[int]:
+    """A sample's token ids as a list of ints (numpy and torch integers, tuples taken); else ValueError."""
+    out, bad = [], []
+    for t in ids:
+        try:
+            n = operator.index(t)
+        except TypeError:
+            bad.append(t)
+            continue
+        if isinstance(t, bool) or n < 0:
+            bad.append(t)
+        out.append(n)
+    if bad:
+        raise ValueError(f"{what} has token ids that are not non-negative integers: {bad[:5]}")
+    return out
+
+
 class QueueClock:
     """How long a prompt's requests waited for an engine that serves one at a time: the time during which at least
     one of them waited (run_generate_fn does not count it against the prompt's timeout)."""
@@ -233,11 +250,15 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
                 if not timeout:
                     return await finished(ctx, call)
                 start = time.monotonic()
-                while (left := start + timeout + ctx.queue.seconds() - time.monotonic()) > 0:
-                    done, _ = await asyncio.wait({call}, timeout=left)
-                    if done:
-                        return await finished(ctx, call)
-                call.cancel()
+                try:
+                    while (left := start + timeout + ctx.queue.seconds() - time.monotonic()) > 0:
+                        done, _ = await asyncio.wait({call}, timeout=left)
+                        if done:
+                            return await finished(ctx, call)
+                finally:  # also when another prompt's error stops this one: its own error is not logged as lost
+                    if call.done() and not call.cancelled():
+                        call.exception()
+                    call.cancel()
                 raise TimeoutError(f"rollout.generate_fn {spec} did not return within rollout.generate_fn_timeout="
                                    f"{timeout:g}s for {ctx.prompt.where} "
                                    f"({ctx.prompt.prompt_text[-80:]!r}); fix the function (a tool that never "
@@ -265,32 +286,36 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
                 raise ValueError(f"rollout.generate_fn {spec} returned one Sample object twice ("
                                  f"{ctx.prompt.where}); build each of the n samples from its own trajectory")
             seen.add(id(s))
+            what = f"rollout.generate_fn {spec}: a sample of {ctx.prompt.where}"
+            s.prompt_ids, s.response_ids = _token_ids(s.prompt_ids, what), _token_ids(s.response_ids, what)
+            if s.prompt_ids != ctx.prompt.prompt_ids:  # the trainer would score the response in another context
+                raise ValueError(f"{what} has prompt_ids that are not the prompt's ({len(s.prompt_ids)} ids, the "
+                                 f"prompt has {len(ctx.prompt.prompt_ids)}): the engine conditioned on the prompt, "
+                                 "and its group is the prompt's. Build samples with ctx.trajectory(), or keep "
+                                 "ctx.prompt.prompt_ids; text added before the reply goes in with observe()")
             r = len(s.response_ids)
             if r == 0:
-                raise ValueError(f"rollout.generate_fn {spec}: a sample of {ctx.prompt.where} has no "
-                                 "response tokens; call trajectory.generate() at least once")
+                raise ValueError(f"{what} has no response tokens; call trajectory.generate() at least once")
             if r > params.max_new_tokens:  # the trainer sizes micro-batches (and says what to change) by this limit
-                raise ValueError(f"rollout.generate_fn {spec}: a sample of {ctx.prompt.where} has {r} "
-                                 f"response tokens, more than rollout.max_response_len={params.max_new_tokens} (a "
-                                 "trajectory's generate() and observe() stop at it; a sample built by hand must too)")
-            if len(s.loss_mask) != r or s.rollout_logprobs is None or len(s.rollout_logprobs) != r:
-                raise ValueError(f"rollout.generate_fn {spec}: a sample of {ctx.prompt.where} has "
-                                 f"{r} response tokens but {len(s.loss_mask)} mask entries and "
-                                 f"{None if s.rollout_logprobs is None else len(s.rollout_logprobs)} logprobs")
-            bad = [t for t in (*s.prompt_ids, *s.response_ids) if isinstance(t, bool) or not isinstance(t, int) or t < 0]
-            if bad:
-                raise ValueError(f"rollout.generate_fn {spec}: a sample of {ctx.prompt.where} has token ids "
-                                 f"that are not non-negative integers: {bad[:5]}")
+                raise ValueError(f"{what} has {r} response tokens, more than rollout.max_response_len="
+                                 f"{params.max_new_tokens} (a trajectory's generate() and observe() stop at it; a "
+                                 "sample built by hand must too)")
+            if s.rollout_logprobs is None:
+                raise ValueError(f"{what} has no rollout_logprobs: the trainer needs the engine's logprob of every "
+                                 "generated token (0 for observations) for the importance-sampling correction and "
+                                 "the mismatch metrics. A trajectory's generate() records them; a sample built by "
+                                 "hand takes the engine's Generation.logprobs (zeros would pass for certainty)")
             if not isinstance(s.rollout_logprobs, torch.Tensor):  # a list: the batch concatenates tensors
                 s.rollout_logprobs = as_token_tensor(s.rollout_logprobs)
+            if len(s.loss_mask) != r or s.rollout_logprobs.shape != (r,):
+                raise ValueError(f"{what} has {r} response tokens but {len(s.loss_mask)} mask entries and "
+                                 f"logprobs of shape {tuple(s.rollout_logprobs.shape)} (one per response token)")
             logps = s.rollout_logprobs.float()
             if not bool(torch.isfinite(logps).all()) or bool((logps > 1e-4).any()):
                 wrong = logps[~torch.isfinite(logps) | (logps > 1e-4)].tolist()
-                raise ValueError(f"rollout.generate_fn {spec}: a sample of {ctx.prompt.where} has rollout "
-                                 f"logprobs {wrong[:5]}: a token's log-probability is finite and <= 0 (observation "
-                                 "tokens carry 0)")
+                raise ValueError(f"{what} has rollout logprobs {wrong[:5]}: a token's log-probability is finite "
+                                 "and <= 0 (observation tokens carry 0)")
             if s.response_mask is not None and any(m not in (0, 1) for m in s.response_mask):
-                raise ValueError(f"rollout.generate_fn {spec}: a sample of {ctx.prompt.where} has response "
-                                 f"mask values {sorted(set(s.response_mask) - {0, 1})[:5]}; the mask is 1 for tokens "
-                                 "the policy generated and 0 for observations")
+                raise ValueError(f"{what} has response mask values {sorted(set(s.response_mask) - {0, 1})[:5]}; "
+                                 "the mask is 1 for tokens the policy generated and 0 for observations")
     return [list(g) for g in groups]

@@ -58,10 +58,10 @@ def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: Sampl
     # A generate function may grade its own samples (Sample.given_reward); the reward function scores the rest.
     direct = next((s for s in samples if s.given_reward is None and s.reward != 0.0), None) if generate_fn else None
     if direct is not None:  # the reward function's score would replace it in silence
-        raise ValueError(f"rollout.generate_fn {generate_fn} set Sample.reward={direct.reward!r:.60} for sample "
-                         f"index={direct.index} (prompt {direct.prompt_text[-80:]!r}), which the reward function's "
-                         "score would replace: give a sample's reward with trajectory.sample(reward=...), or leave "
-                         "it to rollout.reward.fn")
+        raise ValueError(f"rollout.generate_fn {generate_fn} set Sample.reward={direct.reward!r:.60} for a sample "
+                         f"of {prompts[direct.group_id - first_group_id].where} ({direct.prompt_text[-80:]!r}), which "
+                         "the reward function's score would replace: give a sample's reward with "
+                         "trajectory.sample(reward=...), or leave it to rollout.reward.fn")
     to_score = [s for s in samples if s.given_reward is None]
     graded_groups = {s.group_id for s in samples if s.given_reward is not None}
     mixed = next((s for s in to_score if s.group_id in graded_groups), None)
@@ -75,8 +75,9 @@ def generate_rollout(engine: RolloutEngine, prompts: list[Prompt], params: Sampl
         if s.given_reward is not None:
             given = s.given_reward
             if isinstance(given, bool) or not isinstance(given, numbers.Real):
-                raise TypeError(f"rollout.generate_fn {generate_fn} set given_reward={given!r:.60} for sample "
-                                f"index={s.index} (prompt {s.prompt_text[-80:]!r}); it must be a number")
+                raise TypeError(f"rollout.generate_fn {generate_fn} set given_reward={given!r:.60} for a sample of "
+                                f"{prompts[s.group_id - first_group_id].where} ({s.prompt_text[-80:]!r}); it must be "
+                                "a number")
             check_finite(given, f"rollout.generate_fn {generate_fn}", s)
             s.reward = float(given)
     return samples
