@@ -84,6 +84,27 @@ def test_the_plot_leaves_out_a_torn_line_and_null_values(tmp_path):
     assert out is not None and out.read_bytes().startswith(b"\x89PNG")
 
 
+def test_the_plot_breaks_its_line_at_a_null_step(tmp_path, monkeypatch):
+    """A skipped step's null loss was left out, and the line drawn straight across it: the step could not be seen."""
+    import math
+
+    from matplotlib.axes import Axes
+
+    from slime.utils.plot import plot_metrics
+
+    drawn, plot = [], Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda ax, xs, ys, **kw: (drawn.append(ys), plot(ax, xs, ys, **kw))[1])
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(f'{{"step": {s}, "train/loss": {v}}}\n' for s, v in ((1, 1.5), (2, "null"), (3, 1.0))) +
+                       '{"step": 3, "eval/accuracy": 0.5}\n{"step": 4, "eval/accuracy": null}\n')
+    assert plot_metrics(metrics, tmp_path / "m.png") is not None
+    accuracy, loss = drawn  # in DEFAULT_KEYS' order
+    assert loss[::2] == (1.5, 1.0) and math.isnan(loss[1])
+    assert accuracy[0] == 0.5 and math.isnan(accuracy[1]) and len(accuracy) == 2  # no NaN of the train rows
+    metrics.write_text('{"step": 1, "train/loss": null}\n')
+    assert plot_metrics(metrics, tmp_path / "m.png") is None  # nothing finite: no panel
+
+
 def test_a_run_killed_hard_has_its_steps_up_to_the_checkpoint_sent_to_wandb_again(tmp_path, monkeypatch):
     """W&B buffers the last steps it was given; a run killed hard (kill -9, os._exit) lost them, and the resume
     sent only the steps after the end of metrics.jsonl's history: W&B missed those up to it for good. Steps W&B
@@ -100,6 +121,7 @@ import os
 from slime.config import LogConfig
 from slime.utils.metrics import MetricsLogger
 log = MetricsLogger(LogConfig(run_dir={str(run_dir)!r}, wandb=True), run_config={{}}, enabled=True, total_steps=9)
+log.log(0, {{"eval/accuracy": 0.5}})  # the evaluation before training (it was not sent again)
 for step in range(1, 6):
     log.log(step, {{"train/loss": float(step)}})
 os._exit(1)
@@ -120,7 +142,7 @@ os._exit(1)
     for step in (5, 6):
         log.log(step, {"train/loss": float(step)})
     log.close()
-    assert sent == [1, 2, 3, 4, 5, 6]
+    assert sent == [0, 1, 2, 3, 4, 5, 6]
     sent.clear()
     log = MetricsLogger(cfg, run_config={}, enabled=True, total_steps=9, resume_step=5)  # after a clean close
     for step in (6, 7):

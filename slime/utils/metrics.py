@@ -52,7 +52,7 @@ class MetricsLogger:
             id_file.write_text(run_id + "\n")
             if not resumed:
                 held_file.unlink(missing_ok=True)  # an earlier W&B run's
-            held = int(held_file.read_text()) if resumed and held_file.is_file() else 0
+            held = int(held_file.read_text()) if resumed and held_file.is_file() else -1  # -1: not step 0 either
             self._wandb = wandb.init(project=cfg.wandb_project, dir=str(run_dir), config=run_config,
                                      name=run_dir.name, mode=wandb_mode(cfg), id=run_id, resume="allow")
             if resumed:

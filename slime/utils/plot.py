@@ -30,8 +30,10 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path, keys: list[str]
             continue
         if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
             rows.append(row)
-    series = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in keys}  # null: not finite
-    series = {k: v for k, v in series.items() if v}
+    # null: not finite (a skipped step, say), plotted as NaN: the line breaks there and a red band marks it,
+    # where leaving it out drew the line straight across
+    series = {k: [(r["step"], float("nan") if r[k] is None else r[k]) for r in rows if k in r] for k in keys}
+    series = {k: v for k, v in series.items() if any(y == y for _, y in v)}
     if not series:
         return None
     fig = Figure(figsize=(7, 2.2 * len(series)))
@@ -39,6 +41,9 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path, keys: list[str]
     for ax, (key, points) in zip(axes[:, 0], series.items()):
         xs, ys = zip(*points)
         ax.plot(xs, ys, marker="o", markersize=3)
+        for x, y in points:
+            if y != y:
+                ax.axvline(x, color="red", alpha=0.3)
         ax.set_ylabel(key.split("/")[-1])
         ax.set_title(key, fontsize=9)
         ax.grid(alpha=0.3)
