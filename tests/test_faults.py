@@ -87,6 +87,11 @@ def test_a_step_without_a_token_to_learn_from_is_said(model, task_dir, tmp_path)
                   "train.num_steps=1", "eval.path=null")
     out = proc.stdout + proc.stderr
     assert "actor: this step has no token to learn from (every response token has loss mask 0" in out
+    # means over no token are null, not 0 (an entropy of 0 in the plot); sums and the loss stay numbers
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["train/entropy"] is None and row["train/pg_clipfrac"] is None and \
+        row["rollout/train_logprob_abs_diff"] is None, row
+    assert row["train/loss"] == 0.0 and row["train/grad_norm"] == 0.0 and row["rollout/gen_tokens"] == 0, row
 
 
 def test_a_model_whose_packed_samples_would_not_compute_alone_is_said_before_the_models_load(model, task_dir,

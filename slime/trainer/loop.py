@@ -68,7 +68,7 @@ def logprob_metrics(samples, dims: ParallelDims, *, ref_on: bool) -> dict:
     if ref_on:
         sums["kl"] = sum(float(((s.old_logprobs - s.ref_logprobs) * s.loss_mask).sum()) for s in samples)
     g = dict(zip(sums, dims.all_reduce_sum(list(sums.values()))))
-    n = max(g["n"], 1.0)
+    n = g["n"] or float("nan")  # no generated token: NaN (null in metrics.jsonl), not 0
     out = {"rollout/train_logprob_abs_diff": g["diff"] / n}
     if "kl" in g:
         out["rollout/kl_ref_k1"] = g["kl"] / n

@@ -374,7 +374,6 @@ class PolicyEngine:
         g = self.dims.all_reduce_tensors(sums)
         n_mini = len(batch.mini_batches)
         loss_tokens = g.pop("loss_tokens")
-        ntok = max(loss_tokens, 1.0)
         prefix = "critic" if self.role == "critic" else "train"
         if loss_tokens == 0 and self.dims.rank == 0:
             logger.warning("%s: this step has no token to learn from (every response token has loss mask 0: a "
@@ -394,7 +393,8 @@ class PolicyEngine:
                 "train/real_token_fraction": sum(m.stats["real_token_fraction"] for m in batch.mini_batches) / n_mini,
                 "train/dp_imbalance": sum(m.stats["dp_imbalance"] for m in batch.mini_batches) / n_mini,
             })
-        out.update({f"{prefix}/{k}": v / ntok for k, v in g.items()})  # the rest are token sums
+        # the rest are token sums: means over no token are NaN (null in metrics.jsonl, a gap in the plot), not 0
+        out.update({f"{prefix}/{k}": v / loss_tokens if loss_tokens else float("nan") for k, v in g.items()})
         if router:
             out.update(self._router_metrics(router, n_mini))
         return out
