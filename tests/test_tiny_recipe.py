@@ -55,6 +55,9 @@ def test_sft_then_grpo_writes_eval_before_and_after_and_plot(tmp_path):
         assert all(key in r for r in steps), key
     assert all(r["rollout/response_len"] <= 5 for r in steps)  # rollout.max_response_len
     assert "eval after step 0/2" in proc.stdout and "eval after step 2/2" in proc.stdout
+    # the long phases are said as they start (minutes each on a GPU recipe, silent before)
+    assert "evaluating after step 2" in proc.stdout and "saving the checkpoint of step 2" in proc.stdout
+    assert f"exporting the HF model of step 2 to {rl_dir / 'hf'}" in proc.stdout
     assert "train.cpu_malloc=retain: " in proc.stdout  # the CPU default (tests/test_cpu_malloc.py: its effect)
     assert (rl_dir / "metrics.png").read_bytes().startswith(PNG_MAGIC)
 

@@ -323,6 +323,7 @@ def run(cfg: Config) -> dict:
                 1 if sft else cfg.rollout.n_samples_per_prompt, data.num_too_long)
 
     def run_eval(done: int) -> None:
+        logger.info("evaluating after step %d", done)  # minutes on a large eval set: said before, not only after
         if colocate:  # as around rollout: the trainer's states leave the GPU while the engine's cache is there
             actor.offload()
         result = evaluate(engine, evalset, cfg, tokenizer, reward_fn, dims)
@@ -351,6 +352,7 @@ def run(cfg: Config) -> dict:
         data_state = data.with_skips_of_all_ranks(data_state, dims.all_reduce_sum)
         skips = {role: e.consecutive_skips for role, e in trained.items()}  # train.max_skipped_steps counts on
         log.sync()
+        logger.info("saving the checkpoint of step %d", done)
         return save_checkpoint(trained, ckpt_dir, step=done, dims=dims, identity=identity, keep=cfg.checkpoint.keep,
                                loop_state={"data": data_state, "consecutive_skips": skips})
 
@@ -378,10 +380,12 @@ def run(cfg: Config) -> dict:
                         phase.now = "weight sync (the previous step's update)"
                         metrics.update(sync_weights(actor, engine, version=step, bucket_mb=bucket_mb))
                         metrics.update(engine.metrics())
+                    t_eval = time.time()
                     for done_before in pending_eval:
                         phase.now = f"evaluation (of step {done_before})"
                         run_eval(done_before)
                     pending_eval.clear()
+                    t0 += time.time() - t_eval  # time/step leaves it out, as a step without one-step-off does
                     if step + 1 < cfg.train.num_steps:
                         phase.now = "rollout (starting the next batch)"
                         ahead.start(step + 1)  # with the weights of `step` updates, while this step trains
@@ -471,6 +475,7 @@ def run(cfg: Config) -> dict:
     if dims.all_reduce_sum([float(stale)], group=dims.world_group)[0]:  # every rank joins the gather
         stop.step_ended()  # a stop that came during the last step's save: the export takes the time it needs
         savers = [tokenizer] + ([processor.image_processor] if processor is not None else [])
+        logger.info("exporting the HF model of step %d to %s", final_step, run_dir / "hf")
         actor.export_hf(str(run_dir / "hf"), *savers, bucket_mb=bucket_mb, step=final_step)
     log.close()
     if dims.is_main and (run_dir / "metrics.jsonl").is_file():
