@@ -285,6 +285,23 @@ def test_corrupt_latest_checkpoint_is_reported_and_the_previous_one_resumes(mode
     assert_same_run(run_dir, straight)  # resumed at step 2, and every later step reproduced exactly
 
 
+def test_the_checkpoint_a_resume_skipped_is_not_kept_in_place_of_a_good_one(model, task_dir, tmp_path):
+    """Resumed from step_3 past a corrupt step_4, the first save (step 5, keep=2) kept step_4 and step_5 and
+    removed step_3: a second fault would have left no checkpoint that verifies."""
+    run_dir = tmp_path / "run"
+    launch(model, task_dir, run_dir, "train.num_steps=4", "checkpoint.interval=1", "checkpoint.keep=3", "eval.path=null")
+    ckpt = run_dir / "checkpoints"
+    victim = max((ckpt / "step_4").rglob("*model_states.pt"), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    proc = launch(model, task_dir, run_dir, "train.num_steps=5", "checkpoint.interval=5", "checkpoint.keep=2",
+                  "eval.path=null")
+    assert "removing checkpoints a run skipped as unusable when it resumed from an older one: step_4" in \
+        proc.stdout + proc.stderr
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_3", "step_5"]
+
+
 def test_a_zero2_run_resumes_exactly(model, task_dir, tmp_path):
     """ZeRO-2 lays its states out unlike ZeRO-3 (full parameters, flat optimizer partitions): a resume is exact too."""
     zero2 = ("train.ds_config=ds_configs/zero2.json", "checkpoint.interval=1")

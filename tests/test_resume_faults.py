@@ -35,9 +35,9 @@ class OneRank:
         pass
 
 
-def save(ckpt: Path, step: int, keep: int) -> Path:
+def save(ckpt: Path, step: int, keep: int, abandoned=()) -> Path:
     return save_checkpoint({"actor": FakeEngine()}, ckpt, step=step, loop_state={"data": {}}, dims=OneRank(),
-                           identity={"optim": {}}, keep=keep)
+                           identity={"optim": {}}, keep=keep, abandoned=abandoned)
 
 
 def flip_byte(path: Path) -> None:
@@ -65,7 +65,26 @@ def test_a_save_after_a_fallback_removes_the_newer_stale_checkpoints_and_keeps_i
     assert step_dirs(ckpt) == left  # the corrupt step_6 is gone, the one just saved is not
     assert (ckpt / "latest").read_text() == "step_5"
     assert find_checkpoint(ckpt) == (ckpt / "step_5", [])
-    assert "removing checkpoints newer than step_5" in caplog.text and ": step_6" in caplog.text
+    assert "removing checkpoints a run skipped as unusable when it resumed from an older one: step_6" in caplog.text
+
+
+@pytest.mark.parametrize("first_save", [8, 6])
+def test_a_save_past_a_checkpoint_the_resume_skipped_removes_it_and_keeps_the_good_ones(tmp_path, first_save):
+    """Resumed from step_4 past a corrupt step_6, the run's first save at step 8 counted step_6 among the newest
+    `keep` and removed step_4: no good fallback was left. (Its first save at step 6 writes over it.)"""
+    from slime.trainer.checkpoint import newer_than
+
+    ckpt = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        save(ckpt, step, keep=3)
+    flip_byte(ckpt / "step_6" / "actor" / "model_states.pt")
+    path, _ = find_checkpoint(ckpt)
+    assert path == ckpt / "step_4" and newer_than(ckpt, 4) == ["step_6"]
+    save(ckpt, first_save, keep=2, abandoned=newer_than(ckpt, 4))
+    assert step_dirs(ckpt) == ["step_4", f"step_{first_save}"]
+    assert find_checkpoint(ckpt) == (ckpt / f"step_{first_save}", [])
+    flip_byte(ckpt / f"step_{first_save}" / "actor" / "model_states.pt")
+    assert find_checkpoint(ckpt)[0] == ckpt / "step_4"  # a fallback that verifies
 
 
 def rename_bytes_key(manifest: dict) -> None:

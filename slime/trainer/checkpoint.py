@@ -25,6 +25,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -75,10 +76,17 @@ def _step_of(tag: str) -> int:
     return int(tag.removeprefix("step_")) if tag.startswith("step_") and tag[5:].isdigit() else -1
 
 
+def newer_than(ckpt_dir: Path, step: int) -> list[str]:
+    """The step folders in `ckpt_dir` past `step`: after a resume from `step`, those it skipped as unusable."""
+    return sorted(p.name for p in ckpt_dir.glob("step_*") if _step_of(p.name) > step)
+
+
 def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dict, dims, identity: dict,
-                    keep: int = 2) -> Path:
+                    keep: int = 2, abandoned: Iterable[str] = ()) -> Path:
     """Collective. `engines`: role -> PolicyEngine. `step` is the number of completed steps (resuming
-    starts there); `identity` (model and optimisation settings) is recorded in the manifest."""
+    starts there); `identity` (model and optimisation settings) is recorded in the manifest. `abandoned`: step
+    folders the resume skipped as unusable (`newer_than`), removed with this save (give them to the first save
+    after the resume only: a later one may be this run's own of the same step)."""
     if not all(e.parameters_finite() for e in engines.values()):
         raise RuntimeError(f"not saving step {step}: parameters are not finite (a checkpoint must never hold them)")
     tag = f"step_{step}"
@@ -127,13 +135,14 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
         os.replace(ckpt_dir / "latest.tmp", ckpt_dir / "latest")
         fsync_path(ckpt_dir)
         saved = sorted((p for p in ckpt_dir.glob("step_*") if _step_of(p.name) >= 0), key=lambda p: _step_of(p.name))
-        # Folders above `step` are from an abandoned timeline (resume fell back past them as corrupt): left in
-        # place they would count among the newest kept and push out the checkpoint just written.
-        stale = [p for p in saved if _step_of(p.name) > step]
+        # Folders the resume fell back past (unusable: torn, corrupt) are of an abandoned timeline: left in place
+        # they would count among the newest kept and push out a good one, or the one just written. Those above
+        # `step` are of one as well, whoever left them.
+        stale = [p for p in saved if _step_of(p.name) > step or (p.name in set(abandoned) and p != final)]
         if stale:
-            logger.warning("removing checkpoints newer than %s, left by a run that resumed from an older one: %s",
-                           tag, ", ".join(p.name for p in stale))
-        for old in stale + [p for p in saved if _step_of(p.name) <= step][:-keep]:
+            logger.warning("removing checkpoints a run skipped as unusable when it resumed from an older one: %s",
+                           ", ".join(p.name for p in stale))
+        for old in stale + [p for p in saved if p not in stale][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         logger.info("saved checkpoint %s (%d files)", final, len(files))
     dims.barrier()

@@ -33,7 +33,7 @@ from slime.rollout.engine import make_engine
 from slime.rollout.rewards import check_reward_spec, needs_label, reward_fn_from_config
 from slime.rollout.rollout import RolloutAhead, collect_rollout, over_sampled
 from slime.trainer.advantages import compute_advantages
-from slime.trainer.checkpoint import load_checkpoint, save_checkpoint, saved_decay_groups
+from slime.trainer.checkpoint import load_checkpoint, newer_than, save_checkpoint, saved_decay_groups
 from slime.trainer.layout import RankBatch, distribute
 from slime.trainer.losses import actor_loss, critic_loss
 from slime.trainer.policy_engine import PolicyEngine
@@ -300,10 +300,12 @@ def run(cfg: Config) -> dict:
 
     # decay_groups: norm gains and biases in an optimizer group of their own (parallelize)
     identity, start_step = {**checkpoint_identity(cfg), "decay_groups": decay_groups}, 0
+    abandoned: list[str] = []  # checkpoints the resume skipped as unusable: removed by the first save
     if cfg.checkpoint.resume:
         state = load_checkpoint({k: e.engine for k, e in trained.items()}, ckpt_dir, dims=dims, identity=identity)
         if state is not None:
             start_step = state["step"]
+            abandoned = newer_than(ckpt_dir, start_step)
             data.load_state_dict(state["data"])
             for role, e in trained.items():
                 e.apply_optim_settings(cfg, changed=state["changed_optim"])
@@ -353,8 +355,10 @@ def run(cfg: Config) -> dict:
         skips = {role: e.consecutive_skips for role, e in trained.items()}  # train.max_skipped_steps counts on
         log.sync()
         logger.info("saving the checkpoint of step %d", done)
-        return save_checkpoint(trained, ckpt_dir, step=done, dims=dims, identity=identity, keep=cfg.checkpoint.keep,
-                               loop_state={"data": data_state, "consecutive_skips": skips})
+        saved = save_checkpoint(trained, ckpt_dir, step=done, dims=dims, identity=identity, keep=cfg.checkpoint.keep,
+                                loop_state={"data": data_state, "consecutive_skips": skips}, abandoned=abandoned)
+        abandoned.clear()
+        return saved
 
     try:
         # A resumed step keeps the evaluation the run it continues logged of it (rank 0 read that history); one
