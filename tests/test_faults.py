@@ -289,7 +289,8 @@ def test_the_checkpoint_a_resume_skipped_is_not_kept_in_place_of_a_good_one(mode
     """Resumed from step_3 past a corrupt step_4, the first save (step 5, keep=2) kept step_4 and step_5 and
     removed step_3: a second fault would have left no checkpoint that verifies."""
     run_dir = tmp_path / "run"
-    launch(model, task_dir, run_dir, "train.num_steps=4", "checkpoint.interval=1", "checkpoint.keep=3", "eval.path=null")
+    launch(model, task_dir, run_dir, "train.num_steps=4", "checkpoint.interval=1", "checkpoint.keep=3",
+           "eval.path=null")
     ckpt = run_dir / "checkpoints"
     victim = max((ckpt / "step_4").rglob("*model_states.pt"), key=lambda p: p.stat().st_size)
     data = bytearray(victim.read_bytes())
