@@ -12,4 +12,10 @@ echo "recipe: $config on $nproc rank(s)"
 sed -n '/^#/!q;p' "$config"  # the config's header: what it is, what it was sized for, how to get the data
 python run.py --config "$config" --dry-run --num-gpus "$nproc" --gpu-memory-gb "${GPU_MEMORY_GB:-80}" "$@"
 [[ ${DRY_RUN:-0} == 1 ]] && exit 0
+# The recipes are GPU runs: run.sh would start these ranks on CPU/gloo where no GPU is (each loading the model).
+here=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [[ $here -eq 0 ]]; then
+  echo "recipe: this node shows no GPU; the dry run above is what the recipe launches on $nproc GPU(s)" >&2
+  exit 2
+fi
 NPROC=$nproc exec bash run.sh "$config" "$@"

@@ -56,6 +56,20 @@ def test_every_recipe_passes_the_dry_run_on_the_gpus_it_was_sized_for(recipe, ca
     assert f"fits in 80.0 GiB per GPU" in out
 
 
+def test_a_gpu_recipe_stops_after_its_dry_run_on_a_node_without_a_gpu(tmp_path):
+    """scripts/run-qwen3-4B.sh went on to launch its 8 ranks on CPU/gloo, each loading the model in fp32."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this node has a GPU: the recipe would launch")
+    done = subprocess.run(["bash", str(REPO / "scripts/run-qwen3-4B.sh"),
+                           f"model.path={REPO / 'examples/model_configs/qwen3-4b'}", f"log.run_dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "fits in 80.0 GiB per GPU" in done.stdout, done.stderr[-2000:]
+    assert "recipe: this node shows no GPU; the dry run above is what the recipe launches on 8 GPU(s)" in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_hand_computed_figures_for_qwen3_4b_on_8_gpus():
     cfg = load_config(REPO / "examples/gpu_qwen3_4b_grpo_gsm8k.yaml",
                       [f"model.path={REPO / 'examples/model_configs/qwen3-4b'}"])
