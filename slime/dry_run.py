@@ -214,9 +214,14 @@ def report(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> str:
     check_model_path(cfg.model)  # config.json is all a dry run reads: a missing folder is said as such
     check_reward_spec(cfg.rollout.reward.fn)
     p = plan(cfg, num_gpus, gpu_gib)
-    g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
+    def g(b: float) -> str:  # MiB below a GiB: the CPU examples' figures read 0.0 GiB
+        return f"{b / GIB:.1f} GiB" if b >= GIB else f"{b / 2**20:.1f} MiB"
+
+    def count(n: int) -> str:
+        return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
+
     lines = [
-        f"model {cfg.model.path}: {p['params'] / 1e9:.3f}B parameters (largest layer {p['largest_layer'] / 1e6:.1f}M)",
+        f"model {cfg.model.path}: {count(p['params'])} parameters (largest layer {count(p['largest_layer'])})",
         f"layout: {p['world']} trainer ranks = dp {p['dp']} x sp {p['sp']}; ep {p['ep']} over dp; "
         f"{p['total_gpus']} GPUs in all",
         f"engines: {p['engines']}",

@@ -56,6 +56,14 @@ def test_every_recipe_passes_the_dry_run_on_the_gpus_it_was_sized_for(recipe, ca
     assert f"fits in 80.0 GiB per GPU" in out
 
 
+def test_a_small_models_figures_are_in_units_that_show_them(capsys):
+    """The CPU examples' dry run printed "0.000B parameters" and every memory figure as 0.0 GiB."""
+    run_py_main()(["--config", str(REPO / "examples/cpu_tiny_grpo.yaml"), "--dry-run", "--num-gpus", "2"])
+    out = capsys.readouterr().out
+    assert "model assets/tiny-arith: 0.1M parameters (largest layer 16.7K)" in out, out
+    assert " 0.0 GiB" not in out and "actor states 1.0 MiB" in out, out
+
+
 def test_a_gpu_recipe_stops_after_its_dry_run_on_a_node_without_a_gpu(tmp_path):
     """scripts/run-qwen3-4B.sh went on to launch its 8 ranks on CPU/gloo, each loading the model in fp32."""
     import torch
