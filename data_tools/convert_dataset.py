@@ -7,9 +7,10 @@
 
 `--source` is a hub name or a local path (a folder or a .parquet/.json/.jsonl file), read with `datasets`.
 Column layouts (the datasets' own):
-- gsm8k: question, answer ("... #### 72") -> prompt = question, label = the number after ####;
-- math (Hendrycks MATH, MATH-500): problem, solution (with \\boxed{...}), level, type -> label = the last
-  boxed answer of the solution;
+- gsm8k: question, answer ("... #### 72") -> prompt = question + GSM8K_INSTRUCTION (think step by step, the
+  answer after "####"), label = the number after ####;
+- math (Hendrycks MATH, MATH-500): problem, solution (with \\boxed{...}), level, type -> prompt = problem +
+  " Put the final answer in \\boxed{}.", label = the last boxed answer of the solution;
 - dapo_math (DAPO-Math-17k): prompt (chat messages), reward_model.ground_truth, data_source ->
   messages as given, label = ground_truth;
 - geometry3k: images (Image feature), problem (with an <image> placeholder), answer -> the flat image form;
