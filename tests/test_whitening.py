@@ -211,3 +211,14 @@ def test_a_batch_of_empty_responses_gets_empty_advantages(estimator):
         s.values = torch.zeros(0)
     compute_advantages(batch, AlgoConfig(advantage_estimator=estimator), OneRank())
     assert [s.advantages.shape for s in batch] == [torch.Size([0])] * 2
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp"])
+def test_adv_abs_mean_is_a_token_mean_for_every_estimator(estimator):
+    """GRPO and RLOO reported the mean |advantage| per sample, REINFORCE++ and GAE per token: one metric name, two
+    meanings. Every estimator's is the mean over the loss tokens now (here: 1 + 5 + 2 tokens of unequal |adv|)."""
+    batch = samples([1.0, 0.0, 0.0], [1, 5, 2])
+    metrics = compute_advantages(batch, AlgoConfig(advantage_estimator=estimator), OneRank())
+    tokens = token_advantages(batch)
+    assert len(tokens) == 8 and len({abs(round(a, 6)) for a in tokens}) > 1
+    assert metrics["adv/adv_abs_mean"] == pytest.approx(sum(abs(a) for a in tokens) / 8, rel=1e-6)
