@@ -79,7 +79,7 @@ def compute_advantages(samples: list[Sample], cfg: AlgoConfig, dims: ParallelDim
             adv, m = grpo_advantages(all_scores, groups, normalize_std=cfg.normalize_std and est == "grpo")
         metrics.update({k: float(v) for k, v in m.items()})  # over the whole batch already
         token_adv = adv[mine][:, None] * mask  # observation tokens (mask 0) are not actions
-        token_sums["adv_abs_mean"] = token_adv[keep].abs().sum()  # per token, as the other estimators' (m's: per sample)
+        token_sums["adv_abs_mean"] = token_adv[keep].abs().sum()  # per token, as the others' (m's is per sample)
     elif est in ("reinforce_pp", "reinforce_pp_baseline"):
         scores = rewards
         if est == "reinforce_pp_baseline":
