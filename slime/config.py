@@ -278,6 +278,9 @@ class CriticConfig:
     def __post_init__(self):
         if not 0 <= self.lr < float("inf"):
             raise ValueError(f"algo.critic.lr={self.lr} must be a finite number >= 0")
+        if self.lr > 0.1:
+            logger.warning("algo.critic.lr=%g: Adam moves every weight by about that much per step (typical: 1e-6 "
+                           "to 1e-4); a typo of 1e-4?", self.lr)
         if not 0 < self.value_clip < float("inf"):
             raise ValueError(f"algo.critic.value_clip={self.value_clip} must be > 0 (the clip range of the value "
                              "update around the old values) and finite")
@@ -482,6 +485,10 @@ class TrainConfig:
             raise ValueError(f"train.lr={self.lr}, train.min_lr={self.min_lr}, train.weight_decay={self.weight_decay}, "
                              f"train.grad_clip={self.grad_clip} and train.warmup_steps={self.warmup_steps} must be "
                              ">= 0 (and finite)")
+        if self.lr > 0.1:  # Adam moves each weight by about lr per step: a typo (1e4 for 1e-4) ruins the model
+            logger.warning("train.lr=%g: Adam moves every weight by about that much per step, which wrecks a trained "
+                           "model in one step (typical: 1e-6 to 1e-4 for RL, up to 1e-3 for SFT); a typo of 1e-4?",
+                           self.lr)
         if self.lr_schedule == "cosine" and self.min_lr > self.lr:  # a constant schedule never reads min_lr
             raise ValueError(f"train.min_lr={self.min_lr} is above train.lr={self.lr}: the schedule would climb to it "
                              "instead of decaying; min_lr is the floor the cosine decays to (<= train.lr)")

@@ -445,6 +445,18 @@ def test_gspo_with_ppo_sized_clips_is_warned_about(caplog):
     assert "GSPO" not in caplog.text
 
 
+def test_a_learning_rate_that_would_wreck_the_model_is_warned(caplog):
+    """train.lr=1e4 (for 1e-4) turned the model uniform in one step, with finite numbers and no word."""
+    with caplog.at_level("WARNING", logger="slime.config"):
+        load_config(None, ["model.path=m", "data.path=d.jsonl", "train.lr=1e4", "algo.critic.lr=2"])
+    assert "train.lr=10000: Adam moves every weight by about that much per step" in caplog.text
+    assert "algo.critic.lr=2: Adam moves" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="slime.config"):
+        load_config(None, ["model.path=m", "data.path=d.jsonl", "train.lr=1e-3"])  # an SFT rate
+    assert "Adam moves" not in caplog.text
+
+
 def test_a_home_path_is_expanded(tmp_path, monkeypatch):
     """`log.run_dir=~/runs` reaches us with its "~" (a shell expands it only at a word's start), as YAML's always
     does: the outputs went to a folder named "~" in the working directory."""
