@@ -521,6 +521,36 @@ def test_a_batch_generated_ahead_is_discarded_at_a_stop_without_raising_over_it(
     assert not ahead.in_flight
 
 
+def test_a_batch_ahead_counts_only_its_own_skips(hf_engine, tokenizer):
+    """data/skipped_* of step k counted the prompts skipped while step k+1's batch was drawn in the background.
+    The skips as of batch k's draw are kept with it."""
+    import collections
+
+    from slime.config import RolloutConfig
+    from slime.rollout.rollout import RolloutAhead
+
+    class Prompts:
+        turn_end = ()
+        skipped_when_drawn = collections.Counter()
+
+        def next_batch(self, n=None):
+            self.skipped_when_drawn["corrupt_image"] += 1  # one prompt of each batch broke since load
+            return prompts_of(tokenizer, ["1+1="], labels=["2"])
+
+        def state_dict(self):
+            return {}
+
+    data = Prompts()
+    ahead = RolloutAhead(hf_engine, data, RolloutConfig(batch_size=1, n_samples_per_prompt=2, max_response_len=4),
+                         tokenizer, make_reward_fn("exact_match"), OneRank())
+    ahead.start(0)
+    ahead.take(trainer_version=0)
+    ahead.start(1)  # drawn while step 0 trains
+    assert ahead.skipped_when_drawn == {"corrupt_image": 1}
+    ahead.take(trainer_version=1)
+    assert ahead.skipped_when_drawn == {"corrupt_image": 2} == data.skipped_when_drawn
+
+
 def test_a_stop_aborts_a_batch_ahead_whose_generate_call_starts_after_the_first_abort(monkeypatch):
     """close() came while the thread was still drawing prompts: its one abort found no generate() call running,
     the call that started after it generated its whole batch, and close() waited for it (up to 60 s, past a

@@ -594,10 +594,12 @@ class PromptSource:
         self.skipped_when_drawn += skipped
         return drawn
 
-    def skipped_metrics(self, reduce_sum) -> dict[str, float]:
+    def skipped_metrics(self, reduce_sum, when_drawn: collections.Counter | None = None) -> dict[str, float]:
         """`data/skipped_<reason>`: rows skipped at load (every rank read the same file) plus prompts skipped
-        when drawn, summed over ranks by `reduce_sum` (a collective: call on every rank). Only reasons seen."""
-        drawn = reduce_sum([float(self.skipped_when_drawn[r]) for r in SKIP_REASONS])
+        when drawn (`when_drawn`: those counted up to an earlier draw), summed over ranks by `reduce_sum` (a
+        collective: call on every rank). Only reasons seen."""
+        when_drawn = self.skipped_when_drawn if when_drawn is None else when_drawn
+        drawn = reduce_sum([float(when_drawn[r]) for r in SKIP_REASONS])
         return {f"data/skipped_{r}": self.report.skipped[r] + d for r, d in zip(SKIP_REASONS, drawn)
                 if self.report.skipped[r] + d}
 

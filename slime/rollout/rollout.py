@@ -7,6 +7,7 @@ are then cut to exactly rollout.batch_size groups, lower ranks first, from gathe
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -233,6 +234,9 @@ class RolloutAhead:
             engine, data, cfg, tokenizer, reward_fn, dims
         self.seed = seed
         self._future = None
+        self.skipped_when_drawn: collections.Counter = collections.Counter()
+        """The prompt source's skips when drawn as the batch taken last was drawn: the next batch, drawn while
+        that one trains, must not count in its step's data/skipped_*."""
         self.data_state = data.state_dict()
         """The prompt source's position before the batch in flight: what a checkpoint must record, so that a
         resumed run generates that batch again."""
@@ -248,10 +252,11 @@ class RolloutAhead:
             try:
                 samples = _draw_and_generate(self.engine, self.data, self.cfg, self.tokenizer, self.reward_fn,
                                              self.dims, step=step, attempt=0, n_prompts=None, seed=seed)
+                skipped = collections.Counter(getattr(self.data, "skipped_when_drawn", {}))
             except BaseException as e:  # noqa: BLE001 -- handed to the main thread by take()
                 future.set_exception(e)
             else:
-                future.set_result((samples, time.perf_counter() - start))
+                future.set_result((samples, time.perf_counter() - start, skipped))
 
         threading.Thread(target=work, name="rollout-ahead", daemon=True).start()
         self._future = future
@@ -263,7 +268,7 @@ class RolloutAhead:
     def take(self, trainer_version: int) -> tuple[list[Sample], dict]:
         """Wait for the batch in flight; its samples and metrics (a collective: every rank calls it)."""
         future, self._future = self._future, None
-        samples, seconds = future.result()
+        samples, seconds, self.skipped_when_drawn = future.result()
         metrics = rollout_metrics(samples, self.dims)
         metrics["time/generate"] = seconds  # in the background, while the last step trained
         lag, n = self.dims.all_reduce_sum([sum(trainer_version - s.metadata["weight_version"] for s in samples),

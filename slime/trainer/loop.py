@@ -433,7 +433,8 @@ def run(cfg: Config) -> dict:
                         actor.offload(params=False)  # the gather below still needs the parameters
                     metrics.update(sync_weights(actor, engine, version=done, bucket_mb=bucket_mb))
                     metrics.update(engine.metrics())
-                metrics.update(data.skipped_metrics(dims.all_reduce_sum))
+                metrics.update(data.skipped_metrics(dims.all_reduce_sum,  # one-step-off: not the next batch's
+                                                    ahead.skipped_when_drawn if ahead is not None else None))
                 metrics.update({"time/train": t_train, "time/step": time.time() - t0})
                 if "train/tokens" in metrics:
                     metrics["perf/train_tokens_per_s"] = metrics["train/real_tokens"] / t_train
