@@ -680,7 +680,7 @@ def sft_samples(prompts: list[Prompt], tokenizer, turn_end: tuple[int, ...] = ()
     samples = []
     for p in prompts:
         if p.label is None:
-            raise ValueError(f"SFT needs a label for every prompt; row {p.index} has none (data.label_key)")
+            raise ValueError(f"SFT needs a label for every prompt; {p.where} has none (data.label_key)")
         target = tokenizer(str(p.label), add_special_tokens=False).input_ids + [end_id]
         samples.append(Sample(prompt_ids=list(p.prompt_ids), response_ids=target, prompt_text=p.prompt_text,
                               response_text=str(p.label), label=p.label, metadata=dict(p.metadata),
