@@ -1263,3 +1263,40 @@ def test_an_abort_before_a_request_registers_cuts_it():
     with engine._lock:
         engine._calls.add(call)
     assert engine._generate_one(call, [1, 2, 3], {}).finish_reason == "abort" and posted == []
+
+
+def test_a_generate_functions_requests_waiting_in_the_engines_pool_are_not_its_time():
+    """rollout.generate_fn_timeout left out the wait for the hf engine only: with SGLang, requests queued behind
+    rollout.sglang.max_concurrency counted against it, and a batch larger than the pool timed out with a message
+    blaming the function. The wait is counted on the prompt's queue clock now."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from slime.data.prompts import Prompt
+    from slime.rollout.custom import RolloutContext
+
+    started, release = threading.Event(), threading.Event()
+
+    class Client:
+        url = "http://127.0.0.1:30000"
+
+        def post(self, path, body, **kw):
+            started.set()
+            release.wait(60)
+            return generation([5, 6])
+
+    engine = bare_engine(Client())
+    engine._pool = ThreadPoolExecutor(1)  # rollout.sglang.max_concurrency=1
+    ctx = RolloutContext(Prompt([1, 2], "q", None, {}, 0), SamplingParams(max_new_tokens=2), None, engine)
+    first = threading.Thread(target=ctx.generate, args=([1, 2],), kwargs={"max_new_tokens": 2})
+    first.start()
+    assert started.wait(60)  # the pool's one thread is taken
+    second = threading.Thread(target=ctx.generate, args=([1, 2],), kwargs={"max_new_tokens": 2})
+    second.start()
+    deadline = time.monotonic() + 60
+    while ctx.queue._waiting != 1 and time.monotonic() < deadline:  # the second request queues
+        time.sleep(0.01)
+    waiting = ctx.queue._waiting
+    release.set()
+    first.join(60)
+    second.join(60)
+    assert waiting == 1 and ctx.queue._waiting == 0 and ctx.queue.seconds() > 0

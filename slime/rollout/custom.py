@@ -36,7 +36,7 @@ import torch
 
 from slime.data.prompts import Prompt
 from slime.data.sample import Sample, as_token_tensor
-from slime.rollout.engine import Generation, RolloutEngine, SamplingParams
+from slime.rollout.engine import REQUEST_WAIT, Generation, RolloutEngine, SamplingParams
 from slime.rollout.rewards import in_daemon_thread, run_user_coroutine, watched
 
 
@@ -142,25 +142,34 @@ def _token_ids(ids, what: str) -> list[int]:
 
 
 class QueueClock:
-    """How long a prompt's requests waited for an engine that serves one at a time: the time during which at least
-    one of them waited (run_generate_fn does not count it against the prompt's timeout)."""
+    """How long a prompt's requests waited for an engine (one that serves one call at a time, or SGLang's request
+    pool): the time during which at least one of them waited (run_generate_fn does not count it against the
+    prompt's timeout)."""
 
     def __init__(self):
         self._lock, self._waiting, self._since, self._total = threading.Lock(), 0, 0.0, 0.0
 
-    @contextlib.contextmanager
-    def waiting(self):
+    def enter(self) -> None:
+        """A request starts to wait."""
         with self._lock:
             if not self._waiting:
                 self._since = time.monotonic()
             self._waiting += 1
+
+    def leave(self) -> None:
+        """A request waits no more."""
+        with self._lock:
+            self._waiting -= 1
+            if not self._waiting:
+                self._total += time.monotonic() - self._since
+
+    @contextlib.contextmanager
+    def waiting(self):
+        self.enter()
         try:
             yield
         finally:
-            with self._lock:
-                self._waiting -= 1
-                if not self._waiting:
-                    self._total += time.monotonic() - self._since
+            self.leave()
 
     def seconds(self) -> float:
         with self._lock:
@@ -174,7 +183,7 @@ class RolloutContext:
     tokenizer: Any
     engine: RolloutEngine
     lock: threading.Lock | None = None
-    queue: QueueClock = dataclasses.field(default_factory=QueueClock)  # its waits for `lock`
+    queue: QueueClock = dataclasses.field(default_factory=QueueClock)  # its waits for `lock` or an engine queue
 
     @property
     def n(self) -> int:
@@ -191,8 +200,12 @@ class RolloutContext:
                                      stop_token_ids=tuple(self.params.stop_token_ids) + tuple(stop_token_ids),
                                      temperature=self.params.temperature if temperature is None else temperature)
         mm = [self.prompt.mm] if self.prompt.mm is not None else None
-        if self.lock is None:
-            return self.engine.generate([list(input_ids)], params, mm=mm)[0][0]
+        if self.lock is None:  # an engine serving calls at once; one with a request queue counts its waits here
+            token = REQUEST_WAIT.set(self.queue)
+            try:
+                return self.engine.generate([list(input_ids)], params, mm=mm)[0][0]
+            finally:
+                REQUEST_WAIT.reset(token)
         with self.queue.waiting():  # an in-process engine serves one call at a time
             self.lock.acquire()
         try:

@@ -6,10 +6,16 @@ wake `kv_cache`, so the trainer's states and the engine's cache are never reside
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Iterable, Protocol
 
 import torch
+
+REQUEST_WAIT: contextvars.ContextVar = contextvars.ContextVar("slime_request_wait", default=None)
+"""Set by a generate function's trajectory around its engine call to its prompt's QueueClock: an engine whose
+requests queue before they start (SGLang's pool of rollout.sglang.max_concurrency) counts that wait on it
+(`enter()` when queued, `leave()` when started), which rollout.generate_fn_timeout leaves out."""
 
 
 @dataclasses.dataclass

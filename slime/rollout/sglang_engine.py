@@ -39,7 +39,7 @@ from slime.models.adapters import adapter_for
 from slime.models.loading import context_length
 from slime.multimodal.images import to_png_base64
 from slime.multimodal.processor import MultimodalInputs, check_contexts
-from slime.rollout.engine import Generation, NamedTensors, SamplingParams
+from slime.rollout.engine import REQUEST_WAIT, Generation, NamedTensors, SamplingParams
 from slime.rollout.sglang_server import (HOST, SGLangClient, SGLangServer, SGLangServerError, check_served_family,
                                          wait_for_url)
 from slime.utils.net import address_toward, is_this_machine, local_world_size, node_address, url_host
@@ -292,11 +292,26 @@ class SGLangEngine:
 
     def _submit(self, call: "_Call", prompt: list[int], sampling: dict,
                 image_data: list[str] | None) -> concurrent.futures.Future:
+        clock = REQUEST_WAIT.get()  # a generate function's prompt: its requests' wait in the pool is not its time
+        if clock is None:
+            run, started = self._generate_one, None
+        else:
+            clock.enter()
+            started = _once(clock.leave)
+
+            def run(*args):
+                started()
+                return self._generate_one(*args)
         try:
-            return self._pool.submit(self._generate_one, call, prompt, sampling, image_data)
+            job = self._pool.submit(run, call, prompt, sampling, image_data)
         except RuntimeError:  # the pool was shut down under this call (abandon() from another thread)
+            if started is not None:
+                started()
             raise concurrent.futures.CancelledError(
                 "this SGLang engine was abandoned (after an error) while generate() was queuing requests") from None
+        if started is not None:
+            job.add_done_callback(lambda _: started())  # cancelled before it started
+        return job
 
     def _new_rid(self, call: "_Call", old: str | None = None) -> str:
         """A request id, registered with `call` for abort(); unique across engines and jobs that share a server (it
@@ -646,6 +661,16 @@ def _image_data(mm: MultimodalInputs | None) -> list[str] | None:
     if mm.images is None:
         raise ValueError("image-text prompt without its images: SGLang needs them (MultimodalInputs.images)")
     return [f"data:image/png;base64,{to_png_base64(img)}" for img in mm.images]
+
+
+def _once(fn: Callable[[], None]) -> Callable[..., None]:
+    """`fn` on the first call only (from any thread)."""
+    lock = threading.Lock()
+
+    def call(*_) -> None:
+        if lock.acquire(blocking=False):
+            fn()
+    return call
 
 
 def _wait_for_all_or_a_failure(jobs: list[concurrent.futures.Future], every: float | None = None,
