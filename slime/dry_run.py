@@ -218,7 +218,7 @@ def report(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> str:
         return f"{b / GIB:.1f} GiB" if b >= GIB else f"{b / 2**20:.1f} MiB"
 
     def count(n: int) -> str:
-        return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
+        return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
 
     lines = [
         f"model {cfg.model.path}: {count(p['params'])} parameters (largest layer {count(p['largest_layer'])})",

@@ -60,7 +60,7 @@ def test_a_small_models_figures_are_in_units_that_show_them(capsys):
     """The CPU examples' dry run printed "0.000B parameters" and every memory figure as 0.0 GiB."""
     run_py_main()(["--config", str(REPO / "examples/cpu_tiny_grpo.yaml"), "--dry-run", "--num-gpus", "2"])
     out = capsys.readouterr().out
-    assert "model assets/tiny-arith: 0.1M parameters (largest layer 16.7K)" in out, out
+    assert "model assets/tiny-arith: 107.7K parameters (largest layer 16.7K)" in out, out
     assert " 0.0 GiB" not in out and "actor states 1.0 MiB" in out, out
 
 

@@ -90,7 +90,7 @@ def test_a_step_without_a_token_to_learn_from_is_said(model, task_dir, tmp_path)
     # means over no token are null, not 0 (an entropy of 0 in the plot); sums and the loss stay numbers
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["train/entropy"] is None and row["train/pg_clipfrac"] is None and \
-        row["rollout/train_logprob_abs_diff"] is None, row
+        row["rollout/train_logprob_abs_diff"] is None and row["adv/adv_abs_mean"] is None, row
     assert row["train/loss"] == 0.0 and row["train/grad_norm"] == 0.0 and row["rollout/gen_tokens"] == 0, row
 
 
@@ -170,7 +170,7 @@ def test_a_prompt_longer_than_a_micro_batch_is_refused_at_start(model, tmp_path)
                   check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "1 prompt(s) are longer than a training micro-batch holds" in out, out[-3000:]
-    assert "(line 9); a step that draws one would stop. Raise train.max_tokens_per_gpu to 1" in out
+    assert f"(the prompt at {data}:9); a step that draws one would stop. Raise train.max_tokens_per_gpu to 1" in out
     assert "rollout:" not in out  # before any rollout
 
 

@@ -199,7 +199,7 @@ def test_a_row_of_a_pretty_printed_json_array_is_named_by_its_line(tmp_path, tok
         load_prompts(DataConfig(path=str(path), max_skipped_frac=1.0), tok)
     assert "p.json:6 (row 2): skipped (empty_prompt)" in caplog.text
     rows[2]["metadata"] = {}
-    path.write_text(json.dumps(rows, indent=2))
+    path.write_text(json.dumps(rows, indent=2), encoding="utf-16-le")  # no BOM: json.loads detects it, as we do
     prompts, _ = load_prompts(DataConfig(path=str(path), max_skipped_frac=1.0), tok)
     assert [p.index for p in prompts] == [0, 2]  # the row's number, as before
     assert prompts[1].where == f"the prompt at {path}:10 (row 3)"  # in a generate_fn's errors

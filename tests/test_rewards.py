@@ -455,8 +455,9 @@ def test_a_run_that_ends_while_its_math_child_scores_does_not_wait_for_it(tmp_pa
         f"def stuck(*args):\n    Path({str(started)!r}).touch()\n    time.sleep(3600)\n")
     (tmp_path / "script.py").write_text(EXIT_SCRIPT)
     try:
+        path = f"{tmp_path}:{Path(__file__).parents[1]}"  # the checkout under test, not an installed slime
         proc = subprocess.run([sys.executable, "script.py", str(started)], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=120, env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+                              timeout=120, env={**__import__("os").environ, "PYTHONPATH": path})
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the process did not exit with its math child busy: {e}")
     assert proc.returncode == 0, proc.stderr

@@ -11,6 +11,7 @@ made only when a prompt is drawn, on the rank that uses it.
 """
 from __future__ import annotations
 
+import codecs
 import collections
 import dataclasses
 import itertools
@@ -96,7 +97,7 @@ def read_json(path: Path) -> list[tuple[int, dict]]:
     try:
         data = jsonfiles.loads(raw)
     except jsonfiles.DuplicateKeyError as e:
-        if raw.lstrip()[:1] == b"[":  # one array: the row's line is named
+        if raw.removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"[":  # one array: the row's line is named
             _array_rows(raw, path)
         else:  # JSON lines, whose error names the line; or one object over many lines
             try:
@@ -108,7 +109,8 @@ def read_json(path: Path) -> list[tuple[int, dict]]:
     except UnicodeDecodeError:
         return read_jsonl(path)  # which names the byte's line
     except json.JSONDecodeError as e:
-        if raw.lstrip()[:1] == b"[":  # one array, perhaps over many lines: the parser's line is the one to name
+        if raw.removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"[":  # one array, perhaps over many lines: the
+            # parser's line is the one to name
             raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
         return read_jsonl(path)  # JSON lines (or broken JSON: the error then names the line)
     if isinstance(data, dict):  # one object, on one line or many; unless it wraps the rows or holds columns
@@ -155,7 +157,7 @@ def _array_rows(raw: bytes, path: Path) -> list[ArrayRow]:
     """The row numbers of the .json array `raw`, as ArrayRow with the line each row starts on (plain row numbers
     where the file is not UTF-8, which json.loads also reads). A key twice in a row's object raises naming it."""
     try:
-        text = raw.decode("utf-8-sig")
+        text = raw.decode(json.detect_encoding(raw)).removeprefix("\ufeff")  # as json.loads reads it
     except UnicodeDecodeError:
         return list(range(1, len(jsonfiles.loads(raw)) + 1))
     decoder, rows, line, at = jsonfiles.decoder(), [], 1, 0
@@ -501,15 +503,15 @@ def with_pixels(prompts: list[Prompt], cfg: DataConfig, processor: VLProcessor |
             images = [read_image(ref, base_dir, max_pixels=cfg.max_image_pixels, timeout=cfg.image_fetch_timeout)
                       for ref in p.images]
         except ImageError as e:
-            logger.warning("%s:%d: skipped when drawn (%s): %s", path, p.index + 1, e.reason, e)
+            logger.warning("%s: skipped when drawn (%s): %s", p.source or f"{path}:{p.index + 1}", e.reason, e)
             skipped[e.reason] += 1
             continue
         mm = processor.pixels(images)
         tokens = (mm.image_grid_thw.prod(-1) // processor.merge ** 2).tolist()
         runs = [len(list(run)) for token, run in itertools.groupby(p.prompt_ids) if token == processor.image_token_id]
         if tokens != runs:  # a file replaced by one of another size (or two swapped): features would go astray
-            logger.warning("%s:%d: skipped when drawn (changed_since_load): its images now make %s image tokens, "
-                           "the prompt was tokenised with %s", path, p.index + 1, tokens, runs)
+            logger.warning("%s: skipped when drawn (changed_since_load): its images now make %s image tokens, "
+                           "the prompt was tokenised with %s", p.source or f"{path}:{p.index + 1}", tokens, runs)
             skipped["changed_since_load"] += 1
             continue
         out.append(dataclasses.replace(p, mm=mm))

@@ -40,8 +40,8 @@ def _global_scalars(samples: list[Sample], scores: torch.Tensor, dims: ParallelD
 
 def _token_means(sums: dict[str, torch.Tensor], count: torch.Tensor, dims: ParallelDims) -> dict[str, float]:
     g = dims.all_reduce_tensors({**sums, "_count": count})
-    n = max(g.pop("_count"), 1.0)
-    return {k: v / n for k, v in g.items()}
+    n = g.pop("_count")
+    return {k: v / n if n else float("nan") for k, v in g.items()}  # no loss token: NaN (null), as train/'s
 
 
 def _whiten_over_ranks(x: torch.Tensor, mask: torch.Tensor, dims: ParallelDims) -> torch.Tensor:

@@ -196,8 +196,8 @@ def check_prompts_fit(prompts: list, cfg: Config) -> None:
         longest = max(over, key=lambda p: len(p.prompt_ids))
         n = len(longest.prompt_ids)
         raise ValueError(f"{cfg.data.path}: {len(over)} prompt(s) are longer than a training micro-batch holds "
-                         f"(parallel.sp x train.max_tokens_per_gpu = {budget} tokens), the longest {n} tokens (line "
-                         f"{longest.index + 1}); a step that draws one would stop. Raise train.max_tokens_per_gpu to "
+                         f"(parallel.sp x train.max_tokens_per_gpu = {budget} tokens), the longest {n} tokens "
+                         f"({longest.where}); a step that draws one would stop. Raise train.max_tokens_per_gpu to "
                          f"{-(-(n + cfg.rollout.max_response_len - 1) // cfg.parallel.sp)} (that prompt with "
                          f"rollout.max_response_len), or set data.max_prompt_len below {budget} to drop them")
 
