@@ -205,6 +205,17 @@ def test_a_row_of_a_pretty_printed_json_array_is_named_by_its_line(tmp_path, tok
     assert prompts[1].where == f"the prompt at {path}:10 (row 3)"  # in a generate_fn's errors
 
 
+def test_a_rows_metadata_may_not_hold_the_keys_the_rollout_writes(tmp_path, tok):
+    """A row's metadata "turns" was logged as rollout/turns (a text value crashed the first step), its
+    "reward_info" as reward/* metrics."""
+    for key in ("turns", "reward_info", "weight_version"):
+        path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1=", "metadata": {"source": "x"}},
+                                                  {"prompt": "2+2=", "metadata": {key: "multi"}}])
+        with pytest.raises(ValueError, match=rf"p.jsonl:2: field 'metadata' holds \['{key}'\], which the rollout "
+                                             r"writes into each sample's metadata itself"):
+            load_prompts(DataConfig(path=str(path)), tok)
+
+
 def test_a_key_twice_in_a_row_is_an_error_naming_the_row(tmp_path, tok):
     """json keeps a key's last value: the first prompt (or label) the user wrote would be dropped without a word."""
     row = '{"prompt": "1+1=", "label": "2", "prompt": "2+2="}'

@@ -32,6 +32,11 @@ from slime.utils import jsonfiles
 logger = logging.getLogger(__name__)
 
 
+RESERVED_METADATA = frozenset({"turns", "reward_info", "weight_version"})
+"""Keys the rollout sets in a sample's metadata (a generate function's turns, reward functions' extra numbers,
+the engine's weight version): a row's own metadata may not hold them."""
+
+
 @dataclasses.dataclass
 class Prompt:
     prompt_ids: list[int]
@@ -464,6 +469,10 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
         meta = {} if meta is None else meta
         if not isinstance(meta, dict):
             raise TypeError(f"{path}:{line}: field '{cfg.metadata_key}' must be an object, got {type(meta).__name__}")
+        taken = sorted(RESERVED_METADATA & meta.keys())
+        if taken:  # a row's "turns" was logged as rollout/turns (text crashed the step), its reward_info as reward/
+            raise ValueError(f"{path}:{line}: field '{cfg.metadata_key}' holds {taken}, which the rollout writes into "
+                             f"each sample's metadata itself ({', '.join(sorted(RESERVED_METADATA))}): rename them")
         prompts.append(Prompt(ids, text, row.get(cfg.label_key), meta, line - 1, images=refs, source=f"{path}:{line}"))
     bad = sum(report.skipped.values())
     if bad:
