@@ -59,6 +59,11 @@ def test_sft_then_grpo_writes_eval_before_and_after_and_plot(tmp_path):
     assert "evaluating after step 2" in proc.stdout and "saving the checkpoint of step 2" in proc.stdout
     assert f"exporting the HF model of step 2 to {rl_dir / 'hf'}" in proc.stdout
     assert "train.cpu_malloc=retain: " in proc.stdout  # the CPU default (tests/test_cpu_malloc.py: its effect)
+    documented = (REPO / "docs/metrics.md").read_text()
+    for key in {k for r in rows + sft for k in r if k != "step"}:  # every key logged is explained there
+        prefix = key.split("/")[0] + "/"
+        assert f"`{key}`" in documented or key.startswith(("data/skipped_", "eval/skipped_")) and \
+            f"`{prefix}skipped_<reason>`" in documented, key
     assert (rl_dir / "metrics.png").read_bytes().startswith(PNG_MAGIC)
 
 
