@@ -561,6 +561,32 @@ def test_a_rank_stuck_after_a_stop_signal_prints_where_and_exits(tmp_path):
     assert early.returncode == 143 and "SIGTERM received during start-up: stopping" in early.stderr, early.stderr
 
 
+SECOND_SIGNAL = """
+import os, signal, sys
+from slime.utils.logging import setup_logging
+from slime.utils.signals import StopRequest
+setup_logging()
+stop = StopRequest.install()
+stop.in_loop = True
+os.kill(os.getpid(), signal.SIGTERM)
+stop.step_ended()
+if sys.argv[1] == "saved":
+    stop.saved = "runs/x/checkpoints/step_3"
+os.kill(os.getpid(), signal.SIGTERM)  # a launcher passing on another rank's exit
+"""
+
+
+def test_a_second_signal_after_the_stop_saved_says_the_checkpoint_is_saved():
+    """On a stop the first rank to exit (143) made the launcher signal the others again: one still stopping its
+    SGLang server said "exiting now without saving" after the checkpoint was written."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for case, said in (("saved", "second signal (SIGTERM): exiting now; the checkpoint runs/x/checkpoints/step_3 is "
+                                 "saved"), ("not", "second signal (SIGTERM): exiting now without saving")):
+        done = subprocess.run([sys.executable, "-c", SECOND_SIGNAL, case], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 143 and said in done.stdout + done.stderr, done.stdout + done.stderr
+
+
 # -- hangs -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fn", ["sleeps", "sleeps_async"])

@@ -456,6 +456,7 @@ def run(cfg: Config) -> dict:
                         (cfg.checkpoint.save_final and done == cfg.train.num_steps):
                     saved = checkpoint(done)
                 if stopping and done < cfg.train.num_steps:
+                    stop.saved = str(saved)
                     log.close()
                     logger.warning("stopped by signal after step %d of %d; checkpoint %s saved. Run the same command "
                                    "again to continue from it", done, cfg.train.num_steps, saved)
@@ -463,6 +464,9 @@ def run(cfg: Config) -> dict:
                         ahead.close()
                     if engine is not None:
                         engine.shutdown()
+                    # together: a rank that exits first (143) makes the launcher signal the others again, one of
+                    # them perhaps still stopping its SGLang server
+                    dims.barrier()
                     raise Stopped(stop.exit_code)
         if ahead is not None:
             ahead.close()

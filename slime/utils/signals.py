@@ -43,6 +43,7 @@ class StopRequest:
         self.signum: int | None = None
         self.stuck_after_s = stuck_after_s
         self.in_loop = False  # before the first step there is nothing to finish or save: a signal exits at once
+        self.saved: str | None = None  # the checkpoint the stop saved (a second signal then loses nothing)
 
     @classmethod
     def install(cls) -> "StopRequest":
@@ -62,7 +63,11 @@ class StopRequest:
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.signum is not None:
-            logger.error("second signal (%s): exiting now without saving", name)
+            if self.saved:  # a launcher passing on another rank's exit code, say
+                logger.warning("second signal (%s): exiting now; the checkpoint %s is saved", name, self.saved)
+            else:
+                logger.error("second signal (%s): exiting now without saving", name)
+            logging.shutdown()
             os._exit(128 + signum)
         self.signum = signum
         if not self.in_loop:  # start-up (models loading, servers starting): unwind, so cleanups run (servers)
