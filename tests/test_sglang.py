@@ -1300,3 +1300,28 @@ def test_a_generate_functions_requests_waiting_in_the_engines_pool_are_not_its_t
     first.join(60)
     second.join(60)
     assert waiting == 1 and ctx.queue._waiting == 0 and ctx.queue.seconds() > 0
+
+
+def test_no_abort_is_sent_once_the_engine_is_abandoned():
+    """After an error, abandon() killed the servers while the other generate() calls went on re-sending their aborts
+    every 0.5 s: each waited on the dead server and logged that it "does not answer /health (stopped, or hung)",
+    beside the real error, and held the exit ~5 s."""
+    from slime.rollout.sglang_engine import _Call
+
+    posts = []
+
+    class Client:
+        url = "http://127.0.0.1:30000"
+
+        def post(self, path, body, **kw):
+            posts.append(path)
+
+    engine = bare_engine(Client())
+    engine._servers = []
+    call = _Call()
+    call.inflight["r1"] = engine.client
+    engine._calls.add(call)
+    engine.abandon()
+    assert posts == ["/abort_request"] and call.aborted  # aborted while the servers were up
+    engine._abort_again(call)  # what the waiting call does every ABORT_AGAIN_S
+    assert posts == ["/abort_request"]

@@ -146,6 +146,7 @@ class _Call:
 class SGLangEngine:
     thread_safe = True  # requests go out over a pooled HTTP session: callers may generate concurrently
     ABORT_AGAIN_S = 0.5  # an aborted call's requests still in flight are aborted again this often (see _abort_again)
+    _abandoned = False  # abandon() stopped the servers: no abort is sent after (each waited on a dead server)
     def __init__(self, cfg: SGLangConfig, model_cfg, tokenizer, dims, *, log_dir: str | None = None, seed: int = 0):
         from slime.models.loading import resolve_dtype
 
@@ -396,7 +397,8 @@ class SGLangEngine:
         aborted, and this rank's servers stopped, so no request thread waits on them."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.abort()
-        self._kill_servers()
+        self._abandoned = True  # the calls still waiting would abort again every ABORT_AGAIN_S, each warning
+        self._kill_servers()  # that the killed server "does not answer /health (stopped, or hung)"
 
     def _abort_calls(self, calls: list["_Call"]) -> None:
         with self._lock:
@@ -420,6 +422,9 @@ class SGLangEngine:
     def _abort_rids(self, inflight: dict[str, SGLangClient]) -> None:
         """All at once: one after another, a server that no longer answers held the caller 10 s per request (64
         requests in flight: over 10 minutes)."""
+        if self._abandoned:
+            return
+
         def abort(rid: str, client: SGLangClient) -> None:
             try:
                 client.post("/abort_request", {"rid": rid}, timeout=10, retries=0)
