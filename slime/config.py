@@ -604,7 +604,7 @@ class Config:
                        "under algo.policy_loss=sft)")
         if sft:
             unused = given(self.algo.tis, "algo.tis", ("level",)) + given(
-                self.rollout, "rollout", ("dynamic_sampling", "one_step_off")) + given(
+                self.rollout, "rollout", ("dynamic_sampling", "one_step_off", "n_samples_per_prompt")) + given(
                 self.rollout.overlong_penalty, "rollout.overlong_penalty", ("max_len",))
             if unused:
                 out.append(f"{', '.join(unused)} ignored: algo.policy_loss=sft trains on the labels, with no "

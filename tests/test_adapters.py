@@ -218,6 +218,25 @@ def test_a_shard_the_disk_cannot_take_names_the_file_and_the_free_space(tmp_path
     assert not (tmp_path / ".out.partial").exists()
 
 
+def test_an_export_stops_at_the_turn_end_the_run_trained(tmp_path):
+    """A model trained to end its reply with a chat template's end of turn that is not EOS (<|im_end|> on a base
+    model) was exported with the base generation config: HF's generate ran on past every turn end."""
+    import json
+
+    from transformers import GenerationConfig
+
+    from slime.models.export import save_hf_dir
+
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model(tmp_path / "m", arch="qwen3", seed=0))
+    eos = model.generation_config.eos_token_id
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    save_hf_dir(tmp_path / "out", state, model=model, stop_ids=(7,))
+    assert GenerationConfig.from_pretrained(tmp_path / "out").eos_token_id == [eos, 7]
+    assert model.generation_config.eos_token_id == eos  # the trainer's own model is left as it was
+    save_hf_dir(tmp_path / "plain", state, model=model)
+    assert json.loads((tmp_path / "plain/generation_config.json").read_text())["eos_token_id"] == eos
+
+
 def test_an_export_folder_that_cannot_be_made_is_named(tmp_path, monkeypatch):
     """A read-only run folder gave Python's bare PermissionError (run as root here: the denial is simulated)."""
     from pathlib import Path

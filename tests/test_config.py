@@ -490,9 +490,9 @@ def test_settings_the_run_never_reads_are_warned_at_start(caplog):
                      "rollout.over_sample_factor=2.0 ignored: they set how rollout.dynamic_sampling=true draws again"]
     assert [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()] == lines
     sft = build(algo=AlgoConfig(policy_loss="sft", tis=TISConfig(level="token"), critic=CriticConfig(lr=1e-4)),
-                rollout=RolloutConfig(dynamic_sampling=True, n_samples_per_prompt=4,
+                rollout=RolloutConfig(dynamic_sampling=True, n_samples_per_prompt=8,
                                       overlong_penalty=OverlongPenaltyConfig(max_len=8, buffer_len=4)))
-    assert any(line.startswith("algo.tis.level='token', rollout.dynamic_sampling=True, "
+    assert any(line.startswith("algo.tis.level='token', rollout.n_samples_per_prompt=8, rollout.dynamic_sampling=True, "
                                "rollout.overlong_penalty.max_len=8 ignored: algo.policy_loss=sft")
                for line in sft.ignored_settings())
     assert build(algo=AlgoConfig(advantage_estimator="gae", critic=CriticConfig(lr=1e-4))).ignored_settings() == []

@@ -288,6 +288,13 @@ def test_sft_labels_are_text(tmp_path, tok):
         prompts, report = load_prompts(DataConfig(path=str(fit), max_skipped_frac=0.5), tok, label_required=True,
                                        label_is_text=True, max_sample_len=(limit, "train.max_tokens_per_gpu"))
         assert len(prompts) == count and report.skipped["label_too_long"] == 2 - count
+    # A prompt past data.max_prompt_len is dropped as too long (as for RL), not a bad row counted against
+    # data.max_skipped_frac because its label made the row too long as well
+    both = write_jsonl(tmp_path / "both.jsonl", [{"prompt": "1+1=", "label": "2"},
+                                                 {"prompt": "2+2=" * 10, "label": "4" * 40}])
+    prompts, report = load_prompts(DataConfig(path=str(both), max_prompt_len=20, max_skipped_frac=0.0), tok,
+                                   label_required=True, label_is_text=True, max_sample_len=(30, "budget"))
+    assert [p.label for p in prompts] == ["2"] and report.too_long == 1 and not report.skipped
 
 
 @pytest.mark.parametrize("row, message", [

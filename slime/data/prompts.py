@@ -443,8 +443,8 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
             if label_is_text and label is not None and (isinstance(label, bool) or not isinstance(label, (str, int, float))):
                 raise ValueError(f"{path}:{line}: SFT learns the label's text as the response, but '{cfg.label_key}' is "
                                  f"a {type(label).__name__} ({str(label)[:60]}); give one string")
-            if label_is_text and max_sample_len is not None and label is not None:
-                limit, key = max_sample_len
+            if label_is_text and max_sample_len is not None and label is not None and len(ids) <= cfg.max_prompt_len:
+                limit, key = max_sample_len  # (a prompt past data.max_prompt_len is dropped as too long, below)
                 # prompt + label: its row in a micro-batch (the EOS after the label is a target only, Sample.row_len)
                 n = len(ids) + len(tokenizer(str(label), add_special_tokens=False).input_ids)
                 if n > limit:

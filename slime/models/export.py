@@ -21,10 +21,12 @@ EXPORT_MARKER = "slime_export.json"  # written last: the step the export holds
 
 
 def save_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], *, model, extra_savers: Iterable = (),
-                max_shard_size: str = "5GB", marker: dict | None = None, config_updates: dict | None = None) -> Path:
+                max_shard_size: str = "5GB", marker: dict | None = None, config_updates: dict | None = None,
+                stop_ids: Iterable[int] = ()) -> Path:
     """Safetensors shards (+ index when several) of `state`, the model's config (with `config_updates`, where
-    None removes the key: the trainer's use_cache=False is not the model's) and generation config, and whatever
-    `extra_savers` (tokenizer, processor) write with their own `save_pretrained`."""
+    None removes the key: the trainer's use_cache=False is not the model's) and generation config (`stop_ids`
+    added to its eos_token_id: the chat template's end of turn the run trained the model to end with, where it is
+    not EOS), and whatever `extra_savers` (tokenizer, processor) write with their own `save_pretrained`."""
     final = Path(out_dir)
     # Written whole beside the folder, then renamed into place: a kill or a full disk mid-way leaves the earlier
     # export (or none) as it was, never a folder of some new shards (or an old shard read with new ones).
@@ -62,7 +64,12 @@ def save_hf_dir(out_dir: str | Path, state: dict[str, torch.Tensor], *, model, e
                 delattr(config, key)
         config.save_pretrained(out)
         if getattr(model, "generation_config", None) is not None and model.can_generate():
-            model.generation_config.save_pretrained(out)
+            generation = model.generation_config
+            if stop_ids:  # HF's generate would run on past the turn end
+                generation, eos = copy.deepcopy(generation), generation.eos_token_id
+                eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+                generation.eos_token_id = list(dict.fromkeys([*eos, *stop_ids]))
+            generation.save_pretrained(out)
         for saver in extra_savers:
             saver.save_pretrained(out)
         if marker is not None:

@@ -243,8 +243,9 @@ def run(cfg: Config) -> dict:
     data = PromptSource(cfg.data, tokenizer, batch_size=cfg.rollout.batch_size, dp_rank=dims.dp_rank,
                         dp_size=dims.dp, seed=cfg.train.seed, processor=processor,
                         label_required=sft or needs_label(cfg.rollout.reward.fn), label_is_text=sft,
-                        max_sample_len=(cfg.train.max_tokens_per_gpu * cfg.parallel.sp,
-                                        "parallel.sp x train.max_tokens_per_gpu") if sft else None)
+                        max_sample_len=(cfg.train.max_tokens_per_gpu * cfg.parallel.sp,  # packing's budget only
+                                        "parallel.sp x train.max_tokens_per_gpu")
+                        if sft and cfg.train.packing else None)
     if dims.world_size > 1:  # every rank loaded the file on its own: the same list everywhere, or none draws right
         dropped = data.keep_only(rows_on_every_rank(data.prompts, dims))
         if dropped:
@@ -485,7 +486,7 @@ def run(cfg: Config) -> dict:
         stop.step_ended()  # a stop that came during the last step's save: the export takes the time it needs
         savers = [tokenizer] + ([processor.image_processor] if processor is not None else [])
         logger.info("exporting the HF model of step %d to %s", final_step, run_dir / "hf")
-        actor.export_hf(str(run_dir / "hf"), *savers, bucket_mb=bucket_mb, step=final_step)
+        actor.export_hf(str(run_dir / "hf"), *savers, bucket_mb=bucket_mb, step=final_step, stop_ids=data.turn_end)
     log.close()
     if dims.is_main and (run_dir / "metrics.jsonl").is_file():
         plot = plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png") if cfg.log.plot else "off (log.plot)"

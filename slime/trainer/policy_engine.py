@@ -439,9 +439,11 @@ class PolicyEngine:
         return iter_gathered_buckets(expert_units(hf.named_parameters()), bucket_bytes=int(bucket_mb * 2**20),
                                      to_checkpoint=lambda named: self.adapter.to_checkpoint(hf, experts(named)))
 
-    def export_hf(self, out_dir: str, *savers, bucket_mb: float = 64.0, step: int | None = None) -> None:
+    def export_hf(self, out_dir: str, *savers, bucket_mb: float = 64.0, step: int | None = None,
+                  stop_ids: tuple[int, ...] = ()) -> None:
         """Write an HF model directory that `from_pretrained` and SGLang load (collective; rank 0 writes).
-        `savers`: objects with save_pretrained (tokenizer, processor); `step` is recorded with it."""
+        `savers`: objects with save_pretrained (tokenizer, processor); `step` is recorded with it; `stop_ids` join
+        the generation config's eos_token_id (save_hf_dir)."""
         state = {}
         for bucket in self.gathered_weight_buckets(bucket_mb):
             if self.dims.is_main:
@@ -449,5 +451,5 @@ class PolicyEngine:
         if self.dims.is_main:
             save_hf_dir(out_dir, state, model=self.engine.module.hf, extra_savers=savers,
                         marker=None if step is None else {"step": step},
-                        config_updates={"use_cache": self._use_cache})
+                        config_updates={"use_cache": self._use_cache}, stop_ids=stop_ids)
         self.dims.barrier()
