@@ -15,7 +15,7 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import yaml
 
@@ -869,6 +869,13 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
                 _coerce(value, tp, key)
             except (TypeError, ValueError):  # text YAML reads as something else: data.system_prompt=Answer: 42
                 value = text.strip()  # (a mapping), =no (false), =1.0 (a number)
+        if dataclasses.is_dataclass(_field_type(key.strip())):  # a section: `train={seed: 3}` replaced the YAML's
+            if not isinstance(value, dict):  # whole train section (lr, steps, ... back to their defaults, unsaid)
+                raise ValueError(f"override '{item}': {key.strip()} is a section; set its keys ({key.strip()}.KEY="
+                                 "VALUE), or give a mapping of them, which updates those keys only")
+            for dotted, v in _section_items(key.strip(), value):
+                _set_dotted(raw, dotted, v)
+            continue
         _set_dotted(raw, key.strip(), value)
     for dotted in PATH_KEYS:  # a shell leaves "~" in `log.run_dir=~/runs` (not a variable name) and YAML always does
         *sections, key = dotted.split(".")
@@ -878,6 +885,16 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         if isinstance(node, dict) and isinstance(node.get(key), str) and node[key].startswith("~"):
             node[key] = os.path.expanduser(node[key])
     return _build(Config, raw)
+
+
+def _section_items(section: str, mapping: dict) -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of each key a mapping given for `section` sets, through its subsections."""
+    for key, value in mapping.items():
+        dotted = f"{section}.{key}"
+        if isinstance(value, dict) and dataclasses.is_dataclass(_field_type(dotted)):
+            yield from _section_items(dotted, value)
+        else:
+            yield dotted, value
 
 
 def _field_type(dotted: str) -> Any:

@@ -88,7 +88,7 @@ def test_int_is_accepted_for_float():
     ("train.max_tokens_per_gpu=0", ["train.max_tokens_per_gpu"]),
     ("parallel.sp=0", ["parallel.sp"]),
     ("parallel.ep=0", ["parallel.ep"]),
-    ("train=3", ["train must be a mapping"]),
+    ("train=3", ["override 'train=3': train is a section; set its keys"]),
     ("eval.interval=0", ["eval.interval=0", ">= 1"]),
     ("eval.max_prompts=-2", ["eval.max_prompts=-2"]),
     ("rollout.max_response_len=0", ["rollout.max_response_len=0"]),
@@ -443,6 +443,19 @@ def test_gspo_with_ppo_sized_clips_is_warned_about(caplog):
                            "algo.clip_high=4e-4", "algo.loss_agg=seq_mean_token_mean"])
         load_config(None, ["model.path=m", "data.path=d.jsonl"])  # PPO's 0.2 is PPO's
     assert "GSPO" not in caplog.text
+
+
+def test_a_sections_mapping_on_the_command_line_updates_its_keys_only(tmp_path):
+    """`train={seed: 3}` replaced the YAML's whole train section: lr, steps and schedule went back to their
+    defaults, unsaid; `train=null` reset it."""
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {path: m}\ndata: {path: d.jsonl}\ntrain: {lr: 3.0e-4, num_steps: 7}\n"
+                    "rollout: {reward: {fn: {math: 1.0}}}\n")
+    cfg = load_config(path, ["train={seed: 3}", "rollout={reward: {fn: {format: 1.0}}, batch_size: 8}"])
+    assert (cfg.train.seed, cfg.train.lr, cfg.train.num_steps) == (3, 3e-4, 7)
+    assert cfg.rollout.reward.fn == {"format": 1.0} and cfg.rollout.batch_size == 8  # a field's mapping replaces
+    with pytest.raises(ValueError, match=r"override 'train=null': train is a section; set its keys \(train.KEY="):
+        load_config(path, ["train=null"])
 
 
 def test_a_learning_rate_that_would_wreck_the_model_is_warned(caplog):
