@@ -590,6 +590,18 @@ class Config:
         for line in self.ignored_settings():
             logger.warning(line)
 
+    def settings(self) -> dict[str, str]:
+        """Every setting, as dotted key -> repr of its value."""
+        def flat(obj, prefix: str):
+            for f in dataclasses.fields(obj):
+                value = getattr(obj, f.name)
+                if dataclasses.is_dataclass(value):
+                    yield from flat(value, f"{prefix}{f.name}.")
+                else:
+                    yield f"{prefix}{f.name}", repr(value)
+
+        return dict(flat(self, ""))
+
     def ignored_settings(self) -> list[str]:
         """Settings given (not at their defaults) that this run never reads, each with why: warned at start, so
         that nothing a user set is dropped in silence."""

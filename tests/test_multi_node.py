@@ -2,6 +2,7 @@
 over TCP) run the same job as one node of two ranks, step for step."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -16,15 +17,18 @@ JOB = ["--config", str(REPO / "examples/cpu_tiny_grpo.yaml"), "rollout.reward.fn
        "train.max_tokens_per_gpu=64", "eval.path=null", "train.num_steps=2", "checkpoint.export_hf=false"]
 
 
-def two_nodes(args: list[str], master_addr: str = "127.0.0.1", timeout: int = 600) -> list[str]:
+def two_nodes(args: list[str], master_addr: str = "127.0.0.1", timeout: int = 600, extra=((), ()),
+              check: bool = True) -> list[str]:
     """`torchrun --nnodes 2 --nproc_per_node 1 --node_rank k` for k = 0, 1, as on two hosts (the master address
-    is the first node's); both must exit 0. Returns their output."""
+    is the first node's), node k with `extra[k]` after `args`; with `check` both must exit 0. Returns their
+    output."""
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
     with reserved_port() as port:  # held until the job ends: node 0's store listens on it
         procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node",
                                    "1", "--node_rank", str(k), "--master_addr", master_addr, "--master_port", str(port),
-                                   *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   *args, *extra[k]], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT,
                                   text=True)
                  for k in range(2)]
         try:
@@ -33,7 +37,7 @@ def two_nodes(args: list[str], master_addr: str = "127.0.0.1", timeout: int = 60
             for p in procs:
                 p.kill()
     for k, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"node {k} exited {p.returncode}:\n{out[-6000:]}"
+        assert p.returncode == 0 or not check, f"node {k} exited {p.returncode}:\n{out[-6000:]}"
     return outs
 
 
@@ -54,6 +58,18 @@ def test_two_nodes_of_one_rank_run_the_job_of_one_node_with_two(tiny_model, task
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
     assert "step 2/2" in outs[0] and "step 2/2" not in outs[1]  # rank 0 logs; the other node's rank does not
     assert (tmp_path / "two_nodes/checkpoints/step_2").is_dir()
+
+
+def test_nodes_started_with_other_settings_are_refused_naming_them(tiny_model, task_dir, tmp_path):
+    """Two nodes with another train.lr trained together to the end, exit 0, their updates diverging in silence.
+    Paths may differ (each node's own copy of the model)."""
+    copy = tmp_path / "model_copy"
+    shutil.copytree(tiny_model, copy)
+    outs = two_nodes([str(REPO / "run.py"), *JOB, f"data.path={task_dir / 'train.jsonl'}",
+                      f"log.run_dir={tmp_path / 'run'}"], extra=([f"model.path={tiny_model}"],
+                                                               [f"model.path={copy}", "train.lr=1e-3"]), check=False)
+    assert all("the ranks were started with different configs (1 key(s) differ: train.lr: rank 0 0.005, rank 1 "
+               "0.001); start every node with the same config file and overrides" in out for out in outs), outs[0]
 
 
 def test_node_addresses_and_engine_placement(monkeypatch):

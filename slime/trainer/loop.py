@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from slime.config import Config
+from slime.config import PATH_KEYS, Config
 from slime.data.prompts import PromptSource, rows_on_every_rank, sft_samples
 from slime.distributed.ds_config import read_ds_json, zero_stage
 from slime.distributed.parallel_dims import ParallelDims
@@ -124,6 +124,23 @@ def checkpoint_identity(cfg: Config) -> dict:
                       "algo.critic.lr": cfg.algo.critic.lr}}
 
 
+NODE_LOCAL = (*PATH_KEYS, "rollout.reward.fn")  # may name each node's own copy (a reward model's path, too)
+
+
+def check_same_config(cfg: Config, dims: ParallelDims) -> None:
+    """Every rank must run one config: nodes started with other settings (a train.lr, a rollout.batch_size) trained
+    together to the end, diverging in silence. Paths may differ (each node's own copy of a model, data, run dir)."""
+    mine = {k: v for k, v in cfg.settings().items() if k not in NODE_LOCAL}
+    digest = hashlib.sha256(repr(sorted(mine.items())).encode()).hexdigest()
+    if len(set(dims.all_gather_objects(digest, group=dims.world_group))) == 1:
+        return
+    every = dims.all_gather_objects(mine, group=dims.world_group)
+    differ = [k for k in mine if len({c.get(k) for c in every}) > 1]
+    shown = "; ".join(f"{k}: " + ", ".join(f"rank {r} {c.get(k)}" for r, c in enumerate(every)) for k in differ[:5])
+    raise ValueError(f"the ranks were started with different configs ({len(differ)} key(s) differ: {shown}); start "
+                     "every node with the same config file and overrides")
+
+
 def check_run_dir(cfg: Config, run_dir: Path) -> None:
     """A used run directory is continued (checkpoint.resume) or refused, never mixed into; one that cannot be
     written, or a logger that is not installed, is said before any model loads."""
@@ -221,6 +238,8 @@ def run(cfg: Config) -> dict:
             logger.info("train.cpu_malloc=retain: %s", retain_freed_memory())
     dims = ParallelDims.build(sp=cfg.parallel.sp, ep=cfg.parallel.ep,
                               timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes))
+    if dims.world_size > 1:
+        check_same_config(cfg, dims)
     seed_everything(cfg.train.seed + dims.rank)  # per-rank sampling streams, reproducible
     run_dir, sft = Path(cfg.log.run_dir), cfg.algo.policy_loss == "sft"
     check_run_dir(cfg, run_dir)
