@@ -188,6 +188,10 @@ def convert(kind: str, rows: Iterable[dict], out: Path, *, split: str = "train")
                 except KeyError as e:
                     raise ValueError(f"row {i} has no column {e}, which the {kind} converter reads; its columns: "
                                      f"{sorted(row)}. Is --source a {kind} dataset?") from None
+                except (TypeError, AttributeError) as e:  # a null or a number where the converter reads text
+                    types = {k: type(v).__name__ for k, v in row.items()}
+                    raise ValueError(f"row {i}: the {kind} converter cannot read it ({type(e).__name__}: {e}); its "
+                                     f"columns' types: {types}") from None
                 if converted is None:
                     skipped += 1
                     continue
@@ -217,6 +221,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     config = args.config or ("main" if args.kind == "gsm8k" and not Path(args.source).exists() else None)
+    if Path(args.source).is_file() and args.out.resolve() == Path(args.source).resolve():
+        sys.exit(f"convert_dataset: --out {args.out} is --source itself: the raw rows would be overwritten; write "
+                 "elsewhere")
+    if args.out.is_dir():
+        sys.exit(f"convert_dataset: --out {args.out} is a folder; name the .jsonl file to write")
     if looks_local(args.source) and not Path(args.source).exists():  # not a hub name: the hub's error would say so
         sys.exit(f"convert_dataset: --source {args.source} does not exist (a local file or folder, by its form; a "
                  "hub dataset is named owner/name)")
@@ -231,6 +240,8 @@ def main() -> None:
         written, skipped, duplicates = convert(args.kind, rows, args.out, split=args.split)
     except ValueError as e:
         sys.exit(f"convert_dataset: {args.source}: {e}")
+    except OSError as e:  # an --out that cannot be written
+        sys.exit(f"convert_dataset: cannot write --out {args.out}: {e}")
     print(f"wrote {written} rows to {args.out}; skipped {skipped} without a usable answer and {duplicates} "
           "repeating a row written before")
 

@@ -168,6 +168,26 @@ def test_a_source_of_another_kind_fails_by_name_and_leaves_no_file(tmp_path):
     assert out.read_text() == "kept\n"
 
 
+def test_a_null_or_a_number_where_text_goes_names_the_row_and_out_may_not_be_source(tmp_path):
+    """A null question or an int problem ended in a bare TypeError/AttributeError naming no row; --out equal to
+    --source overwrote the raw rows; an --out folder was a traceback."""
+    with pytest.raises(ValueError, match=r"row 1: the gsm8k converter cannot read it \(AttributeError: .*\); its "
+                                         r"columns' types: \{'question': 'NoneType', 'answer': 'str'\}"):
+        convert("gsm8k", [{"question": "1+1?", "answer": "#### 2"}, {"question": None, "answer": "#### 3"}],
+                tmp_path / "g.jsonl")
+    with pytest.raises(ValueError, match=r"row 0: the math converter cannot read it"):
+        convert("math", [{"problem": 7, "solution": r"\boxed{1}"}], tmp_path / "m.jsonl")
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text('{"question": "a?", "answer": "#### 2"}\n')
+    (tmp_path / "folder").mkdir()
+    tool = [sys.executable, str(ROOT / "data_tools" / "convert_dataset.py"), "gsm8k", "--source", str(raw)]
+    for out, words in ((raw, "is --source itself: the raw rows would be overwritten"), (tmp_path / "folder",
+                                                                                        "is a folder")):
+        done = subprocess.run(tool + ["--out", str(out)], capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 1 and words in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert raw.read_text() == '{"question": "a?", "answer": "#### 2"}\n'
+
+
 def test_null_answers_are_skipped_images_given_by_path_are_copied_and_cli_mistakes_are_one_line(tmp_path):
     """A null answer or solution aborted the whole conversion with a bare TypeError/AttributeError; geometry3k
     images given as paths (a column of paths, or the Image feature's {"bytes": None, "path": ...}) failed; a mistyped
