@@ -777,6 +777,9 @@ def _build(cls: type, raw: dict, prefix: str = "") -> Any:
                 raise ValueError(f"{full} is set twice, also by its alias {alias}; keep one")
         if full in RENAMED:
             raise ValueError(f"config key '{full}' was renamed: use {RENAMED[full]}")
+        if not isinstance(key, str):
+            raise ValueError(f"{prefix or 'the config'}: the key {key!r} is not a name (YAML reads yes/no/on/off as "
+                             f"booleans, ~ as null and digits as numbers; valid keys here: {', '.join(names)})")
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""
@@ -808,6 +811,8 @@ class _StrictLoader(yaml.SafeLoader):
         if isinstance(node, yaml.MappingNode):
             lines: dict = {}
             for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: flattened by construct_mapping
+                    continue
                 key = self.construct_object(key_node, deep=True)
                 try:
                     if key in lines:

@@ -458,6 +458,21 @@ def test_a_sections_mapping_on_the_command_line_updates_its_keys_only(tmp_path):
         load_config(path, ["train=null"])
 
 
+def test_yaml_merge_keys_load_and_a_key_that_is_not_a_name_is_said(tmp_path):
+    """`<<: *anchor` (valid YAML, read by yaml.safe_load) was refused as an unknown tag; `1: 2` or `yes: 1` under a
+    section said "'int' object is not iterable"."""
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {path: m}\ndata: {path: d.jsonl}\ntrain: {<<: {lr: 1.0e-3, num_steps: 7}, lr: 2.0e-3}\n")
+    cfg = load_config(path)
+    assert (cfg.train.lr, cfg.train.num_steps) == (2e-3, 7)
+    path.write_text("model: {path: m}\ndata: {path: d.jsonl}\ntrain: {lr: 1.0e-3, lr: 2.0e-3}\n")
+    with pytest.raises(ValueError, match="'lr' is given twice in one mapping"):
+        load_config(path)
+    path.write_text("model: {path: m}\ndata: {path: d.jsonl}\ntrain:\n  yes: 2\n")
+    with pytest.raises(ValueError, match=r"train: the key True is not a name \(YAML reads yes/no/on/off as booleans"):
+        load_config(path)
+
+
 def test_a_learning_rate_that_would_wreck_the_model_is_warned(caplog):
     """train.lr=1e4 (for 1e-4) turned the model uniform in one step, with finite numbers and no word."""
     with caplog.at_level("WARNING", logger="slime.config"):
