@@ -4,7 +4,13 @@
 # NPROC overrides the rank count (default: number of GPUs, or 2 on CPU); MASTER_PORT the rendezvous
 # port (default 29500; give each of two concurrent runs its own).
 set -euo pipefail
-config=${1:?usage: run.sh CONFIG.yaml [section.key=value ...]}
+if [[ $# -eq 0 || $1 == -h || $1 == --help ]]; then  # the header above; without arguments, as an error
+  fd=$(( $# == 0 ? 2 : 1 ))
+  { sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'
+    echo "usage: run.sh CONFIG.yaml [section.key=value ...] [--dry-run]; config keys: python run.py --help"; } >&"$fd"
+  exit $(( $# == 0 ? 2 : 0 ))
+fi
+config=$1
 shift
 if [[ $config == -* || ! -f $config ]]; then
   echo "run.sh: the first argument must be the run config (a YAML file), got '$config'" >&2

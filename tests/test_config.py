@@ -384,9 +384,12 @@ def test_yaml_errors_and_bad_launch_arguments_are_named(tmp_path):
     for cmd, words in (([sys.executable, str(REPO / "run.py"), "--config", example, "--dry-run", "--num-gpus", "0"],
                         "--num-gpus (0) must be >= 1"),
                        (["bash", str(REPO / "run.sh"), str(bad)], "run.sh: the first argument must be the run config"),
-                       (["bash", str(REPO / "run.sh"), "--dry-run", example], "got '--dry-run'")):
+                       (["bash", str(REPO / "run.sh"), "--dry-run", example], "got '--dry-run'"),
+                       (["bash", str(REPO / "run.sh")], "usage: run.sh CONFIG.yaml")):
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
         assert proc.returncode != 0 and words in proc.stderr, (cmd, proc.stderr[-500:])
+    helped = subprocess.run(["bash", str(REPO / "run.sh"), "--help"], capture_output=True, text=True, cwd=tmp_path)
+    assert helped.returncode == 0 and "usage: run.sh CONFIG.yaml" in helped.stdout, helped.stderr  # not an error
     proc = subprocess.run(["bash", str(REPO / "run.sh"), example], capture_output=True, text=True, cwd=tmp_path,
                           env={**os.environ, "NPROC": "0"})
     assert proc.returncode == 2 and "run.sh: NPROC=0 must be a rank count >= 1" in proc.stderr, proc.stderr[-500:]
