@@ -94,6 +94,18 @@ def test_a_step_without_a_token_to_learn_from_is_said(model, task_dir, tmp_path)
     assert row["train/loss"] == 0.0 and row["train/grad_norm"] == 0.0 and row["rollout/gen_tokens"] == 0, row
 
 
+def test_sft_without_packing_keeps_rows_past_the_packing_budget(model, tmp_path):
+    """train.max_tokens_per_gpu is packing's budget: with train.packing=false (padded micro-batches of
+    train.micro_batch_size samples) SFT still skipped the rows past it as label_too_long."""
+    data = tmp_path / "sft.jsonl"
+    rows = [{"prompt": f"{i}+1=", "label": str(i + 1)} for i in range(8)] + [{"prompt": "9+1=", "label": "1" * 80}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    proc = launch(model, tmp_path, tmp_path / "run", f"data.path={data}", "algo.policy_loss=sft",
+                  "train.packing=false", "train.micro_batch_size=2", "train.num_steps=1", "data.max_skipped_frac=0.0")
+    assert "label_too_long" not in proc.stdout + proc.stderr
+    assert not [k for k in read_metrics(tmp_path / "run")[0] if k.startswith("data/skipped")]
+
+
 def test_a_model_whose_packed_samples_would_not_compute_alone_is_said_before_the_models_load(model, task_dir,
                                                                                             tmp_path):
     """The loop's check_packing: dynamic rope, whose frequencies follow a packed row's largest position once a
