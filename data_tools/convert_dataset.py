@@ -221,9 +221,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     config = args.config or ("main" if args.kind == "gsm8k" and not Path(args.source).exists() else None)
-    if Path(args.source).is_file() and args.out.resolve() == Path(args.source).resolve():
-        sys.exit(f"convert_dataset: --out {args.out} is --source itself: the raw rows would be overwritten; write "
-                 "elsewhere")
+    source = Path(args.source).resolve()
+    if args.out.resolve() == source or (source.is_dir() and args.out.exists() and
+                                        args.out.resolve().is_relative_to(source)):
+        sys.exit(f"convert_dataset: --out {args.out} is --source itself, or a file in its folder: raw rows would be "
+                 "overwritten; write elsewhere")
     if args.out.is_dir():
         sys.exit(f"convert_dataset: --out {args.out} is a folder; name the .jsonl file to write")
     if looks_local(args.source) and not Path(args.source).exists():  # not a hub name: the hub's error would say so

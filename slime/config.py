@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import logging
 import math
 import os
@@ -597,8 +598,8 @@ class Config:
                 value = getattr(obj, f.name)
                 if dataclasses.is_dataclass(value):
                     yield from flat(value, f"{prefix}{f.name}.")
-                else:
-                    yield f"{prefix}{f.name}", repr(value)
+                else:  # canonical: a mapping in another key order is the same setting
+                    yield f"{prefix}{f.name}", json.dumps(value, sort_keys=True, default=repr)
 
         return dict(flat(self, ""))
 
@@ -890,7 +891,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             if not isinstance(value, dict):  # whole train section (lr, steps, ... back to their defaults, unsaid)
                 raise ValueError(f"override '{item}': {key.strip()} is a section; set its keys ({key.strip()}.KEY="
                                  "VALUE), or give a mapping of them, which updates those keys only")
-            for dotted, v in _section_items(key.strip(), value):
+            try:
+                items = list(_section_items(key.strip(), value))
+            except ValueError as e:
+                raise ValueError(f"override '{item}': {e}") from None
+            for dotted, v in items:
                 _set_dotted(raw, dotted, v)
             continue
         _set_dotted(raw, key.strip(), value)
@@ -908,7 +913,9 @@ def _section_items(section: str, mapping: dict) -> Iterator[tuple[str, Any]]:
     """(dotted key, value) of each key a mapping given for `section` sets, through its subsections."""
     for key, value in mapping.items():
         dotted = f"{section}.{key}"
-        if isinstance(value, dict) and dataclasses.is_dataclass(_field_type(dotted)):
+        if dataclasses.is_dataclass(_field_type(dotted)):
+            if not isinstance(value, dict):  # `rollout={sglang: null}` would reset that section too
+                raise ValueError(f"{dotted} is a section: give a mapping of its keys, not {value!r}")
             yield from _section_items(dotted, value)
         else:
             yield dotted, value

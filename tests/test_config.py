@@ -459,6 +459,9 @@ def test_a_sections_mapping_on_the_command_line_updates_its_keys_only(tmp_path):
     assert cfg.rollout.reward.fn == {"format": 1.0} and cfg.rollout.batch_size == 8  # a field's mapping replaces
     with pytest.raises(ValueError, match=r"override 'train=null': train is a section; set its keys \(train.KEY="):
         load_config(path, ["train=null"])
+    with pytest.raises(ValueError, match=r"override 'rollout=\{sglang: null\}': rollout.sglang is a section: give a "
+                                         r"mapping of its keys, not None"):
+        load_config(path, ["rollout={sglang: null}"])
 
 
 def test_yaml_merge_keys_load_and_a_key_that_is_not_a_name_is_said(tmp_path):
@@ -474,6 +477,14 @@ def test_yaml_merge_keys_load_and_a_key_that_is_not_a_name_is_said(tmp_path):
     path.write_text("model: {path: m}\ndata: {path: d.jsonl}\ntrain:\n  yes: 2\n")
     with pytest.raises(ValueError, match=r"train: the key True is not a name \(YAML reads yes/no/on/off as booleans"):
         load_config(path)
+
+
+def test_settings_are_one_string_per_key_whatever_a_mappings_order():
+    """What ranks compare at start (loop.check_same_config): a mapping in another key order is the same setting."""
+    a = load_config(None, ["model.path=m", "data.path=d.jsonl", "rollout.sglang.env={A: '1', B: '2'}"])
+    b = load_config(None, ["model.path=m", "data.path=d.jsonl", "rollout.sglang.env={B: '2', A: '1'}"])
+    assert a.settings() == b.settings() and a.settings()["train.lr"] == "1e-06"
+    assert a.settings() != load_config(None, ["model.path=m", "data.path=d.jsonl", "train.lr=2e-6"]).settings()
 
 
 def test_a_learning_rate_that_would_wreck_the_model_is_warned(caplog):

@@ -180,10 +180,12 @@ def test_a_null_or_a_number_where_text_goes_names_the_row_and_out_may_not_be_sou
     raw = tmp_path / "raw.jsonl"
     raw.write_text('{"question": "a?", "answer": "#### 2"}\n')
     (tmp_path / "folder").mkdir()
-    tool = [sys.executable, str(ROOT / "data_tools" / "convert_dataset.py"), "gsm8k", "--source", str(raw)]
-    for out, words in ((raw, "is --source itself: the raw rows would be overwritten"), (tmp_path / "folder",
-                                                                                        "is a folder")):
-        done = subprocess.run(tool + ["--out", str(out)], capture_output=True, text=True, cwd=tmp_path)
+    tool = [sys.executable, str(ROOT / "data_tools" / "convert_dataset.py"), "gsm8k"]
+    for source, out, words in ((raw, raw, "is --source itself, or a file in its folder"),
+                               (tmp_path, raw, "is --source itself, or a file in its folder"),
+                               (raw, tmp_path / "folder", "is a folder")):
+        done = subprocess.run(tool + ["--source", str(source), "--out", str(out)], capture_output=True, text=True,
+                              cwd=tmp_path)
         assert done.returncode == 1 and words in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert raw.read_text() == '{"question": "a?", "answer": "#### 2"}\n'
 

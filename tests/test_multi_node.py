@@ -70,6 +70,10 @@ def test_nodes_started_with_other_settings_are_refused_naming_them(tiny_model, t
                                                                [f"model.path={copy}", "train.lr=1e-3"]), check=False)
     assert all("the ranks were started with different configs (1 key(s) differ: train.lr: rank 0 0.005, rank 1 "
                "0.001); start every node with the same config file and overrides" in out for out in outs), outs[0]
+    # compared before the process groups, whose layout parallel.sp sets (they would wait out the timeout)
+    outs = two_nodes([str(REPO / "run.py"), *JOB, f"data.path={task_dir / 'train.jsonl'}", f"model.path={tiny_model}",
+                      f"log.run_dir={tmp_path / 'run2'}"], extra=([], ["parallel.sp=2"]), check=False, timeout=300)
+    assert all("parallel.sp: rank 0 1, rank 1 2" in out for out in outs), outs[0]
 
 
 def test_node_addresses_and_engine_placement(monkeypatch):

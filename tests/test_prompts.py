@@ -203,6 +203,9 @@ def test_a_row_of_a_pretty_printed_json_array_is_named_by_its_line(tmp_path, tok
     prompts, _ = load_prompts(DataConfig(path=str(path), max_skipped_frac=1.0), tok)
     assert [p.index for p in prompts] == [0, 2]  # the row's number, as before
     assert prompts[1].where == f"the prompt at {path}:10 (row 3)"  # in a generate_fn's errors
+    path.write_text('[{"prompt": "a"},\n {"prompt": "b", "prompt": "c"}]', encoding="utf-16")  # with its BOM
+    with pytest.raises(ValueError, match=r"p.json:2 \(row 2\): the key 'prompt' is given twice"):
+        load_prompts(DataConfig(path=str(path)), tok)
 
 
 def test_a_rows_metadata_may_not_hold_the_keys_the_rollout_writes(tmp_path, tok):

@@ -11,7 +11,6 @@ made only when a prompt is drawn, on the rank that uses it.
 """
 from __future__ import annotations
 
-import codecs
 import collections
 import dataclasses
 import itertools
@@ -95,6 +94,12 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
     return rows
 
 
+def _is_array(raw: bytes) -> bool:
+    """Whether a .json file's text (in the encoding json.loads detects, a BOM left out) starts with "["."""
+    text = raw[:64].decode(json.detect_encoding(raw), errors="ignore").lstrip("\ufeff \t\r\n")
+    return text[:1] == "["
+
+
 def read_json(path: Path) -> list[tuple[int, dict]]:
     """Rows of a .json file: one JSON array of objects (row numbers count from 1), or JSON lines. Read as plain
     JSON, not through `datasets`, whose column typing would turn mixed labels such as "007" and 4 into numbers."""
@@ -102,7 +107,7 @@ def read_json(path: Path) -> list[tuple[int, dict]]:
     try:
         data = jsonfiles.loads(raw)
     except jsonfiles.DuplicateKeyError as e:
-        if raw.removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"[":  # one array: the row's line is named
+        if _is_array(raw):  # one array: the row's line is named
             _array_rows(raw, path)
         else:  # JSON lines, whose error names the line; or one object over many lines
             try:
@@ -114,7 +119,7 @@ def read_json(path: Path) -> list[tuple[int, dict]]:
     except UnicodeDecodeError:
         return read_jsonl(path)  # which names the byte's line
     except json.JSONDecodeError as e:
-        if raw.removeprefix(codecs.BOM_UTF8).lstrip()[:1] == b"[":  # one array, perhaps over many lines: the
+        if _is_array(raw):  # one array, perhaps over many lines: the
             # parser's line is the one to name
             raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
         return read_jsonl(path)  # JSON lines (or broken JSON: the error then names the line)

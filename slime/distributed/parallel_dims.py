@@ -13,7 +13,7 @@ import gc
 import logging
 import os
 import pickle
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,11 @@ class ParallelDims:
 
     @classmethod
     def build(cls, *, sp: int = 1, ep: int = 1, backend: str | None = None,
-              timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> "ParallelDims":
-        """Initialise torch.distributed from the launcher's env (deepspeed/torchrun) and build groups."""
+              timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+              agree: Callable[[], None] | None = None) -> "ParallelDims":
+        """Initialise torch.distributed from the launcher's env (deepspeed/torchrun) and build groups. `agree`: a
+        check every rank runs on the world before the groups (ranks that disagree on sp would wait out the timeout
+        in new_group)."""
         import deepspeed
 
         if "RANK" not in os.environ:  # plain `python run.py`: a world of one
@@ -47,6 +50,8 @@ class ParallelDims:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not dist.is_initialized():
             deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
+        if agree is not None:
+            agree()
         world, rank = dist.get_world_size(), dist.get_rank()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if world % sp:

@@ -397,8 +397,10 @@ class SGLangEngine:
         aborted, and this rank's servers stopped, so no request thread waits on them."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.abort()
-        self._abandoned = True  # the calls still waiting would abort again every ABORT_AGAIN_S, each warning
-        self._kill_servers()  # that the killed server "does not answer /health (stopped, or hung)"
+        # the calls still waiting would abort again every ABORT_AGAIN_S, each warning that the killed server "does
+        # not answer /health (stopped, or hung)"; servers given by url (rollout.sglang.urls) live on: abort there
+        self._abandoned = bool(self._servers)
+        self._kill_servers()
 
     def _abort_calls(self, calls: list["_Call"]) -> None:
         with self._lock:

@@ -124,18 +124,25 @@ def checkpoint_identity(cfg: Config) -> dict:
                       "algo.critic.lr": cfg.algo.critic.lr}}
 
 
-NODE_LOCAL = (*PATH_KEYS, "rollout.reward.fn")  # may name each node's own copy (a reward model's path, too)
+NODE_LOCAL = PATH_KEYS  # may name each node's own copy
 
 
-def check_same_config(cfg: Config, dims: ParallelDims) -> None:
-    """Every rank must run one config: nodes started with other settings (a train.lr, a rollout.batch_size) trained
-    together to the end, diverging in silence. Paths may differ (each node's own copy of a model, data, run dir)."""
-    mine = {k: v for k, v in cfg.settings().items() if k not in NODE_LOCAL}
-    digest = hashlib.sha256(repr(sorted(mine.items())).encode()).hexdigest()
-    if len(set(dims.all_gather_objects(digest, group=dims.world_group))) == 1:
+def check_same_config(cfg: Config) -> None:
+    """Every rank must run one config (collective, on the world): nodes started with other settings (a train.lr, a
+    rollout.batch_size) trained together to the end, diverging in silence. Paths may differ (each node's own copy
+    of a model, data, run dir; a reward model's in rollout.reward.fn)."""
+    import torch.distributed as dist
+
+    mine = {k: v for k, v in cfg.settings().items() if k not in NODE_LOCAL and
+            not (k == "rollout.reward.fn" and "model:" in v)}
+    digest, world = hashlib.sha256(repr(sorted(mine.items())).encode()).hexdigest(), dist.get_world_size()
+    digests = [None] * world
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) == 1:
         return
-    every = dims.all_gather_objects(mine, group=dims.world_group)
-    differ = [k for k in mine if len({c.get(k) for c in every}) > 1]
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    differ = [k for k in sorted(set().union(*every)) if len({c.get(k) for c in every}) > 1]
     shown = "; ".join(f"{k}: " + ", ".join(f"rank {r} {c.get(k)}" for r, c in enumerate(every)) for k in differ[:5])
     raise ValueError(f"the ranks were started with different configs ({len(differ)} key(s) differ: {shown}); start "
                      "every node with the same config file and overrides")
@@ -237,9 +244,8 @@ def run(cfg: Config) -> dict:
         if cfg.train.cpu_malloc == "retain":
             logger.info("train.cpu_malloc=retain: %s", retain_freed_memory())
     dims = ParallelDims.build(sp=cfg.parallel.sp, ep=cfg.parallel.ep,
-                              timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes))
-    if dims.world_size > 1:
-        check_same_config(cfg, dims)
+                              timeout=datetime.timedelta(minutes=cfg.train.dist_timeout_minutes),
+                              agree=functools.partial(check_same_config, cfg))  # before groups that sp shapes
     seed_everything(cfg.train.seed + dims.rank)  # per-rank sampling streams, reproducible
     run_dir, sft = Path(cfg.log.run_dir), cfg.algo.policy_loss == "sft"
     check_run_dir(cfg, run_dir)
