@@ -202,7 +202,7 @@ def test_sft_samples_learn_label_then_eos(tok):
     s = samples[0]
     assert s.response_ids == tok("42", add_special_tokens=False).input_ids + [tok.eos_token_id]
     assert s.prompt_ids == [5, 6] and s.group_id == 7 and s.metadata == {"k": 1} and s.finish_reason == "stop"
-    with pytest.raises(ValueError, match="row 7 has none"):
+    with pytest.raises(ValueError, match="prompt index 7 has none"):
         sft_samples([Prompt([5], "q", None, {}, 7)], tok)
 
 
