@@ -432,8 +432,8 @@ rewards._math_in_child = stuck_math.stuck  # a sample the child never finishes s
 rewards.MATH_CHILD_LIMIT_S = 3600
 out = []
 if __name__ == "__main__":
-    threading.Thread(target=lambda: out.append(rewards.math_reward(Sample(prompt_ids=[], response_text="x", label="1"))),
-                     daemon=True).start()
+    sample = Sample(prompt_ids=[], response_text="x", label="1")
+    threading.Thread(target=lambda: out.append(rewards.math_reward(sample)), daemon=True).start()
     started = Path(sys.argv[1])
     while not started.exists():
         time.sleep(0.05)
