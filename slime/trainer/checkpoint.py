@@ -138,7 +138,8 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
         # Folders the resume fell back past (unusable: torn, corrupt) are of an abandoned timeline: left in place
         # they would count among the newest kept and push out a good one, or the one just written. Those above
         # `step` are of one as well, whoever left them.
-        stale = [p for p in saved if _step_of(p.name) > step or (p.name in set(abandoned) and p != final)]
+        abandoned = set(abandoned)
+        stale = [p for p in saved if _step_of(p.name) > step or (p.name in abandoned and p != final)]
         if stale:
             logger.warning("removing checkpoints a run skipped as unusable when it resumed from an older one: %s",
                            ", ".join(p.name for p in stale))

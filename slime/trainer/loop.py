@@ -124,16 +124,13 @@ def checkpoint_identity(cfg: Config) -> dict:
                       "algo.critic.lr": cfg.algo.critic.lr}}
 
 
-NODE_LOCAL = PATH_KEYS  # may name each node's own copy
-
-
 def check_same_config(cfg: Config) -> None:
     """Every rank must run one config (collective, on the world): nodes started with other settings (a train.lr, a
     rollout.batch_size) trained together to the end, diverging in silence. Paths may differ (each node's own copy
     of a model, data, run dir; a reward model's in rollout.reward.fn)."""
     import torch.distributed as dist
 
-    mine = {k: v for k, v in cfg.settings().items() if k not in NODE_LOCAL and
+    mine = {k: v for k, v in cfg.settings().items() if k not in PATH_KEYS and  # paths: each node's own copy
             not (k == "rollout.reward.fn" and "model:" in v)}
     digest, world = hashlib.sha256(repr(sorted(mine.items())).encode()).hexdigest(), dist.get_world_size()
     digests = [None] * world
