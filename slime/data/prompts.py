@@ -119,8 +119,7 @@ def read_json(path: Path) -> list[tuple[int, dict]]:
     except UnicodeDecodeError:
         return read_jsonl(path)  # which names the byte's line
     except json.JSONDecodeError as e:
-        if _is_array(raw):  # one array, perhaps over many lines: the
-            # parser's line is the one to name
+        if _is_array(raw):  # one array, perhaps over many lines: the parser's line is the one to name
             raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno})") from None
         return read_jsonl(path)  # JSON lines (or broken JSON: the error then names the line)
     if isinstance(data, dict):  # one object, on one line or many; unless it wraps the rows or holds columns
@@ -165,7 +164,7 @@ _JSON_SPACE = re.compile(r"[ \t\n\r]*")
 
 def _array_rows(raw: bytes, path: Path) -> list[ArrayRow]:
     """The row numbers of the .json array `raw`, as ArrayRow with the line each row starts on (plain row numbers
-    where the file is not UTF-8, which json.loads also reads). A key twice in a row's object raises naming it."""
+    where its text does not decode). A key twice in a row's object raises naming it."""
     try:
         text = raw.decode(json.detect_encoding(raw)).removeprefix("\ufeff")  # as json.loads reads it
     except UnicodeDecodeError:
