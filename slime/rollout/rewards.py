@@ -222,6 +222,13 @@ _math_pool: list = []  # the child process scoring math off the main thread, sta
 _math_lock = threading.Lock()
 
 
+def _kill_pool(pool) -> None:
+    """Kill a ProcessPoolExecutor's child and shut it down without waiting for it."""
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):  # None once the pool broke
+        proc.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
 def _kill_at_exit(pool) -> None:
     """Kill `pool`'s child when the interpreter exits. concurrent.futures joins its pools at exit, after the
     sample in their child is scored: a run ending while a thread scores one (a one-step-off batch discarded at a
@@ -229,9 +236,7 @@ def _kill_at_exit(pool) -> None:
     one runs before concurrent.futures' join; atexit's run after it (too late)."""
     def kill():
         _math_exiting.set()
-        for proc in list((getattr(pool, "_processes", None) or {}).values()):
-            proc.kill()
-        pool.shutdown(wait=False, cancel_futures=True)
+        _kill_pool(pool)
 
     try:
         threading._register_atexit(kill)
@@ -270,9 +275,7 @@ def _math_off_main(sample: Sample) -> dict[str, float]:
                 why = f"its process died ({e}); a new one scores the next"
             if not _math_exiting.is_set():  # at exit the child was killed by _kill_at_exit
                 logger.warning("math reward of sample index=%d counted as math/error: %s", sample.index, why)
-            for proc in list((getattr(pool, "_processes", None) or {}).values()):  # None once the pool broke
-                proc.kill()
-            pool.shutdown(wait=False, cancel_futures=True)
+            _kill_pool(pool)
             _math_pool.clear()
             return {"reward": 0.0, "math/pred_unparsed": 0.0, "math/error": 1.0}
 
