@@ -279,9 +279,6 @@ class CriticConfig:
     def __post_init__(self):
         if not 0 <= self.lr < float("inf"):
             raise ValueError(f"algo.critic.lr={self.lr} must be a finite number >= 0")
-        if self.lr > 0.1:
-            logger.warning("algo.critic.lr=%g: Adam moves every weight by about that much per step (typical: 1e-6 "
-                           "to 1e-4); a typo of 1e-4?", self.lr)
         if not 0 < self.value_clip < float("inf"):
             raise ValueError(f"algo.critic.value_clip={self.value_clip} must be > 0 (the clip range of the value "
                              "update around the old values) and finite")
@@ -567,6 +564,9 @@ class Config:
             if why:
                 raise ValueError(f"rollout.one_step_off=true generates while the trainer trains, which does not work "
                                  f"with {why}; change that setting or set rollout.one_step_off=false")
+        if self.trains_critic and self.algo.critic.lr > 0.1:  # without a critic: "ignored" (ignored_settings)
+            logger.warning("algo.critic.lr=%g: Adam moves every weight by about that much per step (typical: 1e-6 "
+                           "to 1e-4); a typo of 1e-4?", self.algo.critic.lr)
         if self.trains_critic and self.algo.critic.warmup_steps >= self.train.num_steps:
             raise ValueError(f"algo.critic.warmup_steps={self.algo.critic.warmup_steps} leaves no step of "
                              f"train.num_steps={self.train.num_steps} to train the actor: lower the warmup or raise "

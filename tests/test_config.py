@@ -490,9 +490,14 @@ def test_settings_are_one_string_per_key_whatever_a_mappings_order():
 def test_a_learning_rate_that_would_wreck_the_model_is_warned(caplog):
     """train.lr=1e4 (for 1e-4) turned the model uniform in one step, with finite numbers and no word."""
     with caplog.at_level("WARNING", logger="slime.config"):
-        load_config(None, ["model.path=m", "data.path=d.jsonl", "train.lr=1e4", "algo.critic.lr=2"])
+        load_config(None, ["model.path=m", "data.path=d.jsonl", "train.lr=1e4", "algo.critic.lr=2",
+                           "algo.advantage_estimator=gae"])
     assert "train.lr=10000: Adam moves every weight by about that much per step" in caplog.text
     assert "algo.critic.lr=2: Adam moves" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="slime.config"):  # no critic: said to be ignored, and nothing more
+        load_config(None, ["model.path=m", "data.path=d.jsonl", "algo.critic.lr=2"])
+    assert "algo.critic.lr=2.0 ignored" in caplog.text and "Adam moves" not in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="slime.config"):
         load_config(None, ["model.path=m", "data.path=d.jsonl", "train.lr=1e-3"])  # an SFT rate
