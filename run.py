@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from pathlib import Path
@@ -22,6 +23,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dry-run", action="store_true",
                     help="validate the config, print the layout and a memory estimate per GPU, and exit "
                          "(reads only the model's config.json)")
+    ap.add_argument("--check", action="store_true",
+                    help="validate the config and its overrides and exit (run.sh does so before it launches the "
+                         "ranks, so that a mistake is said once, not by every rank)")
     ap.add_argument("--num-gpus", type=int, default=8, help="with --dry-run: trainer ranks to plan for")
     ap.add_argument("--gpu-memory-gb", type=float, default=80.0, help="with --dry-run: memory of one GPU")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by deepspeed
@@ -29,10 +33,14 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_intermixed_args(argv)  # overrides before and after an option: all of them
     if args.num_gpus < 1 or args.gpu_memory_gb <= 0:
         ap.error(f"--num-gpus ({args.num_gpus}) must be >= 1 and --gpu-memory-gb ({args.gpu_memory_gb}) > 0")
+    if args.check:  # its warnings (settings ignored, ...) are the ranks' to log, once they have set up logging
+        logging.disable(logging.WARNING)
     try:
         cfg = load_config(args.config, args.overrides)
     except (ValueError, TypeError, FileNotFoundError) as e:
         sys.exit(f"config error: {e}")
+    if args.check:
+        return
     if args.dry_run:
         from slime.dry_run import report
 

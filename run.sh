@@ -56,6 +56,9 @@ if [[ $dry_run == 1 ]]; then
   for arg in "$@"; do [[ $arg != --dry-run ]] && args+=("$arg"); done
   exec python run.py --config "$config" --dry-run --num-gpus "$nproc" "${args[@]}"
 fi
+# A mistake in the config or an override is said here, once, before the assets below take minutes to build and
+# before every rank would print it.
+python run.py --config "$config" --check "$@" || exit 2
 # The CPU demo's model and data are made by data_tools/ on first use (deterministic, no downloads), where the
 # config or an override names them.
 wanted=$(cat "$config"; printf '%s\n' "$@")

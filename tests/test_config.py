@@ -393,6 +393,11 @@ def test_yaml_errors_and_bad_launch_arguments_are_named(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "run.sh"), example], capture_output=True, text=True, cwd=tmp_path,
                           env={**os.environ, "NPROC": "0"})
     assert proc.returncode == 2 and "run.sh: NPROC=0 must be a rank count >= 1" in proc.stderr, proc.stderr[-500:]
+    # A bad override is said once, before the ranks (each printed it) and before the assets build or the port check
+    proc = subprocess.run(["bash", str(REPO / "run.sh"), example, "train.lr=abc", "algo.critic.lr=1e-4"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("train.lr='abc' must be a number") == 1, proc.stderr[-500:]
+    assert "rank(s) on" not in proc.stderr + proc.stdout and "ignored" not in proc.stderr, proc.stderr[-500:]
 
 
 def test_an_unwritable_run_dir_or_a_missing_logger_is_said_before_anything_loads(tmp_path, monkeypatch):
