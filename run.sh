@@ -59,6 +59,23 @@ fi
 # A mistake in the config or an override is said here, once, before the assets below take minutes to build and
 # before every rank would print it.
 python run.py --config "$config" --check "$@" || exit 2
+# Rank 0 listens on MASTER_PORT: one held by another run (two runs on the default) is said here, not as torch's
+# EADDRINUSE traceback from every rank.
+port=${MASTER_PORT:-29500}
+python - "$port" <<'EOF' || exit 2
+import socket, sys
+port = sys.argv[1]
+if not port.isdigit() or not 0 < int(port) < 65536:
+    sys.exit(f"run.sh: MASTER_PORT={port} must be a TCP port number (1-65535)")
+with socket.socket() as s, socket.socket() as free:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store binds: TIME_WAIT is no obstacle
+    try:
+        s.bind(("", int(port)))
+    except OSError as e:
+        free.bind(("", 0))
+        sys.exit(f"run.sh: MASTER_PORT={port} is in use ({e.strerror}), by another run? Give this run a free port "
+                 f"of its own, e.g. MASTER_PORT={free.getsockname()[1]} bash run.sh ...")
+EOF
 # The CPU demo's model and data are made by data_tools/ on first use (deterministic, no downloads), where the
 # config or an override names them.
 wanted=$(cat "$config"; printf '%s\n' "$@")
@@ -87,23 +104,6 @@ if grep -q "data/smollm2-135m-hf" <<< "$wanted" && [[ ! -f data/smollm2-135m-hf/
 fi
 
 echo "run.sh: $nproc rank(s) on $([[ $gpus -gt 0 ]] && echo GPU || echo CPU/gloo)"
-# Rank 0 listens on MASTER_PORT: one held by another run (two runs on the default) is said here, not as torch's
-# EADDRINUSE traceback from every rank.
-port=${MASTER_PORT:-29500}
-python - "$port" <<'EOF' || exit 2
-import socket, sys
-port = sys.argv[1]
-if not port.isdigit() or not 0 < int(port) < 65536:
-    sys.exit(f"run.sh: MASTER_PORT={port} must be a TCP port number (1-65535)")
-with socket.socket() as s, socket.socket() as free:
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store binds: TIME_WAIT is no obstacle
-    try:
-        s.bind(("", int(port)))
-    except OSError as e:
-        free.bind(("", 0))
-        sys.exit(f"run.sh: MASTER_PORT={port} is in use ({e.strerror}), by another run? Give this run a free port "
-                 f"of its own, e.g. MASTER_PORT={free.getsockname()[1]} bash run.sh ...")
-EOF
 
 # The launcher runs in a process group of its own (job control), and a SIGTERM or SIGINT sent to this
 # script (a scheduler, `kill PID`, Ctrl-C) is passed on to every rank at once: each finishes its step,

@@ -838,7 +838,8 @@ def test_run_sh_launches_on_the_visible_gpus(tmp_path):
     stubs = tmp_path / "bin"
     stubs.mkdir()
     (stubs / "python").write_text(f'#!/bin/sh\nif [ "$1" = -c ] && echo "$2" | grep -q device_count; then '
-                                  f'echo 4; exit 0; fi\nexec {real_python} "$@"\n')
+                                  f'echo 4; exit 0; fi\ncase "$1" in data_tools/*) echo "$1" >> {tmp_path}/built; '
+                                  f'exit 0;; esac\nexec {real_python} "$@"\n')  # an asset build: recorded only
     (stubs / "deepspeed").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/args\ntouch "$SLIME_DONE_FILE"\n')
     for stub in stubs.iterdir():
         stub.chmod(0o755)
@@ -848,9 +849,9 @@ def test_run_sh_launches_on_the_visible_gpus(tmp_path):
         base["PATH"] = f"{stubs}:{base['PATH']}"
         base["MASTER_PORT"] = str(port)
 
-        def launch(**env):
-            out = subprocess.run(["bash", str(REPO / "run.sh"), str(REPO / "examples/cpu_tiny_grpo.yaml")],
-                                 env={**base, **env}, capture_output=True, text=True, timeout=60)
+        def launch(*overrides, **env):
+            out = subprocess.run(["bash", str(REPO / "run.sh"), str(REPO / "examples/cpu_tiny_grpo.yaml"),
+                                  *overrides], env={**base, **env}, capture_output=True, text=True, timeout=60)
             return out, (tmp_path / "args").read_text().split() if out.returncode == 0 else None
 
         out, args = launch()
@@ -864,7 +865,8 @@ def test_run_sh_launches_on_the_visible_gpus(tmp_path):
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             busy = taken.getsockname()[1]
-            out, _ = launch(MASTER_PORT=str(busy))
+            out, _ = launch("data.path=data/arith-chat/none.jsonl", MASTER_PORT=str(busy))
         assert out.returncode == 2 and f"run.sh: MASTER_PORT={busy} is in use" in out.stderr
+        assert not (tmp_path / "built").exists()  # said before an asset's build (minutes for some), not after
         assert "Give this run a free port of its own, e.g. MASTER_PORT=" in out.stderr
         assert launch(MASTER_PORT="29x")[0].returncode == 2
