@@ -784,6 +784,8 @@ def _build(cls: type, raw: dict, prefix: str = "") -> Any:
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""
+            if not prefix:  # a section that only holds anchors
+                hint += "; a top-level section that holds YAML anchors only is named x-SOMETHING"
             raise ValueError(f"unknown config key '{full}'{hint} (valid keys here: {', '.join(names)})")
         kwargs[key] = _coerce(value, hints[key], full)
     try:
@@ -871,6 +873,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ValueError(f"{path} is not valid YAML: {e}") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
+        # A top-level `x-NAME:` holds YAML anchors for the sections to merge (`<<: *NAME`), as in docker compose
+        # files: read through its aliases, so it is no setting of its own.
+        raw = {k: v for k, v in raw.items() if not (isinstance(k, str) and k.startswith("x-"))}
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override '{item}' must look like section.key=value")

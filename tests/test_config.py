@@ -482,6 +482,13 @@ def test_yaml_merge_keys_load_and_a_key_that_is_not_a_name_is_said(tmp_path):
     path.write_text("model: {path: m}\ndata: {path: d.jsonl}\ntrain:\n  yes: 2\n")
     with pytest.raises(ValueError, match=r"train: the key True is not a name \(YAML reads yes/no/on/off as booleans"):
         load_config(path)
+    # the anchors' own section: x-NAME at the top level (as in docker compose files), refused under another name
+    shared = "x-small: &small {lr: 1.0e-3, num_steps: 7}\nmodel: {path: m}\ndata: {path: d.jsonl}\n"
+    path.write_text(shared + "train: {<<: *small, lr: 2.0e-3}\n")
+    assert (load_config(path).train.lr, load_config(path).train.num_steps) == (2e-3, 7)
+    path.write_text(shared.replace("x-small", "small") + "train: {<<: *small}\n")
+    with pytest.raises(ValueError, match="unknown config key 'small'.*holds YAML anchors only is named x-SOMETHING"):
+        load_config(path)
 
 
 def test_settings_are_one_string_per_key_whatever_a_mappings_order():
