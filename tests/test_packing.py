@@ -498,3 +498,13 @@ def test_balancing_with_fractional_costs_terminates():
             assert sorted(i for rank in plan for mb in rank for i in mb) == list(range(len(lengths)))
 
     _finishes(many, seconds=120.0)
+
+
+def test_real_token_fraction_counts_the_padding_sequence_parallel_adds():
+    """Under parallel.sp a packed row is padded to a multiple of sp (build_micro_batch's pad segment): the kernels
+    process those tokens too. train/real_token_fraction read 1.0 there."""
+    lengths = [3, 4, 5]
+    plan = [[[0, 1], [2], []]]  # 7 -> 8 and 5 -> 8 tokens at sp=4; an empty (dummy) micro-batch counts none
+    assert packing_stats(lengths, plan, pad_to=4)["real_token_fraction"] == 12 / 16
+    assert packing_stats(lengths, plan)["real_token_fraction"] == 1.0
+    assert packing_stats(lengths, plan, pad_to=4, padded=True)["real_token_fraction"] == 12 / 13  # 2 x 4 + 5

@@ -568,12 +568,14 @@ def pack_each_rank(lengths_by_rank: Sequence[Sequence[int]], *, max_tokens: int 
 
 def packing_stats(lengths: Sequence[int], plan: Plan, *, max_tokens: int | None = None,
                   padded: bool = False, cost_fn: Callable[[int], float] = default_cost,
-                  prompts: Prompts | None = None) -> dict:
+                  prompts: Prompts | None = None, pad_to: int = 1) -> dict:
     """Efficiency figures for a plan, comparable between packed and padded layouts. With `prompts` (packed), a
-    micro-batch's tokens and cost count each shared prompt once, as `micro_batch_tokens` lays it out.
+    micro-batch's tokens and cost count each shared prompt once, as `micro_batch_tokens` lays it out; with
+    `pad_to` (sequence parallel: sp), a packed row is padded to a multiple of it, as `build_micro_batch` does.
 
     - real_token_fraction: real tokens / tokens the kernels process. Packed micro-batches
-      process exactly their samples (1.0); a padded one processes size * longest.
+      process exactly their samples (1.0), but for the padding to a multiple of `pad_to`; a padded one
+      processes size * longest.
     - budget_fill: mean over micro-batches of processed tokens / max_tokens (None if no budget).
     - compute_imbalance: max over ranks of summed cost / mean over ranks.
     - lockstep_imbalance: sum over micro-batch steps of the slowest rank's cost, over the mean
@@ -589,18 +591,23 @@ def packing_stats(lengths: Sequence[int], plan: Plan, *, max_tokens: int | None 
     def mb_tokens(mb: list[int]) -> int:  # an empty (dummy) micro-batch: 0
         return len(mb) * max((lengths[i] for i in mb), default=0) if padded else micro_batch_tokens(mb, lengths, prompts)
 
+    def processed(mb: list[int]) -> int:
+        tokens = mb_tokens(mb)
+        return tokens if padded else tokens + -tokens % pad_to
+
     def mb_cost(mb: list[int]) -> float:
         if padded:
             return len(mb) * cost_fn(max(lengths[i] for i in mb)) if mb else 0.0
         return _micro_batch_cost(mb, lengths, cost_fn, prompts)
 
     costs = [[mb_cost(mb) for mb in rank] for rank in plan]
-    tokens = [mb_tokens(mb) for rank in plan for mb in rank]
+    tokens = [processed(mb) for rank in plan for mb in rank]
     rank_cost = [sum(c) for c in costs]
     mean_cost = sum(rank_cost) / len(rank_cost)
     num_mb = max(len(rank) for rank in plan)
     lockstep = sum(max(c[j] if j < len(c) else 0.0 for c in costs) for j in range(num_mb))
-    real = sum(tokens) if not padded else sum(lengths[i] for i in flatten_plan(plan))  # packed: no padding
+    real = sum(mb_tokens(mb) for rank in plan for mb in rank) if not padded else \
+        sum(lengths[i] for i in flatten_plan(plan))
     return {
         "real_token_fraction": real / sum(tokens),
         "budget_fill": (sum(tokens) / (len(tokens) * max_tokens)) if max_tokens else None,

@@ -109,7 +109,7 @@ class Layout:
     def stats(self, lengths: Sequence[int], plan: Plan, prompts: Prompts | None = None) -> dict:
         st = packing_stats(lengths, plan, max_tokens=self.max_tokens if self.packing else None,
                            padded=not self.packing, cost_fn=self.cost_fn,
-                           prompts=prompts if self.share_prompts else None)
+                           prompts=prompts if self.share_prompts else None, pad_to=self.sp if self.packing else 1)
         return {"real_token_fraction": st["real_token_fraction"], "dp_imbalance": st["compute_imbalance"]}
 
 
