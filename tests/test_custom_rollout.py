@@ -21,7 +21,7 @@ from slime.data.prompts import Prompt
 from slime.data.sample import Sample
 from slime.rollout.engine import Generation, SamplingParams
 from slime.rollout.reward_models import RemoteReward, RewardModel, RewardServerError
-from slime.rollout.rewards import make_reward_fn
+from slime.rollout.rewards import check_reward_spec, make_reward_fn
 from slime.rollout.rollout import generate_rollout
 from slime.trainer.advantages import compute_advantages
 from slime.trainer.losses import actor_loss
@@ -306,7 +306,7 @@ import sys
 from slime.data.sample import Sample
 from slime.rollout.engine import Generation, SamplingParams
 from slime.rollout.custom import run_generate_fn
-from slime.rollout.rewards import make_reward_fn
+from slime.rollout.rewards import check_reward_spec, make_reward_fn
 import custom_rollouts
 from test_custom_rollout import prompts_of
 from transformers import AutoTokenizer
@@ -1209,6 +1209,48 @@ def test_reward_model_must_have_one_output(tiny_model, tmp_path):
         make_reward_fn(f"model:{path}")
     with pytest.raises(ValueError, match="cannot load a sequence-classification checkpoint"):
         make_reward_fn(f"model:{tmp_path / 'missing'}")
+
+
+def test_identical_responses_score_the_same_whatever_batch_they_fall_in(tiny_rm):
+    """A score moves with the padding of its batch (~1e-6 in fp32, ~1e-2 in bf16): identical responses of a group
+    that fell in two batches scored apart, and GRPO's std normalisation made that noise advantages of +-1 (a group
+    dynamic sampling then kept as one with a signal)."""
+    from slime.algorithms.advantages import grpo_advantages
+
+    same = "2+2=7"
+    texts = ["1+1=" + "7" * 9, same, same, "3+3=" + "7" * 40, same, same]  # batches of 3: two of `same` in each
+    got = [d["reward"] for d in RewardModel(f"model:{tiny_rm}", batch_size=3).score_texts(texts)]
+    assert got[1] == got[2] == got[4] == got[5]
+    adv, _ = grpo_advantages(torch.tensor(got[1:3] + got[4:6]), torch.zeros(4, dtype=torch.long))
+    assert adv.abs().max() == 0
+
+
+def test_reward_model_specs_are_checked_before_the_models_load(tiny_model, tiny_rm, tmp_path):
+    """A missing folder failed after the policy, the reference and the engine had loaded, as a hub "Repo id"
+    error naming neither the key nor the folder (and --dry-run passed it); a causal LM's checkpoint was refused
+    for its num_labels=2 (the default), which sent the user to edit that."""
+    check_reward_spec(f"model:{tiny_rm}")  # a classifier with one output
+    check_reward_spec({f"model:{tiny_rm}": 1.0, "math": 0.5})
+    two = make_reward_model(tiny_model, tmp_path / "two-labels", num_labels=2)
+    for name, words in ((f"model:{tmp_path / 'missing'}", r"rollout.reward.fn: reward model .*missing.* is not a "
+                                                           r"folder with a config.json"),
+                        ("model:relative/rm", r"relative/rm is not a folder .*relative paths are read from"),
+                        (f"model:{tiny_model}", r"is a causal LM's checkpoint \(Qwen2ForCausalLM\), not a sequence-"),
+                        (f"model:{two}", r"has num_labels=2; a reward model has one output")):
+        with pytest.raises(ValueError, match=words):
+            check_reward_spec({"math": 1.0, name: 1.0})
+
+
+def test_a_truncation_by_one_of_two_reward_models_is_counted(tiny_model, tiny_rm, tmp_path):
+    """Two reward models in one spec: the second's rm_truncated (0) overwrote the first's (1)."""
+    from transformers import AutoConfig
+
+    roomy = make_reward_model(tiny_model, tmp_path / "roomy")
+    AutoConfig.from_pretrained(roomy, max_position_embeddings=2048).save_pretrained(roomy)
+    sample = Sample(prompt_ids=[1], response_ids=[2], prompt_text="1+2=" * 200, response_text="3", index=0)
+    fn = make_reward_fn({f"model:{tiny_rm}": 0.5, f"model:{roomy}": 0.5})
+    fn.score([sample])
+    assert sample.metadata["reward_info"]["rm_truncated"] == 1.0  # 800 tokens: past 512, within 2048
 
 
 # ----------------------------------------------------------------------------- the loop on 2 ranks

@@ -291,6 +291,7 @@ def test_bad_specs(spec, kwargs, match):
     ("no_such_pkg_xyz.sub:f", "no module 'no_such_pkg_xyz.sub'"),
     (":f", "'package.module:function'"),
     ({"math": 1.0, "oops": 1.0}, "unknown reward spec 'oops'"),
+    ("model:/no/such/dir", "reward model 'model:/no/such/dir': /no/such/dir is not a folder with a config.json"),
 ])
 def test_a_spec_that_cannot_load_is_refused_before_the_run_loads_anything(spec, match):
     """check_reward_spec (called before the models load) names the key and the fix; it imports no user module."""
@@ -299,9 +300,9 @@ def test_a_spec_that_cannot_load_is_refused_before_the_run_loads_anything(spec, 
 
 
 @pytest.mark.parametrize("spec", ["math", "reward_fns_for_test:rank_in_group", "reward_fns_for_test:missing",
-                                  "http://127.0.0.1:1/score", "model:/no/such/dir", {"math": 1.0, "format": 0.1}])
+                                  "http://127.0.0.1:1/score", {"math": 1.0, "format": 0.1}])
 def test_a_spec_that_may_load_passes_the_early_check(spec):
-    """What only loading can tell (a missing function in a module that exists, a reward model's files) is left to
+    """What only loading can tell (a missing function in a module that exists, a reward model's weights) is left to
     the load, with its own message (test_bad_specs)."""
     rewards.check_reward_spec(spec)
 

@@ -38,10 +38,11 @@ import time
 import traceback
 import types
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from slime.data.sample import Sample, unscorable_answers
-from slime.rollout.reward_models import RemoteReward, RewardModel, is_remote, is_reward_model
+from slime.rollout.reward_models import MODEL_PREFIX, RemoteReward, RewardModel, is_remote, is_reward_model
 
 logger = logging.getLogger(__name__)
 
@@ -436,7 +437,8 @@ class RewardFn:
                 value, extras = results[i]
                 check_finite(value, name, sample)
                 total += self.weights[name] * value
-                info.update(extras)
+                for k, v in extras.items():  # several reward models: a sample is truncated where any of them cut it
+                    info[k] = max(info[k], v) if k == "rm_truncated" and k in info else v
                 if len(self.fns) > 1:
                     info[name] = value
             if info:
@@ -657,8 +659,11 @@ def check_reward_spec(spec: str | dict, key: str = "rollout.reward.fn") -> None:
     unknown name (with the built-in it is closest to), or a user function whose module is not importable. Imports
     no user module (a module's own import errors show when the run loads it) and loads no model."""
     for name in ([spec] if isinstance(spec, str) else list(spec) if isinstance(spec, dict) else []):
+        if isinstance(name, str) and _kind(name) == "model":
+            _check_reward_model(name, key)
+            continue
         if not isinstance(name, str) or (kind := _kind(name)) not in (None, "user"):
-            continue  # a server, a model or a built-in; a bad entry type is the RewardFn's to explain
+            continue  # a server or a built-in; a bad entry type is the RewardFn's to explain
         if kind is None:
             close = difflib.get_close_matches(name, list(BUILTIN_REWARDS), n=1)
             raise ValueError(f"{key}: unknown reward spec {name!r}"
@@ -673,6 +678,30 @@ def check_reward_spec(spec: str | dict, key: str = "rollout.reward.fn") -> None:
                              + (f"no module {module_name!r} is importable (is its directory on PYTHONPATH?)"
                                 if module_name and attr else "give it as 'package.module:function'")
                              + f"; {_SPEC_HELP}")
+
+
+def _check_reward_model(name: str, key: str) -> None:
+    """A `model:PATH` spec: a local folder whose config.json is a classifier's with one output (its config only is
+    read: the weights load after the policy's, minutes later on a large model)."""
+    from transformers import AutoConfig
+
+    path = Path(os.path.expanduser(name[len(MODEL_PREFIX):]))
+    if not path.is_dir() or not (path / "config.json").is_file():
+        where = "" if path.is_absolute() else f" ({path.resolve()}: relative paths are read from {Path.cwd()})"
+        raise ValueError(f"{key}: reward model {name!r}: {path} is not a folder with a config.json{where}; give "
+                         "'model:PATH' with PATH a sequence-classification checkpoint's folder")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return  # a config transformers cannot read: RewardModel says so when it loads
+    causal = [a for a in config.architectures or () if a.endswith(("ForCausalLM", "LMHeadModel"))]
+    if causal:
+        raise ValueError(f"{key}: reward model {name!r} is a causal LM's checkpoint ({causal[0]}), not a sequence-"
+                         "classification one: a reward model is a classifier with one output (e.g. "
+                         "Qwen2ForSequenceClassification, num_labels=1) trained to score responses")
+    if config.num_labels != 1:
+        raise ValueError(f"{key}: reward model {name!r} has num_labels={config.num_labels}; a reward model has one "
+                         "output (num_labels=1), its score")
 
 
 def reward_fn_from_config(cfg, tokenizer=None) -> RewardFn:
