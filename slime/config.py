@@ -622,6 +622,9 @@ class Config:
             if unused:
                 out.append(f"{', '.join(unused)} ignored: algo.policy_loss=sft trains on the labels, with no "
                            "rollout to sample, filter, shape or correct")
+        if sft and not self.eval.path and (unused := given(self.rollout.reward, "rollout.reward")):
+            out.append(f"{', '.join(unused)} ignored: algo.policy_loss=sft scores generations only to evaluate them, "
+                       "and eval.path is not set")
         if not self.rollout.dynamic_sampling and \
                 (unused := given(self.rollout, "rollout", ("over_sample_factor", "max_sampling_attempts"))):
             out.append(f"{', '.join(unused)} ignored: they set how rollout.dynamic_sampling=true draws again")

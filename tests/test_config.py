@@ -534,8 +534,8 @@ def test_settings_the_run_never_reads_are_warned_at_start(caplog):
     without it were dropped in silence; each is now named with why, and a run that sets none warns of nothing."""
     import logging
 
-    from slime.config import (AlgoConfig, CriticConfig, DataConfig, ModelConfig, OverlongPenaltyConfig, RolloutConfig,
-                              TISConfig)
+    from slime.config import (AlgoConfig, CriticConfig, DataConfig, EvalConfig, ModelConfig, OverlongPenaltyConfig,
+                              RewardConfig, RolloutConfig, TISConfig)
 
     def build(**kw):
         return Config(model=ModelConfig(path="m"), data=DataConfig(path="d.jsonl"), **kw)
@@ -554,6 +554,12 @@ def test_settings_the_run_never_reads_are_warned_at_start(caplog):
     assert any(line.startswith("algo.tis.level='token', rollout.n_samples_per_prompt=8, rollout.dynamic_sampling=True, "
                                "rollout.overlong_penalty.max_len=8 ignored: algo.policy_loss=sft")
                for line in sft.ignored_settings())
+    reward = RolloutConfig(reward=RewardConfig(fn="model:rm"))  # SFT without evaluation scores nothing
+    assert build(algo=AlgoConfig(policy_loss="sft"), rollout=reward).ignored_settings() == [
+        "rollout.reward.fn='model:rm' ignored: algo.policy_loss=sft scores generations only to evaluate them, and "
+        "eval.path is not set"]
+    assert build(algo=AlgoConfig(policy_loss="sft"), rollout=reward, eval=EvalConfig(path="e.jsonl")
+                 ).ignored_settings() == []
     assert build(algo=AlgoConfig(advantage_estimator="gae", critic=CriticConfig(lr=1e-4))).ignored_settings() == []
     assert build(rollout=RolloutConfig(dynamic_sampling=True, over_sample_factor=2.0)).ignored_settings() == []
     assert build().ignored_settings() == []

@@ -89,6 +89,7 @@ def test_sft_learns_at_temperature_one_whatever_the_rollout_temperature(tmp_path
         run_ranks([str(REPO / "run.py"), "--config", str(REPO / "examples/tiny_arith_sft.yaml"), f"model.path={init}",
                    f"log.run_dir={tmp_path / str(t)}", f"data.path={data / 'train.jsonl'}", "eval.path=null",
                    "train.num_steps=1", "rollout.batch_size=8", f"rollout.temperature={t}",
-                   "checkpoint.export_hf=false"], nproc=1)
+                   "checkpoint.export_hf=false",  # and a reward it never scores with: not loaded (nor checked)
+                   *(["rollout.reward.fn=model:/no/such/reward-model"] if t != 1.0 else [])], nproc=1)
         losses[t] = [r["train/loss"] for r in read_metrics(tmp_path / str(t)) if "train/loss" in r]
     assert losses[0.7] == losses[1.0]
