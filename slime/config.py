@@ -669,11 +669,19 @@ class Config:
         if self.rollout.engine == "sglang":  # a hung server is named once a request times out and /health fails
             timeouts["rollout.sglang.request_timeout"] = self.rollout.sglang.request_timeout
         margin = {"rollout.sglang.request_timeout": SGLANG_HEALTH_TIMEOUT}
+        said = {"rollout.sglang.request_timeout": f" (+{SGLANG_HEALTH_TIMEOUT:g} s on /health)"}
+        fn = self.rollout.reward.fn
+        if any(isinstance(n, str) and n.startswith(("http://", "https://")) for n in ([fn] if isinstance(fn, str)
+                                                                                     else fn)):
+            r = self.rollout.reward  # a reward server's batch: every attempt may time out, with backoffs between
+            backoff = sum(min(REWARD_MAX_BACKOFF_S, r.retry_backoff * 2 ** a * 1.25) for a in range(r.max_retries))
+            margin["rollout.reward.timeout"] = r.timeout * r.max_retries + backoff
+            said["rollout.reward.timeout"] = (f" (x{r.max_retries + 1} attempts at a reward server, rollout.reward."
+                                              f"max_retries={r.max_retries}, +{backoff:g} s of backoff)")
         late = {k: v for k, v in timeouts.items() if v + margin.get(k, 0.0) >= limit}
         if not late:
             return None
-        named = ", ".join(f"{k}={v:g}s" + (f" (+{margin[k]:g} s on /health)" if k in margin else "")
-                          for k, v in late.items())
+        named = ", ".join(f"{k}={v:g}s{said.get(k, '')}" for k, v in late.items())
         return (f"{named} not below train.dist_timeout_minutes={self.train.dist_timeout_minutes:g} ({limit:g} s): on "
                 f"{world_size} ranks, one that waits that long in the function (a tool that never answers, a slow "
                 "multi-turn rollout) or on its SGLang server stops the run by the others' collective timeout, whose "
@@ -762,6 +770,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 SGLANG_HEALTH_TIMEOUT = 10.0  # seconds a client waits on /health after a failed request (SGLangClient)
+REWARD_MAX_BACKOFF_S = 60.0  # the longest wait between two attempts at a reward server (reward_models.MAX_BACKOFF_S)
 # Other names users know a setting by (`async` is a Python keyword, so not a field name).
 ALIASES = {"rollout.async": "rollout.one_step_off"}
 # Keys that were renamed: key -> what to write instead.

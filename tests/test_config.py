@@ -590,6 +590,13 @@ def test_a_user_functions_timeout_past_the_collectives_is_warned_on_several_rank
     assert build(rollout=RolloutConfig(reward=RewardConfig(timeout=900.0))).user_timeout_warning(2).startswith(
         "rollout.reward.timeout=900s not below")
     assert build(rollout=RolloutConfig(generate_fn="m:f")).user_timeout_warning(8) is None
+    # A reward server's batch may time out on every attempt, with backoffs between: 10 x 60 s + 259 s here
+    server = RolloutConfig(reward=RewardConfig(fn={"http://rm:8000/score": 1.0, "math": 0.1}, max_retries=9))
+    assert build(rollout=server).user_timeout_warning(2).startswith(
+        "rollout.reward.timeout=60s (x10 attempts at a reward server, rollout.reward.max_retries=9, +258.75 s of "
+        "backoff) not below train.dist_timeout_minutes=10 (600 s)")
+    assert build(rollout=RolloutConfig(reward=RewardConfig(fn="http://rm:8000/score"))).user_timeout_warning(2) is None
+    assert build(rollout=RolloutConfig(reward=RewardConfig(max_retries=9))).user_timeout_warning(2) is None  # no server
     # A rank whose SGLang server hangs names it after request_timeout and a failed /health (10 s): before the
     # others' collective timeout only if that is shorter (the old default of 600 s was not)
     sglang = build(rollout=RolloutConfig(engine="sglang", sglang=SGLangConfig(request_timeout=600.0)))

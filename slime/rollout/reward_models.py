@@ -40,6 +40,7 @@ import requests
 import torch
 import urllib3
 
+from slime.config import REWARD_MAX_BACKOFF_S
 from slime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class RewardServerError(RuntimeError):
     """A reward server failed a batch after every retry (or refused it outright)."""
 
 
-MAX_BACKOFF_S = 60.0  # the longest wait between two attempts at a reward server
+MAX_BACKOFF_S = REWARD_MAX_BACKOFF_S  # the longest wait between two attempts at a reward server
 
 
 class _Retryable(Exception):
