@@ -6,8 +6,9 @@ memory of one long sample per rank, sp=2 vs sp=1.
 (launches itself twice under torchrun: 1 CPU rank with sp=1, 2 CPU ranks with sp=2.)
 
 1. Longest sample: with `train.max_tokens_per_gpu` = budget, a micro-batch holds sp x budget tokens. For each
-   sp the script trains one step on a sample of exactly sp x budget tokens and checks that sp x budget + 1
-   is refused at plan time with the message naming the settings.
+   sp the script trains one step on a sample of sp x budget + 1 tokens (its row is one token shorter, the last
+   token being only a target: it fills the micro-batch exactly) and checks that one token more is refused at
+   plan time with the message naming the settings.
 2. Footprint: one forward + backward of a single sample of `budget` tokens; per rank, the bytes of every
    tensor autograd saves for backward (saved_tensors_hooks; parameters excluded, each storage once) and
    the bytes of the attention inputs q, k, v this rank holds before the all-to-all. On a GPU,

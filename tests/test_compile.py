@@ -79,6 +79,10 @@ def test_compile_refused_for_other_attention(model_dir):
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
     with pytest.raises(ValueError, match=r"tested with packed_sdpa attention.*this model runs sdpa"):
         compile_layers(model)
+    model.config._attn_implementation = "ulysses_sp2_packed_sdpa"  # parallel.sp=2's wrapper: named as such
+    with pytest.raises(ValueError, match=r"does not run with sequence parallelism \(parallel.sp > 1: this model runs "
+                                         r"ulysses_sp2_packed_sdpa\): set parallel.sp=1 or train.compile=false"):
+        compile_layers(model)
 
 
 def test_compile_refused_under_zero3():

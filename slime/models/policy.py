@@ -94,6 +94,9 @@ def compile_layers(model: nn.Module) -> int:
                          f"{model.config.model_type} model is {'an image-text' if adapter.multimodal else 'a MoE'} "
                          "model: use train.compile=false")
     attention = model.config._attn_implementation
+    if attention.startswith("ulysses_sp"):  # slime/distributed/ulysses.py's all-to-all around the attention
+        raise ValueError(f"train.compile=true does not run with sequence parallelism (parallel.sp > 1: this model "
+                         f"runs {attention}): set parallel.sp=1 or train.compile=false")
     if attention != PACKED_SDPA:  # flash-attn's path would be traced into the layers' graphs: not tested (no GPU)
         raise ValueError(f"train.compile=true is built and tested with {PACKED_SDPA} attention (CPU), which stays "
                          f"eager; this model runs {attention}: use train.compile=false")
