@@ -92,8 +92,9 @@ class RewardConfig:
                                           "server 'http://host:port/path', a reward model 'model:PATH', or "
                                           "{spec: weight}. docs/custom_rollouts.md.")
     granularity: Literal["sample", "group"] = field("sample", "User function gets one sample or one prompt's group.")
-    timeout: float = field(60.0, "Seconds one call of a user reward function may take; past it the run stops with "
-                                 "the function and the sample named (a hung function cannot hold the job).")
+    timeout: float = field(60.0, "Seconds one call of a user reward function (or one attempt at a reward server) "
+                                 "may take; past it the run stops with the function and the sample named (a hung "
+                                 "function cannot hold the job); a server's attempt is retried (max_retries).")
 
     max_concurrency: int = field(32, "User reward calls (or reward-server requests) in flight per rank.")
     batch_size: int = field(16, "Reward server / reward model: samples per request or forward pass.")
