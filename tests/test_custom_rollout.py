@@ -1241,6 +1241,23 @@ def test_reward_model_specs_are_checked_before_the_models_load(tiny_model, tiny_
             check_reward_spec({"math": 1.0, name: 1.0})
 
 
+def test_a_reward_model_with_another_chat_template_is_warned(tiny_model, tmp_path, caplog):
+    """It reads the policy's text (its template's markers), which a model trained on another template may misread."""
+    from transformers import AutoTokenizer
+
+    policy = AutoTokenizer.from_pretrained(tiny_model)
+    own = make_reward_model(tiny_model, tmp_path / "own")
+    tok = AutoTokenizer.from_pretrained(own)
+    tok.chat_template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    tok.save_pretrained(own)
+    with caplog.at_level("WARNING"):
+        RewardModel(f"model:{make_reward_model(tiny_model, tmp_path / 'same')}", tokenizer=policy)
+    assert "chat template" not in caplog.text
+    with caplog.at_level("WARNING"):
+        RewardModel(f"model:{own}", tokenizer=policy)
+    assert "has a chat template of its own, which is not the policy's" in caplog.text
+
+
 def test_a_truncation_by_one_of_two_reward_models_is_counted(tiny_model, tiny_rm, tmp_path):
     """Two reward models in one spec: the second's rm_truncated (0) overwrote the first's (1)."""
     from transformers import AutoConfig

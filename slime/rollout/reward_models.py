@@ -242,6 +242,11 @@ class RewardModel:
         self.model.to(device).eval()
         self.device, self.batch_size = device, batch_size
         self.policy_tokenizer = tokenizer
+        own = getattr(self.tokenizer, "chat_template", None)
+        if tokenizer is not None and own and getattr(tokenizer, "chat_template", None) not in (None, own):
+            logger.warning("reward model %s has a chat template of its own, which is not the policy's: it reads each "
+                           "sample as the policy's tokenizer decodes it (the policy's template), not re-templated; a "
+                           "reward model trained on its own template may score that text worse", self.path)
         limits = [getattr(self.model.config.get_text_config(), "max_position_embeddings", None),
                   self.tokenizer.model_max_length]
         self.max_len = min((n for n in limits if isinstance(n, int) and 0 < n < 10**9), default=None)
