@@ -202,6 +202,15 @@ class ModelAdapter:
         for name, shape in sorted(ours.items()):
             if name not in on_disk:
                 close = [k for k in on_disk if k.split(".")[-2:] == name.split(".")[-2:]][:1]
+                stem = name.rsplit(".", 1)[0]  # an MoE block's experts, fused in memory, one by one on disk
+                apart = [k for k in on_disk if k.startswith(f"{stem}.0.")][:1]
+                if apart:
+                    moe = ", ".join(f for f, kw in FAMILIES.items() if kw.get("moe"))
+                    raise ValueError(
+                        f"model.path={path}: the {self.family!r} model holds its experts fused in memory ('{name}') "
+                        f"where its checkpoint holds them one by one (e.g. {apart[0]!r}), and this family has no "
+                        f"adapter that maps the two (slime/models/adapters.py): its weights could not be pushed "
+                        f"to an engine or exported. MoE families with one: {moe}")
                 fix = ("the names differ: add or fix the family's entry in slime/models/adapters.py" if close else
                        "the checkpoint lacks it: an incomplete export or copy?" +
                        (" A model whose output layer shares the embedding's weights says tie_word_embeddings: true "
