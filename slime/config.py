@@ -623,8 +623,9 @@ class Config:
             if unused:
                 out.append(f"{', '.join(unused)} ignored: algo.policy_loss=sft trains on the labels, with no "
                            "rollout to sample, filter, shape or correct")
-        if sft and not self.eval.path and (unused := given(self.rollout.reward, "rollout.reward")):
-            out.append(f"{', '.join(unused)} ignored: algo.policy_loss=sft scores generations only to evaluate them, "
+        if sft and not self.eval.path and (unused := given(self.rollout.reward, "rollout.reward") + given(
+                self.rollout, "rollout", ("generate_fn", "generate_fn_timeout"))):
+            out.append(f"{', '.join(unused)} ignored: algo.policy_loss=sft generates and scores only to evaluate, "
                        "and eval.path is not set")
         if not self.rollout.dynamic_sampling and \
                 (unused := given(self.rollout, "rollout", ("over_sample_factor", "max_sampling_attempts"))):
@@ -665,7 +666,7 @@ class Config:
             return None
         limit = 60 * self.train.dist_timeout_minutes
         timeouts = {"rollout.reward.timeout": self.rollout.reward.timeout}
-        if self.rollout.generate_fn and self.algo.policy_loss != "sft":
+        if self.rollout.generate_fn and (self.algo.policy_loss != "sft" or self.eval.path):  # SFT: in evaluation
             timeouts["rollout.generate_fn_timeout"] = self.rollout.generate_fn_timeout or math.inf
         if self.rollout.engine == "sglang":  # a hung server is named once a request times out and /health fails
             timeouts["rollout.sglang.request_timeout"] = self.rollout.sglang.request_timeout

@@ -222,3 +222,15 @@ def sets_reward_directly(ctx: RolloutContext):
         sample.reward = 1.0
         samples.append(sample)
     return samples
+
+
+def sampled_hint(ctx: RolloutContext):
+    """A policy turn sampled at temperature 1 (no seed: torch's global generator), an observation, a greedy turn."""
+    samples = []
+    for _ in range(ctx.n):
+        traj = ctx.trajectory()
+        traj.generate(max_new_tokens=2, temperature=1.0)
+        traj.observe(ctx.tokenizer(OBSERVATION, add_special_tokens=False).input_ids)
+        traj.generate(max_new_tokens=2)
+        samples.append(traj.sample())
+    return samples

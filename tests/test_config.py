@@ -554,10 +554,10 @@ def test_settings_the_run_never_reads_are_warned_at_start(caplog):
     assert any(line.startswith("algo.tis.level='token', rollout.n_samples_per_prompt=8, rollout.dynamic_sampling=True, "
                                "rollout.overlong_penalty.max_len=8 ignored: algo.policy_loss=sft")
                for line in sft.ignored_settings())
-    reward = RolloutConfig(reward=RewardConfig(fn="model:rm"))  # SFT without evaluation scores nothing
+    reward = RolloutConfig(reward=RewardConfig(fn="model:rm"), generate_fn="m:f")  # SFT without evaluation
     assert build(algo=AlgoConfig(policy_loss="sft"), rollout=reward).ignored_settings() == [
-        "rollout.reward.fn='model:rm' ignored: algo.policy_loss=sft scores generations only to evaluate them, and "
-        "eval.path is not set"]
+        "rollout.reward.fn='model:rm', rollout.generate_fn='m:f' ignored: algo.policy_loss=sft generates and scores "
+        "only to evaluate, and eval.path is not set"]
     assert build(algo=AlgoConfig(policy_loss="sft"), rollout=reward, eval=EvalConfig(path="e.jsonl")
                  ).ignored_settings() == []
     assert build(algo=AlgoConfig(advantage_estimator="gae", critic=CriticConfig(lr=1e-4))).ignored_settings() == []
@@ -569,7 +569,8 @@ def test_a_user_functions_timeout_past_the_collectives_is_warned_on_several_rank
     """A generate_fn timeout of 3600 s (the old default) under a 10 min collective timeout: on 2 ranks a hung tool
     stopped the run by the other rank's collective timeout, which names no function, and its own message never
     came. Warned at start on several ranks; the defaults and the shipped examples warn of nothing."""
-    from slime.config import DataConfig, ModelConfig, RewardConfig, RolloutConfig, SGLangConfig, TrainConfig
+    from slime.config import (AlgoConfig, DataConfig, EvalConfig, ModelConfig, RewardConfig, RolloutConfig,
+                              SGLangConfig, TrainConfig)
 
     def build(**kw):
         return Config(model=ModelConfig(path="m"), data=DataConfig(path="d.jsonl"), **kw)
@@ -587,6 +588,11 @@ def test_a_user_functions_timeout_past_the_collectives_is_warned_on_several_rank
     assert build(rollout=RolloutConfig(generate_fn="m:f", generate_fn_timeout=3600.0),
                  train=TrainConfig(dist_timeout_minutes=61)).user_timeout_warning(2) is None
     assert build(rollout=RolloutConfig(generate_fn_timeout=3600.0)).user_timeout_warning(2) is None  # no generate_fn
+    sft = AlgoConfig(policy_loss="sft")  # its generate_fn runs in evaluation only
+    assert build(rollout=RolloutConfig(generate_fn="m:f", generate_fn_timeout=3600.0), algo=sft).user_timeout_warning(2) \
+        is None
+    assert build(rollout=RolloutConfig(generate_fn="m:f", generate_fn_timeout=3600.0), algo=sft,
+                 eval=EvalConfig(path="e.jsonl")).user_timeout_warning(2).startswith("rollout.generate_fn_timeout")
     assert build(rollout=RolloutConfig(reward=RewardConfig(timeout=900.0))).user_timeout_warning(2).startswith(
         "rollout.reward.timeout=900s not below")
     assert build(rollout=RolloutConfig(generate_fn="m:f")).user_timeout_warning(8) is None

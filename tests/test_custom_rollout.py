@@ -1211,6 +1211,26 @@ def test_reward_model_must_have_one_output(tiny_model, tmp_path):
         make_reward_fn(f"model:{tmp_path / 'missing'}")
 
 
+def test_an_evaluation_whose_generate_fn_samples_leaves_the_training_stream_alone(hf_engine, tokenizer):
+    """A generate_fn that samples (ctx.generate(temperature=1.0), as docs/custom_rollouts.md suggests) drew from
+    torch's global generator during evaluation: with eval.interval=1 a run trained differently than without
+    evaluation (12 train keys differed at step 1), and the step-0 evaluation of one model moved with train.seed."""
+    from slime.config import load_config
+    from slime.trainer.evaluate import EvalSet, evaluate
+
+    cfg = load_config(None, ["model.path=m", "data.path=d.jsonl", "eval.path=e.jsonl",
+                             "rollout.generate_fn=custom_rollouts:sampled_hint"])
+    evalset = EvalSet(prompts_of(tokenizer, ["12+3=", "7-4=", "45+45=", "2+2="]), {})
+    reward = make_reward_fn("e2e_rewards:digit_fraction")
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    first = evaluate(hf_engine, evalset, cfg, tokenizer, reward, OneRank())
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.rand(3)  # the training stream moves on: the next evaluation samples as the first did
+    second = evaluate(hf_engine, evalset, cfg, tokenizer, reward, OneRank())
+    assert {k: v for k, v in first.items() if k != "time/eval"} == {k: v for k, v in second.items() if k != "time/eval"}
+
+
 def test_identical_responses_score_the_same_whatever_batch_they_fall_in(tiny_rm):
     """A score moves with the padding of its batch (~1e-6 in fp32, ~1e-2 in bf16): identical responses of a group
     that fell in two batches scored apart, and GRPO's std normalisation made that noise advantages of +-1 (a group

@@ -6,6 +6,8 @@ import dataclasses
 import logging
 import time
 
+import torch
+
 from slime.config import Config
 from slime.data.prompts import SKIP_REASONS, Prompt, load_prompts, rows_on_every_rank, turn_end_stops, with_pixels
 from slime.distributed.parallel_dims import ParallelDims
@@ -66,9 +68,14 @@ def evaluate(engine, evalset: EvalSet, cfg: Config, tokenizer, reward_fn, dims: 
     params = SamplingParams(max_new_tokens=cfg.eval.max_response_len or cfg.rollout.max_response_len,
                             temperature=0.0, stop_token_ids=stops, n=1)
     engine.wake()  # a colocated engine may still hold its KV cache released after the weight push
-    samples = generate_rollout(engine, prompts, params, tokenizer, reward_fn, first_group_id=0,
-                               generate_fn=cfg.rollout.generate_fn,
-                               generate_fn_timeout=cfg.rollout.generate_fn_timeout) if prompts else []
+    # Greedy, but a generate_fn may sample (ctx.generate(temperature=1.0)): from torch's global generator, which
+    # the training rollout draws from too. With a stream of its own (the same at every evaluation), evaluating
+    # leaves training as it would be without it, and two evaluations of one model agree.
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        torch.manual_seed(cfg.train.seed + dims.rank)
+        samples = generate_rollout(engine, prompts, params, tokenizer, reward_fn, first_group_id=0,
+                                   generate_fn=cfg.rollout.generate_fn,
+                                   generate_fn_timeout=cfg.rollout.generate_fn_timeout) if prompts else []
     n, correct, reward, length = dims.all_reduce_sum([
         len(samples), sum(s.reward >= cfg.eval.accuracy_threshold for s in samples),
         sum(s.reward for s in samples), sum(len(s.response_ids) for s in samples)], group=dims.world_group)

@@ -251,7 +251,7 @@ def run(cfg: Config) -> dict:
     scores = not sft or bool(cfg.eval.path)  # SFT scores generations only to evaluate them
     if scores:
         check_reward_spec(cfg.rollout.reward.fn)  # before the models load: a typo found in seconds, not minutes
-    if cfg.rollout.generate_fn and not sft:  # likewise (it was loaded at the first rollout)
+    if cfg.rollout.generate_fn and scores:  # likewise (it was loaded at the first rollout, or evaluation)
         load_generate_fn(cfg.rollout.generate_fn)
     stop = StopRequest.install()
     exit_with_launcher()  # under run.sh: a kill -9 of it must not leave the ranks training
