@@ -260,6 +260,26 @@ def test_compiled_decode_step_compiles_once_for_any_batch():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+def test_compiled_decode_step_crosses_4096_cached_keys():
+    """Inductor's loops guard each float sum on its length (> 4096: summed in chunks); a softmax over L + 1 keys
+    beside a sum over L pinned the length to 4097, against the dynamic size it was marked with: a batch reaching
+    4096 cached keys raised ConstraintViolationError (hf_compile=step) or fell back to the eager step for good."""
+    import torch._dynamo.utils
+
+    model = tiny("qwen3", max_position_embeddings=8192)
+    compiled, eager = DecodeStep(model, compiled=True), DecodeStep(model)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (4093, 40)]
+    new = torch.randint(3, VOCAB, (2, 5), generator=g)  # 4093 -> 4098 keys in the first row
+    with torch.no_grad():
+        got, want = decode(model, compiled, prompts, new, {}), decode(model, eager, prompts, new, {})
+    for g_step, w_step in zip(got, want):
+        torch.testing.assert_close(g_step, w_step, rtol=1e-4, atol=1e-4)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2  # once more past 4096 keys, not per length
+
+
 def test_compiled_decode_step_runs_in_another_thread():
     """One-step-off rollout decodes in a thread while the trainer trains: the compiled step runs there too, the same
     logits as the model's forward."""

@@ -115,12 +115,22 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached_k
     cache first (no copy of it). Sums of products, which inductor turns into loops (`bench/decode_attention.py`
     times them against a plain read of the cache, the bound). In bf16 the sums and the softmax run in fp32 (inductor
     fuses the casts into its loops), as sdpa's kernel keeps them: rounded to bf16 they put the logprobs 2-3x further
-    from a teacher-forced forward than HF's own decoding."""
+    from a teacher-forced forward than HF's own decoding.
+
+    Every reduction over the keys runs over the cache's L (this step's key is added outside them): inductor's C++
+    loops guard each float sum on its length (past 4096 they sum in chunks), and a softmax over L + 1 keys beside
+    a sum over L pinned the length to exactly 4097 at that width, against the dynamic size it was marked with: a
+    batch reaching 4096 cached keys failed to compile (rollout.hf_compile=step) or fell back to the eager step
+    for good (auto). Now the step compiles once more past 4096 keys."""
     dtype, q, k, v, cached_k, cached_v = q.dtype, q.float(), k.float(), v.float(), cached_k.float(), cached_v.float()
-    scores = torch.cat([(q.unsqueeze(3) * cached_k.unsqueeze(2)).sum(-1),  # (B, Hkv, G, L): the cache's
-                        (q * k.unsqueeze(2)).sum(-1, keepdim=True)], -1) * scaling  # and this step's
-    p = scores.masked_fill(~mask[:, None, None], float("-inf")).softmax(-1)
-    return ((p[..., :-1].unsqueeze(-1) * cached_v.unsqueeze(2)).sum(3) + p[..., -1:] * v.unsqueeze(2)).to(dtype)
+    cache = ((q.unsqueeze(3) * cached_k.unsqueeze(2)).sum(-1) * scaling  # (B, Hkv, G, L): the cache's scores
+             ).masked_fill(~mask[:, None, None, :-1], float("-inf"))
+    own = ((q * k.unsqueeze(2)).sum(-1, keepdim=True) * scaling  # (B, Hkv, G, 1): this step's
+           ).masked_fill(~mask[:, None, None, -1:], float("-inf"))
+    top = torch.maximum(cache.amax(-1, keepdim=True), own)  # the softmax over both, in parts
+    e_cache, e_own = (cache - top).exp(), (own - top).exp()
+    out = (e_cache.unsqueeze(-1) * cached_v.unsqueeze(2)).sum(3) + e_own * v.unsqueeze(2)
+    return (out / (e_cache.sum(-1, keepdim=True) + e_own)).to(dtype)
 
 
 @functools.lru_cache(maxsize=8)
@@ -136,7 +146,8 @@ def _step_graph(specs: tuple[_LayerSpec, ...], eps: float,
     head's weight and bias, the matmul weights as `kernel` reads them (F.linear: the weights themselves; onednn and
     transposed: their packs); attention is `cached_attention`. Returns the logits and per layer the step's new keys
     and values (B, Hkv, D): the caller writes them into the cache, so the graph mutates none of its inputs. B, L and
-    the capacity are dynamic: one compile serves every batch (`_dynamic` marks them)."""
+    the capacity are dynamic: one compile serves every batch up to 4096 cached keys, a second one past that
+    (`_dynamic` marks them; cached_attention says why)."""
     def linear(h, w, b):
         if kernel == "onednn":
             return _mm_nt_op(h, w, b)
