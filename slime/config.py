@@ -171,9 +171,9 @@ class RolloutConfig:
     batch_size: int = field(8, "Prompts per step over all data-parallel ranks.")
     n_samples_per_prompt: int = field(4, "Responses sampled per prompt (the GRPO group size).")
     temperature: float = field(1.0, "Sampling temperature (also applied to the trainer's logprobs).")
-    top_p: float = field(1.0, "Nucleus sampling threshold. The rollout's logprobs (TIS, rollout/train_logprob_abs_diff) "
-                              "are of the whole distribution at rollout.temperature, as the trainer's, not of the "
-                              "nucleus the token was drawn from (as SGLang reports them).")
+    top_p: float = field(1.0, "Nucleus sampling threshold. The rollout's logprobs (TIS, rollout/"
+                              "train_logprob_abs_diff) are of the whole distribution at rollout.temperature, as the "
+                              "trainer's, not of the nucleus the token was drawn from (as SGLang reports them).")
     max_response_len: int = field(64, "Maximum new tokens per response.")
     stop_token_ids: list = field([], "Extra token ids that end a response (EOS always does, and the chat "
                                      "template's end of turn where the prompts are templated).")
