@@ -589,8 +589,8 @@ def test_a_user_functions_timeout_past_the_collectives_is_warned_on_several_rank
                  train=TrainConfig(dist_timeout_minutes=61)).user_timeout_warning(2) is None
     assert build(rollout=RolloutConfig(generate_fn_timeout=3600.0)).user_timeout_warning(2) is None  # no generate_fn
     sft = AlgoConfig(policy_loss="sft")  # its generate_fn runs in evaluation only
-    assert build(rollout=RolloutConfig(generate_fn="m:f", generate_fn_timeout=3600.0), algo=sft).user_timeout_warning(2) \
-        is None
+    slow = RolloutConfig(generate_fn="m:f", generate_fn_timeout=3600.0)
+    assert build(rollout=slow, algo=sft).user_timeout_warning(2) is None
     assert build(rollout=RolloutConfig(generate_fn="m:f", generate_fn_timeout=3600.0), algo=sft,
                  eval=EvalConfig(path="e.jsonl")).user_timeout_warning(2).startswith("rollout.generate_fn_timeout")
     assert build(rollout=RolloutConfig(reward=RewardConfig(timeout=900.0))).user_timeout_warning(2).startswith(
