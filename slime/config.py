@@ -667,21 +667,25 @@ class Config:
         if world_size < 2:
             return None
         limit = 60 * self.train.dist_timeout_minutes
-        timeouts = {"rollout.reward.timeout": self.rollout.reward.timeout}
-        if self.rollout.generate_fn and (self.algo.policy_loss != "sft" or self.eval.path):  # SFT: in evaluation
+        scores = self.algo.policy_loss != "sft" or bool(self.eval.path)  # SFT generates and scores to evaluate only
+        timeouts = {"rollout.reward.timeout": self.rollout.reward.timeout} if scores else {}
+        if self.rollout.generate_fn and scores:
             timeouts["rollout.generate_fn_timeout"] = self.rollout.generate_fn_timeout or math.inf
         if self.rollout.engine == "sglang":  # a hung server is named once a request times out and /health fails
             timeouts["rollout.sglang.request_timeout"] = self.rollout.sglang.request_timeout
         margin = {"rollout.sglang.request_timeout": SGLANG_HEALTH_TIMEOUT}
         said = {"rollout.sglang.request_timeout": f" (+{SGLANG_HEALTH_TIMEOUT:g} s on /health)"}
         fn = self.rollout.reward.fn
-        if any(isinstance(n, str) and n.startswith(("http://", "https://")) for n in ([fn] if isinstance(fn, str)
-                                                                                     else fn)):
-            r = self.rollout.reward  # a reward server's batch: every attempt may time out, with backoffs between
+        servers = sum(isinstance(n, str) and n.startswith(("http://", "https://"))
+                      for n in ([fn] if isinstance(fn, str) else fn))
+        if servers and scores:  # a server's batch may time out on every attempt, with backoffs between; servers
+            r = self.rollout.reward  # of one spec are called one after the other
             backoff = sum(min(REWARD_MAX_BACKOFF_S, r.retry_backoff * 2 ** a * 1.25) for a in range(r.max_retries))
-            margin["rollout.reward.timeout"] = r.timeout * r.max_retries + backoff
+            margin["rollout.reward.timeout"] = servers * (r.timeout * (r.max_retries + 1) + backoff) - r.timeout
             said["rollout.reward.timeout"] = (f" (x{r.max_retries + 1} attempts at a reward server, rollout.reward."
-                                              f"max_retries={r.max_retries}, +{backoff:g} s of backoff)")
+                                              f"max_retries={r.max_retries}, +{backoff:g} s of backoff"
+                                              + (f"; {servers} servers, one after the other" if servers > 1 else "")
+                                              + ")")
         late = {k: v for k, v in timeouts.items() if v + margin.get(k, 0.0) >= limit}
         if not late:
             return None
@@ -800,8 +804,6 @@ def _build(cls: type, raw: dict, prefix: str = "") -> Any:
         if key not in names:
             close = difflib.get_close_matches(key, names, n=1)
             hint = f"; did you mean '{prefix + '.' if prefix else ''}{close[0]}'?" if close else ""
-            if not prefix:  # a section that only holds anchors
-                hint += "; a top-level section that holds YAML anchors only is named x-SOMETHING"
             raise ValueError(f"unknown config key '{full}'{hint} (valid keys here: {', '.join(names)})")
         kwargs[key] = _coerce(value, hints[key], full)
     try:
@@ -892,6 +894,14 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         # A top-level `x-NAME:` holds YAML anchors for the sections to merge (`<<: *NAME`), as in docker compose
         # files: read through its aliases, so it is no setting of its own.
         raw = {k: v for k, v in raw.items() if not (isinstance(k, str) and k.startswith("x-"))}
+        sections = [f.name for f in dataclasses.fields(Config)]
+        for key in raw:
+            if isinstance(key, str) and key not in sections:
+                close = difflib.get_close_matches(key, sections, n=1)
+                raise ValueError(f"{path}: unknown config section '{key}'"
+                                 + (f"; did you mean '{close[0]}'?" if close else "")
+                                 + f" (sections: {', '.join(sections)}; a top-level section that only holds YAML "
+                                 "anchors is named x-SOMETHING)")
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override '{item}' must look like section.key=value")

@@ -487,8 +487,12 @@ def test_yaml_merge_keys_load_and_a_key_that_is_not_a_name_is_said(tmp_path):
     path.write_text(shared + "train: {<<: *small, lr: 2.0e-3}\n")
     assert (load_config(path).train.lr, load_config(path).train.num_steps) == (2e-3, 7)
     path.write_text(shared.replace("x-small", "small") + "train: {<<: *small}\n")
-    with pytest.raises(ValueError, match="unknown config key 'small'.*holds YAML anchors only is named x-SOMETHING"):
+    with pytest.raises(ValueError, match=r"run.yaml: unknown config section 'small' \(sections: model, .*a top-level "
+                                         "section that only holds YAML anchors is named x-SOMETHING"):
         load_config(path)
+    with pytest.raises(ValueError, match=r"unknown config key 'trian'; did you mean 'train'\? \(valid keys here: "
+                                         r"[a-z, ]*\)$"):  # an override's typo: no word of anchors
+        load_config(None, ["model.path=m", "data.path=d.jsonl", "trian.lr=1"])
 
 
 def test_settings_are_one_string_per_key_whatever_a_mappings_order():
@@ -602,6 +606,11 @@ def test_a_user_functions_timeout_past_the_collectives_is_warned_on_several_rank
         "rollout.reward.timeout=60s (x10 attempts at a reward server, rollout.reward.max_retries=9, +258.75 s of "
         "backoff) not below train.dist_timeout_minutes=10 (600 s)")
     assert build(rollout=RolloutConfig(reward=RewardConfig(fn="http://rm:8000/score"))).user_timeout_warning(2) is None
+    two = {"http://rm:8000/score": 1.0, "http://rm2:8000/score": 1.0}  # called one after the other: 2 x 318.75 s
+    assert "2 servers, one after the other" in build(rollout=RolloutConfig(reward=RewardConfig(
+        fn=two, max_retries=4))).user_timeout_warning(2)
+    assert build(rollout=RolloutConfig(reward=RewardConfig(fn=two, max_retries=2))).user_timeout_warning(2) is None
+    assert build(rollout=server, algo=AlgoConfig(policy_loss="sft")).user_timeout_warning(2) is None  # no scoring
     assert build(rollout=RolloutConfig(reward=RewardConfig(max_retries=9))).user_timeout_warning(2) is None  # no server
     # A rank whose SGLang server hangs names it after request_timeout and a failed /health (10 s): before the
     # others' collective timeout only if that is shorter (the old default of 600 s was not)

@@ -1278,6 +1278,16 @@ def test_a_reward_model_with_another_chat_template_is_warned(tiny_model, tmp_pat
     assert "has a chat template of its own, which is not the policy's" in caplog.text
 
 
+def test_a_reward_model_under_the_home_folder(tiny_rm, tmp_path, monkeypatch):
+    """`model:~/rm` passed the early check (which expands ~) and then failed to load as a hub id."""
+    import shutil
+
+    shutil.copytree(tiny_rm, tmp_path / "rm")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    check_reward_spec("model:~/rm")
+    assert RewardModel("model:~/rm").score_texts(["1+1=2"])[0]["rm_truncated"] == 0.0
+
+
 def test_a_truncation_by_one_of_two_reward_models_is_counted(tiny_model, tiny_rm, tmp_path):
     """Two reward models in one spec: the second's rm_truncated (0) overwrote the first's (1)."""
     from transformers import AutoConfig

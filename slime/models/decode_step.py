@@ -110,7 +110,8 @@ def _rope(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cached_k: torch.Tensor, cached_v: torch.Tensor,
                      mask: torch.Tensor, scaling: float) -> torch.Tensor:
     """The compiled decode step's attention: q (B, Hkv, G, D), one query per row with the G query heads of each KV
-    head; this step's key and value k, v (B, Hkv, D); the cache's L keys and values (B, Hkv, L, D); mask (B, L + 1)
+    head; this step's key and value k, v (B, Hkv, D); the cache's L >= 1 keys and values (B, Hkv, L, D) (a decode
+    step follows a prefill); mask (B, L + 1)
     -> (B, Hkv, G, D). The cache's and this step's scores go under one softmax without appending k and v to the
     cache first (no copy of it). Sums of products, which inductor turns into loops (`bench/decode_attention.py`
     times them against a plain read of the cache, the bound). In bf16 the sums and the softmax run in fp32 (inductor

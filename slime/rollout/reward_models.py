@@ -30,6 +30,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import queue
 import random
 import threading
@@ -213,7 +214,7 @@ class RewardModel:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
         from transformers.modeling_layers import GenericForSequenceClassification
 
-        self.path = spec[len(MODEL_PREFIX):] if spec.startswith(MODEL_PREFIX) else spec
+        self.path = os.path.expanduser(spec[len(MODEL_PREFIX):] if spec.startswith(MODEL_PREFIX) else spec)
         if not self.path:
             raise ValueError(f"reward spec {spec!r}: give the checkpoint as 'model:PATH'")
         if device is None:

@@ -691,7 +691,7 @@ def _check_reward_model(name: str, key: str) -> None:
         raise ValueError(f"{key}: reward model {name!r}: {path} is not a folder with a config.json{where}; give "
                          "'model:PATH' with PATH a sequence-classification checkpoint's folder")
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)  # a config read: no code run, no prompt
     except (OSError, ValueError):
         return  # a config transformers cannot read: RewardModel says so when it loads
     causal = [a for a in config.architectures or () if a.endswith(("ForCausalLM", "LMHeadModel"))]
