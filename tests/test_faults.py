@@ -220,6 +220,35 @@ def test_an_evaluation_with_no_prompt_left_says_so():
         evaluate(Engine(), EvalSet([], {"image_unreadable": 3}), cfg, None, None, OneRank())
 
 
+def test_an_evaluation_counts_the_answers_cut_at_the_length_limit():
+    """A truncated answer can still score (a number cut after its first digits): eval/accuracy alone hid how many
+    answers ran into eval.max_response_len. eval/truncated_frac says it, as rollout/truncated_frac does."""
+    from one_rank import OneRank
+
+    from slime.config import load_config
+    from slime.data.prompts import Prompt
+    from slime.rollout.engine import Generation
+    from slime.rollout.rewards import make_reward_fn
+    from slime.trainer.evaluate import EvalSet, evaluate
+
+    class Engine:  # rows 0 and 2 end at the limit, row 1 at EOS
+        def wake(self):
+            pass
+
+        def generate(self, prompts, params, mm=None):
+            return [[Generation([5, 6], [-0.1, -0.1], "stop" if i == 1 else "length")] for i in range(len(prompts))]
+
+    class Tok:
+        def decode(self, ids, **_):
+            return "".join(map(str, ids))
+
+    prompts = [Prompt(prompt_ids=[1, 2], prompt_text="q", label="56", metadata={}, index=i, source=f"e:{i + 1}")
+               for i in range(3)]
+    cfg = load_config(None, ["model.path=m", "data.path=d.jsonl", "eval.path=e.jsonl", "eval.max_response_len=2"])
+    out = evaluate(Engine(), EvalSet(prompts, {}), cfg, Tok(), make_reward_fn("exact_match"), OneRank())
+    assert out["eval/truncated_frac"] == pytest.approx(2 / 3) and out["eval/accuracy"] == 1.0
+
+
 def test_a_run_whose_rewards_overflow_stops_with_the_message(model, task_dir, tmp_path):
     proc = launch(model, task_dir, tmp_path / "run", "rollout.reward.fn=e2e_rewards:huge", "train.num_steps=2",
                   check=False)

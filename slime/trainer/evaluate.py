@@ -76,12 +76,13 @@ def evaluate(engine, evalset: EvalSet, cfg: Config, tokenizer, reward_fn, dims: 
         samples = generate_rollout(engine, prompts, params, tokenizer, reward_fn, first_group_id=0,
                                    generate_fn=cfg.rollout.generate_fn,
                                    generate_fn_timeout=cfg.rollout.generate_fn_timeout) if prompts else []
-    n, correct, reward, length = dims.all_reduce_sum([
+    n, correct, reward, length, cut = dims.all_reduce_sum([
         len(samples), sum(s.reward >= cfg.eval.accuracy_threshold for s in samples),
-        sum(s.reward for s in samples), sum(len(s.response_ids) for s in samples)], group=dims.world_group)
+        sum(s.reward for s in samples), sum(len(s.response_ids) for s in samples),
+        sum(s.finish_reason == "length" for s in samples)], group=dims.world_group)
     if not n:  # every prompt of the file left out (images that failed when drawn, ...)
         raise RuntimeError(f"evaluation on {cfg.eval.path}: no prompt left to evaluate (skipped: "
                            f"{evalset.skipped or 'none'}); fix the file or set eval.path=null")
     return {"eval/accuracy": correct / n, "eval/reward_mean": reward / n, "eval/response_len": length / n,
-            "eval/num_prompts": n, **{f"eval/skipped_{r}": k for r, k in evalset.skipped.items()},
+            "eval/truncated_frac": cut / n, "eval/num_prompts": n, **{f"eval/skipped_{r}": k for r, k in evalset.skipped.items()},
             "time/eval": time.time() - start}
