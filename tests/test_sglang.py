@@ -914,7 +914,8 @@ def test_a_response_the_server_cut_below_the_length_asked_for_is_an_error_naming
     engine = bare_engine(Client())
     with pytest.raises(SGLangServerError, match=r"ended request slime-e1-r0-0 \(a prompt of 3 tokens\) at its length "
                                                 r"limit after 3 of the 8 new tokens asked for.*--max-total-tokens.*"
-                                                r"rollout.max_response_len"):
+                                                r"rollout.max_response_len \(in an evaluation: "
+                                                r"eval.max_response_len\)"):
         engine._generate_one(_Call(), [1, 2, 3], {"max_new_tokens": 8})
     assert engine._generate_one(_Call(), [1, 2, 3], {"max_new_tokens": 3}).finish_reason == "length"
     engine.context = 8  # SGLang ends 2 positions short of the context: 3 + 3 tokens reach it, a response at its limit

@@ -381,7 +381,8 @@ class SGLangEngine:
                 f"{len(ids)} of the {sampling['max_new_tokens']} new tokens asked for: the server caps prompt + "
                 "response below its context length and its KV pool (--max-total-tokens; /server_info has both). "
                 "Give the server a larger pool (rollout.sglang.mem_fraction, or --max-total-tokens in "
-                "rollout.sglang.extra_args), or lower data.max_prompt_len / rollout.max_response_len")
+                "rollout.sglang.extra_args), or lower data.max_prompt_len / rollout.max_response_len (in an "
+                "evaluation: eval.max_response_len)")
         return Generation(ids, logprobs, reason)
 
     def abort(self) -> None:
