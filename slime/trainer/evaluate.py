@@ -84,5 +84,6 @@ def evaluate(engine, evalset: EvalSet, cfg: Config, tokenizer, reward_fn, dims: 
         raise RuntimeError(f"evaluation on {cfg.eval.path}: no prompt left to evaluate (skipped: "
                            f"{evalset.skipped or 'none'}); fix the file or set eval.path=null")
     return {"eval/accuracy": correct / n, "eval/reward_mean": reward / n, "eval/response_len": length / n,
-            "eval/truncated_frac": cut / n, "eval/num_prompts": n, **{f"eval/skipped_{r}": k for r, k in evalset.skipped.items()},
+            "eval/truncated_frac": cut / n, "eval/num_prompts": n,
+            **{f"eval/skipped_{r}": k for r, k in evalset.skipped.items()},
             "time/eval": time.time() - start}
