@@ -625,7 +625,7 @@ class Config:
             if unused:
                 out.append(f"{', '.join(unused)} ignored: algo.policy_loss=sft trains on the labels, with no "
                            "rollout to sample, filter, shape or correct")
-        if sft and not self.eval.path and (unused := given(self.rollout.reward, "rollout.reward") + given(
+        if not self.scores_generations and (unused := given(self.rollout.reward, "rollout.reward") + given(
                 self.rollout, "rollout", ("generate_fn", "generate_fn_timeout"))):
             out.append(f"{', '.join(unused)} ignored: algo.policy_loss=sft generates and scores only to evaluate, "
                        "and eval.path is not set")
@@ -633,6 +633,11 @@ class Config:
                 (unused := given(self.rollout, "rollout", ("over_sample_factor", "max_sampling_attempts"))):
             out.append(f"{', '.join(unused)} ignored: they set how rollout.dynamic_sampling=true draws again")
         return out
+
+    @property
+    def scores_generations(self) -> bool:
+        """Whether the run generates and scores (the rollout, or evaluation): SFT does only to evaluate."""
+        return self.algo.policy_loss != "sft" or bool(self.eval.path)
 
     @property
     def trains_critic(self) -> bool:
@@ -667,7 +672,7 @@ class Config:
         if world_size < 2:
             return None
         limit = 60 * self.train.dist_timeout_minutes
-        scores = self.algo.policy_loss != "sft" or bool(self.eval.path)  # SFT generates and scores to evaluate only
+        scores = self.scores_generations
         timeouts = {"rollout.reward.timeout": self.rollout.reward.timeout} if scores else {}
         if self.rollout.generate_fn and scores:
             timeouts["rollout.generate_fn_timeout"] = self.rollout.generate_fn_timeout or math.inf
@@ -676,8 +681,7 @@ class Config:
         margin = {"rollout.sglang.request_timeout": SGLANG_HEALTH_TIMEOUT}
         said = {"rollout.sglang.request_timeout": f" (+{SGLANG_HEALTH_TIMEOUT:g} s on /health)"}
         fn = self.rollout.reward.fn
-        servers = sum(isinstance(n, str) and n.startswith(("http://", "https://"))
-                      for n in ([fn] if isinstance(fn, str) else fn))
+        servers = sum(isinstance(n, str) and is_remote(n) for n in ([fn] if isinstance(fn, str) else fn))
         if servers and scores:  # a server's batch may time out on every attempt, with backoffs between; servers
             r = self.rollout.reward  # of one spec are called one after the other
             backoff = sum(min(REWARD_MAX_BACKOFF_S, r.retry_backoff * 2 ** a * 1.25) for a in range(r.max_retries))
@@ -778,7 +782,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 SGLANG_HEALTH_TIMEOUT = 10.0  # seconds a client waits on /health after a failed request (SGLangClient)
-REWARD_MAX_BACKOFF_S = 60.0  # the longest wait between two attempts at a reward server (reward_models.MAX_BACKOFF_S)
+REWARD_MAX_BACKOFF_S = 60.0  # the longest wait between two attempts at a reward server (reward_models.py)
+
+
+def is_remote(spec: str) -> bool:
+    """Whether a reward spec names a reward server."""
+    return spec.startswith(("http://", "https://"))
 # Other names users know a setting by (`async` is a Python keyword, so not a field name).
 ALIASES = {"rollout.async": "rollout.one_step_off"}
 # Keys that were renamed: key -> what to write instead.

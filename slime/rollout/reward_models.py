@@ -41,16 +41,12 @@ import requests
 import torch
 import urllib3
 
-from slime.config import REWARD_MAX_BACKOFF_S
+from slime.config import REWARD_MAX_BACKOFF_S as MAX_BACKOFF_S
 from slime.data.sample import Sample
 
 logger = logging.getLogger(__name__)
 
 MODEL_PREFIX = "model:"
-
-
-def is_remote(spec: str) -> bool:
-    return spec.startswith(("http://", "https://"))
 
 
 def is_reward_model(spec: str) -> bool:
@@ -70,9 +66,6 @@ def _describe(samples: list[Sample]) -> str:
 
 class RewardServerError(RuntimeError):
     """A reward server failed a batch after every retry (or refused it outright)."""
-
-
-MAX_BACKOFF_S = REWARD_MAX_BACKOFF_S  # the longest wait between two attempts at a reward server
 
 
 class _Retryable(Exception):

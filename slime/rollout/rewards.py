@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from slime.data.sample import Sample, unscorable_answers
-from slime.rollout.reward_models import MODEL_PREFIX, RemoteReward, RewardModel, is_remote, is_reward_model
+from slime.config import is_remote
+from slime.rollout.reward_models import MODEL_PREFIX, RemoteReward, RewardModel, is_reward_model
 
 logger = logging.getLogger(__name__)
 

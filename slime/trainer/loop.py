@@ -248,10 +248,9 @@ def run(cfg: Config) -> dict:
     check_run_dir(cfg, run_dir)
     if dims.is_main:
         lock_run_dir(run_dir)
-    scores = not sft or bool(cfg.eval.path)  # SFT scores generations only to evaluate them
-    if scores:
+    if cfg.scores_generations:
         check_reward_spec(cfg.rollout.reward.fn)  # before the models load: a typo found in seconds, not minutes
-    if cfg.rollout.generate_fn and scores:  # likewise (it was loaded at the first rollout, or evaluation)
+    if cfg.rollout.generate_fn and cfg.scores_generations:  # likewise (loaded at the first rollout or evaluation)
         load_generate_fn(cfg.rollout.generate_fn)
     stop = StopRequest.install()
     exit_with_launcher()  # under run.sh: a kill -9 of it must not leave the ranks training
@@ -321,8 +320,8 @@ def run(cfg: Config) -> dict:
                   f"{cfg.rollout.sglang.request_timeout:g} s)" if cfg.rollout.engine == "sglang" else "")
     with phase.guard(0, cfg.train.dist_timeout_minutes):  # imports the user's reward module
         phase.now = "loading the reward function"
-        reward_fn = reward_fn_from_config(cfg.rollout.reward, tokenizer) if scores else None  # (a reward model
-        # would sit in memory unused)
+        # not for SFT without evaluation (a reward model would sit in memory unused)
+        reward_fn = reward_fn_from_config(cfg.rollout.reward, tokenizer) if cfg.scores_generations else None
 
     # decay_groups: norm gains and biases in an optimizer group of their own (parallelize)
     identity, start_step = {**checkpoint_identity(cfg), "decay_groups": decay_groups}, 0
