@@ -405,11 +405,29 @@ class EvalConfig:
                                 "eval/skipped_* still count the bad rows of the whole file.")
     max_response_len: int = field(0, "Max new tokens for eval (0 = rollout.max_response_len).")
     accuracy_threshold: float = field(1.0, "A response counts as correct when its reward is >= this.")
+    n_samples_per_prompt: int = field(1, "Answers per eval prompt. Above 1 (with eval.temperature > 0) eval/pass@k "
+                                         "is logged for k = 1, 2, 4, ... and n (unbiased estimator over the n "
+                                         "answers) and eval/accuracy is the mean over all answers.")
+    temperature: float = field(0.0, "Eval sampling temperature; 0 = greedy (one answer per prompt).")
+    top_p: float = field(1.0, "Eval nucleus sampling threshold (with eval.temperature > 0).")
 
     def __post_init__(self):
         if self.interval < 1 or self.max_prompts < 0 or self.max_response_len < 0:
             raise ValueError(f"eval.interval={self.interval} must be >= 1, eval.max_prompts={self.max_prompts} "
                              f"and eval.max_response_len={self.max_response_len} >= 0 (0 = all / the rollout's)")
+        if self.n_samples_per_prompt < 1:
+            raise ValueError(f"eval.n_samples_per_prompt={self.n_samples_per_prompt} must be >= 1")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"eval.temperature={self.temperature} must be >= 0 and finite (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"eval.top_p={self.top_p} must be in (0, 1]")
+        if self.n_samples_per_prompt > 1 and self.temperature == 0:
+            raise ValueError(f"eval.n_samples_per_prompt={self.n_samples_per_prompt} with eval.temperature=0: greedy "
+                             "answers to one prompt are all the same; set eval.temperature > 0 (e.g. 1.0, or 0.6 "
+                             "with eval.top_p=0.95) for pass@k")
+        if self.temperature == 0 and self.top_p != 1:
+            raise ValueError(f"eval.top_p={self.top_p} with eval.temperature=0: greedy decoding takes no nucleus; "
+                             "set eval.temperature > 0 or leave eval.top_p at 1")
 
 
 @dataclasses.dataclass
@@ -629,6 +647,8 @@ class Config:
                 self.rollout, "rollout", ("generate_fn", "generate_fn_timeout"))):
             out.append(f"{', '.join(unused)} ignored: algo.policy_loss=sft generates and scores only to evaluate, "
                        "and eval.path is not set")
+        if not self.eval.path and (unused := given(self.eval, "eval")):
+            out.append(f"{', '.join(unused)} ignored: eval.path is not set (no evaluation)")
         if not self.rollout.dynamic_sampling and \
                 (unused := given(self.rollout, "rollout", ("over_sample_factor", "max_sampling_attempts"))):
             out.append(f"{', '.join(unused)} ignored: they set how rollout.dynamic_sampling=true draws again")

@@ -171,6 +171,9 @@ def test_a_turn_at_another_temperature_than_the_trainers_is_refused(tokenizer):
     assert train.generate(prompt.prompt_ids, max_new_tokens=2, temperature=0.3).response_ids == [7, 8]
     evaluation = RolloutContext(prompt, SamplingParams(max_new_tokens=4, temperature=0.0, n=1), tokenizer, Engine())
     assert evaluation.trajectory().generate(temperature=0.7).response_ids == [7, 8]
+    sampled = RolloutContext(prompt, SamplingParams(max_new_tokens=4, temperature=1.0, n=4, trains=False), tokenizer,
+                             Engine())  # eval.temperature > 0 (pass@k): nothing is trained either
+    assert sampled.trajectory().generate(temperature=0.7).response_ids == [7, 8]
 
 
 def test_observed_ids_may_be_numpy_integers_but_not_text(tokenizer):

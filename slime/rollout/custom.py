@@ -63,11 +63,11 @@ class Trajectory:
     def generate(self, *, max_new_tokens: int | None = None, stop_token_ids: tuple[int, ...] | list[int] = (),
                  temperature: float | None = None) -> Generation:
         """The policy's next turn from everything so far; its tokens carry loss and logprobs. `temperature` may
-        differ from rollout.temperature only in evaluation (greedy, nothing trained): the trainer scores every
+        differ from rollout.temperature only in evaluation (nothing trained, params.trains false): the trainer scores every
         generated token at rollout.temperature, and TIS and the PPO ratio would compare logprobs of two
         distributions. (`RolloutContext.generate` takes any temperature, for text the trajectory observes.)"""
         run_t = self.ctx.params.temperature
-        if temperature is not None and temperature != run_t and run_t != 0:
+        if temperature is not None and temperature != run_t and run_t != 0 and self.ctx.params.trains:
             raise ValueError(f"Trajectory.generate(temperature={temperature}) for {self.ctx.prompt.where}: "
                              f"the trainer scores the trajectory's generated tokens at rollout.temperature={run_t}, so "
                              "their rollout logprobs must be sampled at it too; generate text at another temperature "
@@ -187,7 +187,7 @@ class RolloutContext:
 
     @property
     def n(self) -> int:
-        """Samples to return for this prompt (rollout.n_samples_per_prompt)."""
+        """Samples to return for this prompt (rollout.n_samples_per_prompt; eval.n_samples_per_prompt in evaluation)."""
         return self.params.n
 
     def trajectory(self) -> Trajectory:

@@ -28,6 +28,8 @@ class SamplingParams:
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, tests); no stop token ends a response
     seed: int | None = None  # hf engine: sample from a generator of this seed instead of torch's global one
     # (made at a call with a new seed, then drawn on by the calls that follow with the same seed)
+    trains: bool = True  # the trainer trains on these tokens (False in evaluation: a generate_fn may pick any
+    # temperature for its turns, as nothing rescores them)
 
     def __post_init__(self):  # custom generate functions build these directly, past the config's checks
         if self.max_new_tokens < 1 or self.n < 1:

@@ -1,9 +1,11 @@
-"""Greedy evaluation on a held-out prompt file: accuracy and mean reward over every dp rank's share."""
+"""Evaluation on a held-out prompt file (greedy, or n sampled answers per prompt for pass@k): accuracy, pass@k,
+mean reward and the reward functions' extras over every rank's share."""
 from __future__ import annotations
 
 import collections
 import dataclasses
 import logging
+import math
 import time
 
 import torch
@@ -13,7 +15,7 @@ from slime.data.prompts import SKIP_REASONS, Prompt, load_prompts, rows_on_every
 from slime.distributed.parallel_dims import ParallelDims
 from slime.rollout.engine import SamplingParams
 from slime.rollout.rewards import needs_label
-from slime.rollout.rollout import generate_rollout, sampling_params
+from slime.rollout.rollout import generate_rollout, reward_info_metrics, sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -63,27 +65,61 @@ def load_eval_prompts(cfg: Config, tokenizer, dims: ParallelDims, processor=None
 
 
 def evaluate(engine, evalset: EvalSet, cfg: Config, tokenizer, reward_fn, dims: ParallelDims) -> dict:
-    start, prompts = time.time(), evalset.prompts
+    start, prompts, ev = time.time(), evalset.prompts, cfg.eval
     stops = sampling_params(cfg.rollout, evalset.turn_end).stop_token_ids
-    params = SamplingParams(max_new_tokens=cfg.eval.max_response_len or cfg.rollout.max_response_len,
-                            temperature=0.0, stop_token_ids=stops, n=1)
+    params = SamplingParams(max_new_tokens=ev.max_response_len or cfg.rollout.max_response_len,
+                            temperature=ev.temperature, top_p=ev.top_p, stop_token_ids=stops,
+                            n=ev.n_samples_per_prompt, trains=False)
     engine.wake()  # a colocated engine may still hold its KV cache released after the weight push
-    # Greedy, but a generate_fn may sample (ctx.generate(temperature=1.0)): from torch's global generator, which
-    # the training rollout draws from too. With a stream of its own (the same at every evaluation), evaluating
-    # leaves training as it would be without it, and two evaluations of one model agree.
+    # Sampling (eval.temperature > 0, or a generate_fn's ctx.generate(temperature=1.0)) draws from torch's global
+    # generator, which the training rollout draws from too. With a stream of its own (the same at every
+    # evaluation), evaluating leaves training as it would be without it, and two evaluations of one model agree.
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
         torch.manual_seed(cfg.train.seed + dims.rank)
         samples = generate_rollout(engine, prompts, params, tokenizer, reward_fn, first_group_id=0,
                                    generate_fn=cfg.rollout.generate_fn,
                                    generate_fn_timeout=cfg.rollout.generate_fn_timeout) if prompts else []
-    n, correct, reward, length, cut = dims.all_reduce_sum([
-        len(samples), sum(s.reward >= cfg.eval.accuracy_threshold for s in samples),
-        sum(s.reward for s in samples), sum(len(s.response_ids) for s in samples),
-        sum(s.finish_reason == "length" for s in samples)], group=dims.world_group)
+    correct = [s.reward >= ev.accuracy_threshold for s in samples]
+    ks = pass_at_ks(ev.n_samples_per_prompt)
+    passed = pass_at_k_sums([[c for c, s in zip(correct, samples) if s.group_id == g] for g in range(len(prompts))],
+                            ks)
+    n, n_correct, reward, length, cut, n_prompts, *pass_sums = dims.all_reduce_sum([
+        len(samples), sum(correct), sum(s.reward for s in samples), sum(len(s.response_ids) for s in samples),
+        sum(s.finish_reason == "length" for s in samples), len(prompts), *(x for pair in passed for x in pair)],
+        group=dims.world_group)
+    extras = {f"eval/{k}": v for k, v in reward_info_metrics(samples, dims).items()}  # a collective
     if not n:  # every prompt of the file left out (images that failed when drawn, ...)
         raise RuntimeError(f"evaluation on {cfg.eval.path}: no prompt left to evaluate (skipped: "
                            f"{evalset.skipped or 'none'}); fix the file or set eval.path=null")
-    return {"eval/accuracy": correct / n, "eval/reward_mean": reward / n, "eval/response_len": length / n,
-            "eval/truncated_frac": cut / n, "eval/num_prompts": n,
-            **{f"eval/skipped_{r}": k for r, k in evalset.skipped.items()},
+    out = {"eval/accuracy": n_correct / n, "eval/reward_mean": reward / n, "eval/response_len": length / n,
+           "eval/truncated_frac": cut / n, "eval/num_prompts": n_prompts}
+    for k, total, count in zip(ks, pass_sums[::2], pass_sums[1::2]):
+        if count:
+            out[f"eval/pass@{k}"] = total / count
+    if ev.n_samples_per_prompt > 1:
+        out["eval/num_samples"] = n
+    return {**out, **extras, **{f"eval/skipped_{r}": k for r, k in evalset.skipped.items()},
             "time/eval": time.time() - start}
+
+
+def pass_at_ks(n: int) -> list[int]:
+    """The k of eval/pass@k for n answers per prompt: 1, 2, 4, ... below n, and n; none for n = 1 (eval/accuracy)."""
+    return [] if n == 1 else [k for k in (2 ** i for i in range(n.bit_length())) if k < n] + [n]
+
+
+def pass_at_k_sums(groups: list[list[bool]], ks: list[int]) -> list[tuple[float, int]]:
+    """Per k: (the sum over prompts of the chance that k of a prompt's answers drawn without replacement hold a
+    correct one, the number of prompts summed). The unbiased estimator of pass@k from n >= k answers of which c are
+    correct, 1 - C(n - c, k) / C(n, k) (Chen et al. 2021); a prompt with fewer than k answers (a generate_fn that
+    returned fewer) is left out of that k."""
+    out = []
+    for k in ks:
+        total, count = 0.0, 0
+        for group in groups:
+            n, c = len(group), sum(group)
+            if n < k:
+                continue
+            total += 1.0 if n - c < k else 1.0 - math.prod(1 - k / i for i in range(n - c + 1, n + 1))
+            count += 1
+        out.append((total, count))
+    return out
