@@ -84,6 +84,11 @@ def test_overlong_prompts_are_dropped_counted_and_named(tmp_path, tok, caplog):
     assert dropped == 2 and len(prompts) == 2
     assert re.search(r"dropped 2 of 4 prompts longer than data.max_prompt_len=20 tokens: lines 2 \(\d+ tokens\), "
                      r"4 \(\d+ tokens\)$", caplog.text.strip()), caplog.text
+    from slime.data.prompts import PromptSource
+
+    source = PromptSource(DataConfig(path=str(path), max_prompt_len=20), tok, batch_size=1, dp_rank=0, dp_size=1,
+                          seed=0)  # and logged with the other skips, in every train record
+    assert source.skipped_metrics(lambda values: values) == {"data/skipped_too_long": 2}
 
 
 def test_bad_rows_name_file_and_line(tmp_path, tok):

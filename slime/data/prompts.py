@@ -615,8 +615,11 @@ class PromptSource:
         collective: call on every rank). Only reasons seen."""
         when_drawn = self.skipped_when_drawn if when_drawn is None else when_drawn
         drawn = reduce_sum([float(when_drawn[r]) for r in SKIP_REASONS])
-        return {f"data/skipped_{r}": self.report.skipped[r] + d for r, d in zip(SKIP_REASONS, drawn)
-                if self.report.skipped[r] + d}
+        out = {f"data/skipped_{r}": self.report.skipped[r] + d for r, d in zip(SKIP_REASONS, drawn)
+               if self.report.skipped[r] + d}
+        if self.report.too_long:  # over data.max_prompt_len, dropped at load (the start-up line says it too)
+            out["data/skipped_too_long"] = self.report.too_long
+        return dict(sorted(out.items()))
 
     def state_dict(self) -> dict:
         """Where the order stands, and this rank's prompts skipped when drawn (a checkpoint records their sum over
