@@ -39,6 +39,28 @@ fi
 ranks=(--num_gpus "$nproc")
 if [[ $gpus -gt 0 && -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
   IFS=, read -ra visible <<< "$CUDA_VISIBLE_DEVICES"
+  # DeepSpeed's --include takes GPU indices only: a GPU's UUID (GPU-...) is turned into its index; a MIG
+  # instance (MIG-...) has none, and torchrun, which leaves CUDA_VISIBLE_DEVICES as it is, launches on those.
+  for i in "${!visible[@]}"; do
+    id=${visible[$i]// /}
+    if [[ ! $id =~ ^[0-9]+$ ]]; then
+      index=
+      if [[ $id == GPU-* ]]; then
+        index=$(nvidia-smi --query-gpu=index,uuid --format=csv,noheader 2>/dev/null |
+          awk -F', *' -v id="$id" 'index($2, id) == 1 {print $1; exit}' || true)
+      fi
+      if [[ -z $index ]]; then
+        what="not a GPU index (a MIG instance has none)"
+        [[ $id == GPU-* ]] && what="a UUID nvidia-smi does not list"
+        echo "run.sh: CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES names '$id', $what; DeepSpeed's" \
+          "launcher takes indices only. Give indices (nvidia-smi -L lists them) or launch with torchrun:" \
+          "torchrun --nproc_per_node $nproc run.py --config $config ... (docs/multi_node.md)" >&2
+        exit 2
+      fi
+      id=$index
+    fi
+    visible[$i]=$id
+  done
   ranks=(--include "localhost:$(IFS=,; echo "${visible[*]:0:$nproc}")")
 fi
 if [[ $gpus -gt 0 && $nproc -gt $gpus && $dry_run == 0 ]]; then

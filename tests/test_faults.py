@@ -887,6 +887,16 @@ def test_run_sh_launches_on_the_visible_gpus(tmp_path):
         assert out.returncode == 0 and args[:2] == ["--num_gpus", "4"], out.stderr
         out, args = launch(CUDA_VISIBLE_DEVICES="4,5,6,7", NPROC="2")
         assert out.returncode == 0 and args[:2] == ["--include", "localhost:4,5"], out.stderr
+        # UUIDs: DeepSpeed's launcher failed on them (int("GPU-...")); nvidia-smi gives their indices
+        (stubs / "nvidia-smi").write_text("#!/bin/sh\necho '0, GPU-aaaa-0'\necho '1, GPU-bbbb-1'\n"
+                                         "echo '2, GPU-cccc-2'\necho '3, GPU-dddd-3'\n")
+        (stubs / "nvidia-smi").chmod(0o755)
+        out, args = launch(CUDA_VISIBLE_DEVICES="GPU-dddd-3,GPU-bbbb,2", NPROC="3")  # a UUID's prefix, as CUDA takes
+        assert out.returncode == 0 and args[:2] == ["--include", "localhost:3,1,2"], out.stderr
+        for visible, words in (("MIG-1234,MIG-5678", "names 'MIG-1234', not a GPU index (a MIG instance has none)"),
+                               ("GPU-ffff", "names 'GPU-ffff', a UUID nvidia-smi does not list")):
+            out, _ = launch(CUDA_VISIBLE_DEVICES=visible, NPROC="1")
+            assert out.returncode == 2 and words in out.stderr and "torchrun --nproc_per_node 1 run.py" in out.stderr
         out, _ = launch(NPROC="16")  # a two-node recipe started on one node: ranks 4-15 would have no GPU
         assert out.returncode == 2 and "NPROC=16 ranks, but this node shows 4 GPU(s)" in out.stderr
         assert "docs/multi_node.md" in out.stderr
