@@ -542,6 +542,77 @@ class SeenEngine:
         raise Seen(params.stop_token_ids)
 
 
+# A template that adds text around the final reply, as Qwen3's does (an empty thinking block before it) and
+# Llama-2's (a space before it and after it).
+THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and loop.last %}"
+            "<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPACED = ("{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+          "{% else %} {{ m['content'] }} <eos>{% endif %}{% endfor %}")  # a turn ends with a space and EOS
+
+
+@pytest.mark.parametrize("template, reply", [(THINKING, "<think>\n\n</think>\n\n20<|im_end|>"),
+                                             (SPACED, " 20 <eos>"), (QWEN_LIKE, "20<|im_end|>")])
+def test_sft_learns_the_reply_as_the_chat_template_renders_it(tmp_path, tiny_model, template, reply, caplog):
+    """SFT learned the label's tokens and the turn's end, where the template renders more around a reply: Qwen3's
+    an empty thinking block before the final one, Llama-2's a space on each side. A model so trained answered
+    without the block its template's generation prompt then expects (and the learned text was never rendered)."""
+    from slime.data.prompts import sft_samples
+
+    base = AutoTokenizer.from_pretrained(tiny_model)
+    base.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    base.add_tokens(["<think>", "</think>"])  # plain added tokens, as in Qwen3's tokenizer
+    base.chat_template = template
+    chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "10+10="}]
+    path = write_jsonl(tmp_path / "sft.jsonl", [{"messages": [*chat, {"role": "assistant", "content": "20"}]},
+                                                {"prompt": "10+10=", "label": "20"}])
+    with caplog.at_level(logging.INFO, logger="slime.data.prompts"):
+        data = PromptSource(DataConfig(path=str(path), shuffle=False), base, batch_size=2, dp_rank=0, dp_size=1,
+                            seed=0, label_required=True, label_is_text=True)
+    samples = sft_samples(data.next_batch(), base, data.turn_end)
+    for sample, before in zip(samples, (chat, chat[-1:])):
+        assert base.decode(sample.response_ids) == reply and sample.response_text == "20"
+        rendered = base.apply_chat_template([*before, {"role": "assistant", "content": "20"}], tokenize=False)
+        assert rendered.startswith(base.decode(sample.prompt_ids + sample.response_ids))  # the whole chat as rendered
+    said = "SFT learns each reply as the chat template renders it after the prompt" in caplog.text
+    assert said == (template != QWEN_LIKE)  # said where it is more than the label and the turn's end
+
+
+def test_sft_on_a_template_that_does_not_render_the_reply_after_the_prompt_learns_the_label(tmp_path, tiny_model,
+                                                                                               caplog):
+    """A template that renders a reply otherwise (here: it refuses an assistant message last) keeps the label's
+    tokens and the turn's end, and says so."""
+    from slime.data.prompts import sft_samples
+
+    base = AutoTokenizer.from_pretrained(tiny_model)
+    base.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    base.chat_template = ("{% if messages[-1]['role'] == 'assistant' and messages|length > 1 %}"
+                          "{{ raise_exception('no') }}{% endif %}" + QWEN_LIKE)
+    path = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "10+10=", "label": "20"}])
+    with caplog.at_level(logging.WARNING, logger="slime.data.prompts"):
+        data = PromptSource(DataConfig(path=str(path)), base, batch_size=1, dp_rank=0, dp_size=1, seed=0,
+                            label_required=True, label_is_text=True)
+    assert "in 1 row(s) the chat template does not render the prompt and then the label" in caplog.text
+    assert data.turn_end == ()  # the template's own probe is refused too: EOS ends the turn
+    (sample,) = sft_samples(data.next_batch(), base, data.turn_end)
+    assert sample.response_ids == base("20", add_special_tokens=False).input_ids + [base.eos_token_id]
+
+
+def test_the_sft_length_limit_counts_what_the_template_adds_to_the_reply(tmp_path, tiny_model):
+    base = AutoTokenizer.from_pretrained(tiny_model)
+    base.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    base.chat_template = THINKING  # <think> and </think> as text here: a byte each
+    path = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "10+10=", "label": "20"}, {"prompt": "1+1=", "label": "2"}])
+    kept = load_prompts(DataConfig(path=str(path)), base, label_required=True, label_is_text=True)[0][0]
+    n = len(kept.prompt_ids) + len(kept.target_ids) - 1  # the turn's end after the reply is a target only
+    assert n > len(kept.prompt_ids) + 2 + 10  # the block counts
+    for limit, count in ((n, 2), (n - 1, 1)):
+        prompts, report = load_prompts(DataConfig(path=str(path), max_skipped_frac=1.0), base, label_required=True,
+                                       label_is_text=True, max_sample_len=(limit, "train.max_tokens_per_gpu"))
+        assert len(prompts) == count and report.skipped["label_too_long"] == 2 - count
+
+
 def rollout_stops(data, tokenizer) -> tuple[int, ...]:
     """The stop ids a training rollout drawing from `data` hands the engine."""
     from one_rank import OneRank

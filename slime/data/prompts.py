@@ -49,6 +49,9 @@ class Prompt:
     """Pixel patches and grids, filled when the prompt is drawn on the rank that uses it."""
     source: str = ""
     """file:line of its row ("" for a prompt made in code)."""
+    target_ids: list[int] | None = None
+    """SFT: the response to learn as the chat template renders the label after the prompt, through the turn's end
+    (sft_target); None: the label's tokens and the turn's end."""
 
     @property
     def where(self) -> str:
@@ -237,6 +240,32 @@ def _render(messages: list[dict], cfg: DataConfig, tokenizer) -> str:
         raise TemplateRefused(f"{type(e).__name__}: {e}") from e
 
 
+def sft_target(messages: list[dict], label: str, prompt_text: str, prompt_ids: list[int], cfg: DataConfig,
+               tokenizer, end_id: int) -> list[int] | None:
+    """SFT on a chat template: the reply to learn is what the template renders after the prompt when the label is
+    the assistant's message, through the token that ends its turn. Templates add text around a reply: Qwen3's
+    an empty "<think>\n\n</think>\n\n" block before the final one, others a space; learning the label's tokens
+    alone taught a reply the template never renders. The tokens are those of the whole conversation after the
+    prompt's (where the prompt's tokens begin them), else of that text alone. None where the template does not
+    render the prompt and then the label (it refuses the message, reorders, or ends the turn with text, not
+    `end_id`): the label's tokens and the turn's end are learned there."""
+    if cfg.system_prompt and messages[0].get("role") != "system":
+        messages = [{"role": "system", "content": cfg.system_prompt}] + list(messages)
+    try:
+        full = tokenizer.apply_chat_template(list(messages) + [{"role": "assistant", "content": label}],
+                                             tokenize=False)
+    except Exception:  # jinja2's TemplateError, a TypeError in its expressions: the label's tokens, as before
+        return None
+    if not isinstance(full, str) or not full.startswith(prompt_text) or label not in full[len(prompt_text):]:
+        return None
+    full_ids = tokenizer(full, add_special_tokens=False).input_ids
+    if full_ids[:len(prompt_ids)] == prompt_ids:
+        target = full_ids[len(prompt_ids):]
+    else:  # image tokens expanded in the prompt's ids, or a merge across the boundary
+        target = tokenizer(full[len(prompt_text):], add_special_tokens=False).input_ids
+    return target[:target.index(end_id) + 1] if end_id in target else None
+
+
 def _joined_text_parts(messages: list[dict]) -> list[dict]:
     """Messages whose content is a list of text parts, with the parts' texts joined (one after the other, as the
     chat templates that read parts render them). A text model's template may not read parts at all: Qwen2.5's
@@ -381,6 +410,9 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
     rows = load_rows(path)
     if not rows:
         raise ValueError(f"{path} holds no rows")
+    use_template = cfg.apply_chat_template and tokenizer.chat_template is not None
+    end_id = turn_end_id(tokenizer, cfg) if label_is_text else None
+    unrendered, shown = 0, None  # SFT rows whose reply the template does not render after the prompt; one it adds to
     if cfg.apply_chat_template and tokenizer.chat_template is None and \
             any(row.get(cfg.prompt_key) is not None for _, row in rows):
         logger.warning("%s: data.apply_chat_template=true, but model.path's tokenizer has no chat template: the "
@@ -447,10 +479,23 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
             if label_is_text and label is not None and (isinstance(label, bool) or not isinstance(label, (str, int, float))):
                 raise ValueError(f"{path}:{line}: SFT learns the label's text as the response, but '{cfg.label_key}' is "
                                  f"a {type(label).__name__} ({str(label)[:60]}); give one string")
+            target = None
+            if label_is_text and label is not None and use_template:
+                chat = (parsed[0] if parsed is not None  # as the prompt was rendered: encode_(image_)prompt
+                        else [{"role": "user", "content": row[cfg.prompt_key]}] if row.get(cfg.prompt_key) is not None
+                        else row[cfg.messages_key] if processor is not None
+                        else _joined_text_parts(row[cfg.messages_key]))
+                target = sft_target(chat, str(label), text, ids, cfg, tokenizer, end_id)
+                plain = tokenizer(str(label), add_special_tokens=False).input_ids + [end_id]
+                if target is None:
+                    unrendered += 1
+                elif target != plain and shown is None:
+                    shown = (line, tokenizer.decode(target))
             if label_is_text and max_sample_len is not None and label is not None and len(ids) <= cfg.max_prompt_len:
                 limit, key = max_sample_len  # (a prompt past data.max_prompt_len is dropped as too long, below)
-                # prompt + label: its row in a micro-batch (the EOS after the label is a target only, Sample.row_len)
-                n = len(ids) + len(tokenizer(str(label), add_special_tokens=False).input_ids)
+                # prompt + label: its row in a micro-batch (the turn's end after it is a target only, Sample.row_len)
+                n = len(ids) + (len(target) - 1 if target is not None else
+                                len(tokenizer(str(label), add_special_tokens=False).input_ids))
                 if n > limit:
                     raise SkippedRow("label_too_long", f"prompt + label is {n} tokens, more than a micro-batch "
                                                        f"holds ({key} = {limit})")
@@ -477,7 +522,8 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
         if taken:  # a row's "turns" was logged as rollout/turns (text crashed the step), its reward_info as reward/
             raise ValueError(f"{path}:{line}: field '{cfg.metadata_key}' holds {taken}, which the rollout writes into "
                              f"each sample's metadata itself ({', '.join(sorted(RESERVED_METADATA))}): rename them")
-        prompts.append(Prompt(ids, text, row.get(cfg.label_key), meta, line - 1, images=refs, source=f"{path}:{line}"))
+        prompts.append(Prompt(ids, text, row.get(cfg.label_key), meta, line - 1, images=refs, source=f"{path}:{line}",
+                              target_ids=target))
     bad = sum(report.skipped.values())
     if bad:
         if logged > 20:
@@ -487,6 +533,13 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
             raise ValueError(f"{path}: {bad} of {len(rows)} rows are bad ({dict(report.skipped)}), more than "
                              f"data.max_skipped_frac={cfg.max_skipped_frac}; fix the data (the log names each "
                              "file:line) or raise the limit")
+    if shown is not None:
+        logger.info("%s: SFT learns each reply as the chat template renders it after the prompt, through the turn's "
+                    "end: line %d's is %r", path, shown[0], shown[1][:200])
+    if unrendered:
+        logger.warning("%s: in %d row(s) the chat template does not render the prompt and then the label as the "
+                       "assistant's reply (it refuses the message, or ends the turn with text): SFT learns the "
+                       "label's tokens and the turn's end there", path, unrendered)
     if left_out_rows:
         logger.warning("%s: in %d row(s) the chat template left the text of a message out of the prompt (a role it "
                        "does not know, or content it does not render?): line %s%s", path, left_out_rows,
@@ -699,7 +752,8 @@ def sft_samples(prompts: list[Prompt], tokenizer, turn_end: tuple[int, ...] = ()
     for p in prompts:
         if p.label is None:
             raise ValueError(f"SFT needs a label for every prompt; {p.where} has none (data.label_key)")
-        target = tokenizer(str(p.label), add_special_tokens=False).input_ids + [end_id]
+        target = list(p.target_ids) if p.target_ids is not None else \
+            tokenizer(str(p.label), add_special_tokens=False).input_ids + [end_id]
         samples.append(Sample(prompt_ids=list(p.prompt_ids), response_ids=target, prompt_text=p.prompt_text,
                               response_text=str(p.label), label=p.label, metadata=dict(p.metadata),
                               group_id=p.index, finish_reason="stop",
