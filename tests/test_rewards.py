@@ -85,6 +85,11 @@ def test_math_garbage_scores_zero_without_raising(response):
     assert set(info) == {"reward", "math/pred_unparsed", "math/error"}
 
 
+def test_math_reads_the_answer_after_the_reasoning():
+    assert math_reward(S("<think>is it \\boxed{2}? no</think>\n\n\\boxed{\\frac{1}{2}}", "0.5"))["reward"] == 1.0
+    assert math_reward(S("<think>\\boxed{0.5}</think> I am not sure", "0.5"))["reward"] == 0.0
+
+
 def test_math_counts_unparsed_prediction():
     assert math_reward(S("no number here", "3"))["math/pred_unparsed"] == 1.0
     assert math_reward(S("\\boxed{3}", "3"))["math/pred_unparsed"] == 0.0
@@ -161,6 +166,9 @@ def test_a_label_the_builtin_rewards_cannot_compare_is_an_error_not_its_repr(lab
     ("-0", "0", 1.0),
     ("12345678901234567890123456789012", "12345678901234567890123456789013", 0.0),
     ("0.00001", 0.00001, 1.0),                 # a float label from JSON: not '1e-05'
+    ("<think>\n\n</think>\n\n19", "19", 1.0),  # a reasoning model's (and Qwen3's template's) empty block
+    ("<think>Answer: 20? no</think> 19", "19", 1.0),  # what it wrote while thinking is not its answer
+    ("<think>so it is 19", "19", 0.0),         # still thinking at the length limit: no answer
 ])
 def test_exact_match(response, label, expected):
     assert exact_match_reward(S(response, label)) == expected

@@ -79,6 +79,14 @@ def _last_boxed(text: str) -> str | None:
     return None
 
 
+def after_reasoning(text: str) -> str:
+    """A response without its reasoning: the text after the last "</think>" (reasoning models, Qwen3's template
+    and the SFT that learns it), or all of it where there is none. An answer written while thinking is not the
+    final one, and the block around an answer made the whole response differ from its label."""
+    end = text.rfind("</think>")
+    return text if end < 0 else text[end + len("</think>"):]
+
+
 def extract_answer(text: str) -> str | None:
     """The final answer in a response: last <answer> span, last \\boxed{}, or text after
     'Answer:'/'####' (in that order of preference). None when the response marks no answer."""
@@ -144,8 +152,9 @@ def normalize_answer(text: str) -> str:
 
 def exact_match_reward(sample: Sample) -> float:
     """1.0 when the extracted answer (or the whole stripped response) equals a label."""
-    pred = extract_answer(sample.response_text)
-    pred = normalize_answer(sample.response_text if pred is None else pred)
+    text = after_reasoning(sample.response_text)
+    pred = extract_answer(text)
+    pred = normalize_answer(text if pred is None else pred)
     return float(any(pred == normalize_answer(g) for g in _labels(sample, "exact_match")))
 
 
@@ -192,11 +201,12 @@ def math_reward(sample: Sample) -> dict[str, float]:
     from math_verify.errors import TimeoutException
 
     timeout = MATH_VERIFY_TIMEOUT_S
-    pred_text = extract_answer(sample.response_text)
+    text = after_reasoning(sample.response_text)
+    pred_text = extract_answer(text)
     info = {"reward": 0.0, "math/pred_unparsed": 0.0, "math/error": 0.0}
     try:
         pred = (_mv_parse(pred_text, timeout, bare=True) if pred_text is not None
-                else _mv_parse(sample.response_text, timeout, bare=False))
+                else _mv_parse(text, timeout, bare=False))
         info["math/pred_unparsed"] = float(all(isinstance(p, str) for p in pred))
         for gold_text in golds:
             gold = _mv_parse(gold_text, timeout, bare=True)
