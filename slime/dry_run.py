@@ -114,8 +114,8 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
     if num_gpus % sp:
         raise ValueError(f"parallel.sp={sp} must divide --num-gpus={num_gpus}")
     dp = num_gpus // sp
-    if dp % ep:
-        raise ValueError(f"parallel.ep={ep} must divide the data-parallel size {dp} (= {num_gpus} GPUs / sp {sp})")
+    if num_gpus % ep:  # DeepSpeed's ep groups: blocks of ep consecutive ranks (sp peers included)
+        raise ValueError(f"parallel.ep={ep} must divide --num-gpus={num_gpus}")
     if cfg.rollout.batch_size % dp:
         raise ValueError(f"rollout.batch_size={cfg.rollout.batch_size} must be divisible by dp={dp}")
     shape = model_shape(cfg.model.path, cfg.model.trust_remote_code)

@@ -111,8 +111,8 @@ def test_too_few_gpus_warns_and_bad_layouts_fail():
                       [f"model.path={REPO / 'examples/model_configs/qwen3-30b-a3b'}"])
     assert any("training needs about" in w for w in plan(cfg, 8)["warnings"])  # 30B on one node: too much
     assert not plan(cfg, 16)["warnings"]
-    with pytest.raises(ValueError, match="parallel.ep=8 must divide the data-parallel size 4"):
-        plan(cfg, 4)
+    with pytest.raises(ValueError, match="parallel.ep=8 must divide --num-gpus=12"):
+        plan(cfg, 12)
     cfg.parallel.sp = 3
     with pytest.raises(ValueError, match="parallel.sp=3 must divide --num-gpus=16"):
         plan(cfg, 16)

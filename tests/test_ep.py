@@ -179,6 +179,14 @@ def test_grpo_loop_with_ep2_samples_as_ep1_does_and_a_resume_at_another_ep_is_re
     assert ep1["train/loss"] == pytest.approx(rows[0]["train/loss"], rel=1e-4, abs=1e-6)
 
 
+def test_sp2_times_ep2_on_two_ranks_equals_one_rank(moe_models, tmp_path):
+    """DeepSpeed's ep groups are blocks of consecutive ranks, so on 2 ranks the ep group is the sp group: the layout
+    was refused ("ep must divide the data-parallel size 1") though it trains as one rank does."""
+    ref = run(moe_models["qwen3_moe"], tmp_path / "ref", 1, "train.max_tokens_per_gpu=96")
+    both = run(moe_models["qwen3_moe"], tmp_path / "spep", 2, "parallel.sp=2", "parallel.ep=2")
+    assert_same_step(ref, both)
+
+
 @pytest.mark.four_ranks
 def test_sp2_times_ep2_equals_sp1_ep1(moe_models, tmp_path):
     """4 ranks: dp=2 x sp=2 with ep=2 against dp=2 without sp or ep."""

@@ -1,7 +1,8 @@
 """ParallelDims: the single owner of process groups.
 
-world = dp * sp. Expert parallelism (DeepSpeed AutoEP) folds over dp, so `ep` divides dp; its groups
-are built by DeepSpeed when the first engine starts, and handed out here (`expert_group`). Nothing else in the project creates or reads a global group: code that
+world = dp * sp. Expert parallelism (DeepSpeed AutoEP) groups blocks of `ep` consecutive ranks, so `ep` divides the
+world (with sp > 1 an ep group holds sp peers first); its groups are built by DeepSpeed when the first engine
+starts, and handed out here (`expert_group`). Nothing else in the project creates or reads a global group: code that
 needs a collective calls a method of this object or receives a group from it, the weight-update
 group shared with rollout engines included (`new_external_group`).
 """
@@ -57,8 +58,8 @@ class ParallelDims:
         if world % sp:
             raise ValueError(f"parallel.sp={sp} must divide the world size {world}")
         dp = world // sp
-        if dp % ep:
-            raise ValueError(f"parallel.ep={ep} must divide the data-parallel size {dp}")
+        if world % ep:  # DeepSpeed's ep groups: blocks of ep consecutive ranks (sp peers included)
+            raise ValueError(f"parallel.ep={ep} must divide the world size {world} (ranks)")
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank)
         dims = cls(world_size=world, rank=rank, local_rank=local_rank, dp=dp, sp=sp, ep=ep)
