@@ -1,8 +1,10 @@
 """Config errors name the key and the fix; overrides and --help work."""
 import json
+import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -642,3 +644,65 @@ def test_one_step_off_without_a_correction_of_the_lag_is_warned():
     assert build().off_policy_warning() is None
     for example in sorted((REPO / "examples").glob("*.yaml")):
         assert load_config(str(example), ["model.path=m"]).off_policy_warning() is None, example.name
+
+
+def test_a_critic_of_its_own_is_checked_before_any_model_loads(tiny_model, tmp_path):
+    """algo.critic.path: a missing folder was reported as model.path after the actor and reference had loaded; a
+    critic whose packed samples compute unlike each alone (dynamic rope past its context) trained on wrong values
+    where the same model as the actor is refused; one of another vocabulary failed after the first rollout,
+    blaming the rollout; one of another tokenizer of the same size read every token as another."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from slime.models.loading import check_critic
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+
+    def critic(name: str, **changes) -> Path:
+        path = tmp_path / name
+        shutil.copytree(tiny_model, path)
+        conf = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**conf, **changes}))
+        return path
+
+    def cfg(path, *extra):
+        return load_config(None, [f"model.path={tiny_model}", "data.path=d.jsonl", "algo.advantage_estimator=gae",
+                                  f"algo.critic.path={path}", *extra])
+
+    check_critic(cfg(critic("same")), tokenizer)  # the actor's model as its own critic: fine
+    check_critic(cfg(tmp_path / "missing", "algo.advantage_estimator=grpo"), tokenizer)  # no critic: not read
+    dynamic = critic("dynamic", max_position_embeddings=10,
+                     rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    small = critic("small-vocab", vocab_size=100)
+    other = critic("other-tokenizer")
+    other_tok = AutoTokenizer.from_pretrained(other)
+    other_tok.add_tokens(["<extra>"])
+    other_tok.save_pretrained(other)
+    for path, words in ((tmp_path / "missing", r"algo.critic.path=.*missing is not a directory"),
+                        (dynamic, r"algo.critic.path=.*dynamic uses dynamic rope, .* set train.packing=false"),
+                        (small, r"algo.critic.path=.*small-vocab has a vocabulary of 100 tokens .* fewer than the "
+                                r"actor's 261"),
+                        (other, r"algo.critic.path=.*other-tokenizer holds a tokenizer other than model.path's")):
+        with pytest.raises((ValueError, FileNotFoundError), match=words):
+            check_critic(cfg(path), tokenizer)
+    check_critic(cfg(dynamic, "train.packing=false", "train.micro_batch_size=1"), tokenizer)  # each sample alone
+
+
+@pytest.mark.parametrize("old, new, step, refused", [(1, 3, 2, True), (1, 2, 2, True), (1, 2, 5, True),
+                                                     (3, 1, 5, False), (3, 5, 2, False), (None, 3, 2, False)])
+def test_a_resume_with_a_longer_critic_warmup_after_the_actor_started_is_refused(old, new, step, refused, caplog):
+    """The actor that had trained since step old + 1 was frozen again (and its schedule, shortened to fewer
+    updates than it had made, ran on at min_lr), with no word in the log."""
+    from slime.trainer.loop import check_critic_warmup
+
+    changed = {"algo.critic.warmup_steps": (old, new)}
+    if refused:
+        with pytest.raises(ValueError, match=rf"algo.critic.warmup_steps={new} at the resume of step {step}: .* "
+                                             rf"Keep algo.critic.warmup_steps={old}"):
+            check_critic_warmup(changed, step)
+        return
+    with caplog.at_level(logging.WARNING, logger="slime.trainer.loop"):
+        check_critic_warmup(changed, step)
+    assert ("resumed with algo.critic.warmup_steps" in caplog.text) == (old is not None)

@@ -1,6 +1,7 @@
 """Load HF models (through their family's adapter) and tokenizers from a local directory."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -18,21 +19,52 @@ def resolve_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def check_model_path(cfg: ModelConfig) -> None:
+def check_model_path(cfg: ModelConfig, key: str = "model.path") -> None:
+    """`key`: the setting that names the folder (algo.critic.path for a critic)."""
     path = Path(cfg.path)
     if path.is_file() and path.suffix == ".gguf":
-        raise FileNotFoundError(f"model.path={cfg.path} is a GGUF file: set model.path to its folder and "
+        raise FileNotFoundError(f"{key}={cfg.path} is a GGUF file: set {key} to its folder and "
                                 f"model.gguf_file={path.name}, or convert it with data_tools/gguf_to_hf.py")
     if not path.is_dir():
         where = "" if path.is_absolute() else f" ({path.resolve()}: relative paths are read from {Path.cwd()})"
-        raise FileNotFoundError(f"model.path={cfg.path} is not a directory{where}; point it at an HF model "
+        raise FileNotFoundError(f"{key}={cfg.path} is not a directory{where}; point it at an HF model "
                                 "directory (config.json + weights + tokenizer)")
     if cfg.gguf_file is None and not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model.path={cfg.path} has no config.json; an HF model directory holds config.json, "
+        raise FileNotFoundError(f"{key}={cfg.path} has no config.json; an HF model directory holds config.json, "
                                 "the weights and the tokenizer (or set model.gguf_file for a GGUF model)")
 
 
-def check_weight_files(cfg: ModelConfig) -> None:
+def critic_model(cfg) -> ModelConfig:
+    """The critic's model settings: the actor's, from algo.critic.path where that is set."""
+    return dataclasses.replace(cfg.model, path=cfg.algo.critic.path or cfg.model.path)
+
+
+def check_critic(cfg, tokenizer) -> None:
+    """A critic of its own (algo.critic.path), checked before any model loads: its folder, its weight files, that
+    its samples compute in packed rows as alone (check_packing), and that it reads the actor's token ids (its
+    vocabulary holds the tokenizer's, and a tokenizer of its own is the same). A critic of another vocabulary
+    failed after the first rollout, blaming the rollout; one of another tokenizer of the same size read every
+    token as another."""
+    if not (cfg.trains_critic and cfg.algo.critic.path):
+        return
+    model, key = critic_model(cfg), "algo.critic.path"
+    check_model_path(model, key)
+    check_weight_files(model, key)
+    check_packing(cfg, model, key)
+    vocab, actors = text_config_value(model, "vocab_size"), text_config_value(cfg.model, "vocab_size")
+    if vocab is not None and actors is not None and vocab < actors:
+        raise ValueError(f"{key}={model.path} has a vocabulary of {vocab} tokens (vocab_size in its config.json), "
+                         f"fewer than the actor's {actors} (model.path): the critic reads the actor's token ids. Give "
+                         "a critic trained with the actor's tokenizer")
+    if any((Path(model.path) / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        own = AutoTokenizer.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+        if own.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"{key}={model.path} holds a tokenizer other than model.path's: the critic would read "
+                             "the actor's token ids as other tokens. Give a critic trained with the actor's tokenizer "
+                             "(or remove the critic's tokenizer files if it was)")
+
+
+def check_weight_files(cfg: ModelConfig, key: str = "model.path") -> None:
     """Each safetensors file's header against its size: a file cut short (a copy or a download that stopped)
     fails here by name, not as safetensors' bare 'incomplete metadata' from inside from_pretrained."""
     from safetensors import SafetensorError, safe_open
@@ -42,7 +74,7 @@ def check_weight_files(cfg: ModelConfig) -> None:
             with safe_open(str(f), framework="pt"):
                 pass
         except SafetensorError as e:
-            raise ValueError(f"model.path={cfg.path}: {f.name} ({f.stat().st_size} bytes) cannot be read: {e}. The file "
+            raise ValueError(f"{key}={cfg.path}: {f.name} ({f.stat().st_size} bytes) cannot be read: {e}. The file "
                              "is cut short or corrupt (a copy or download that stopped?); copy or export it again") \
                 from None
 
@@ -72,16 +104,17 @@ def check_stop_ids(cfg: ModelConfig, stop_ids) -> None:
                          "this model's tokenizer")
 
 
-def check_packing(cfg) -> None:
-    """A model whose samples would not compute as each alone in a packed row or padded batch is refused at start
-    (slime/models/attention.py's packing_refusal), naming the setting that avoids it."""
+def check_packing(cfg, model: ModelConfig | None = None, key: str = "model.path") -> None:
+    """A model (the actor's, or `model` named by `key`) whose samples would not compute as each alone in a packed
+    row or padded batch is refused at start (slime/models/attention.py's packing_refusal), naming the setting
+    that avoids it."""
     if not cfg.train.packing and cfg.train.micro_batch_size == 1:
         return
-    conf = AutoConfig.from_pretrained(cfg.model.path, gguf_file=cfg.model.gguf_file,
-                                      trust_remote_code=cfg.model.trust_remote_code)
+    model = model or cfg.model
+    conf = AutoConfig.from_pretrained(model.path, gguf_file=model.gguf_file, trust_remote_code=model.trust_remote_code)
     why = packing_refusal(conf, cfg.data.max_prompt_len + cfg.rollout.max_response_len, packing=cfg.train.packing)
     if why:
-        raise ValueError(f"model.path={cfg.model.path} {why}")
+        raise ValueError(f"{key}={model.path} {why}")
 
 
 def warn_past_context(cfg: ModelConfig, longest_prompt: int, max_new_tokens: int, logger,

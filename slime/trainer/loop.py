@@ -26,8 +26,8 @@ from slime.data.prompts import PromptSource, rows_on_every_rank, sft_samples
 from slime.distributed.ds_config import read_ds_json, zero_stage
 from slime.distributed.parallel_dims import ParallelDims
 from slime.models.export import exported_step
-from slime.models.loading import (check_packing, check_stop_ids, load_processor, load_tokenizer, resolve_dtype,
-                                  warn_past_context)
+from slime.models.loading import (check_critic, check_packing, check_stop_ids, critic_model, load_processor,
+                                  load_tokenizer, resolve_dtype, warn_past_context)
 from slime.rollout.custom import load_generate_fn
 from slime.rollout.engine import make_engine
 from slime.rollout.rewards import check_reward_spec, needs_label, reward_fn_from_config
@@ -121,7 +121,27 @@ def checkpoint_identity(cfg: Config) -> dict:
                       "train.warmup_steps": t.warmup_steps, "train.weight_decay": t.weight_decay,
                       "train.betas": list(t.betas), "train.grad_clip": t.grad_clip,
                       "train.num_steps": t.num_steps, "train.num_mini_batches": t.num_mini_batches,  # the schedule's length
-                      "algo.critic.lr": cfg.algo.critic.lr}}
+                      "algo.critic.lr": cfg.algo.critic.lr,
+                      **({"algo.critic.warmup_steps": cfg.algo.critic.warmup_steps} if cfg.trains_critic else {})}}
+
+
+def check_critic_warmup(changed: dict, step: int) -> None:
+    """A resume with another algo.critic.warmup_steps (the steps in which only the critic trains; the actor's
+    schedule spans the rest): said, and refused where the actor has trained since the old warmup ended and the new
+    one is longer (it froze the actor again, and its schedule, shortened, ran out at min_lr)."""
+    if "algo.critic.warmup_steps" not in changed:
+        return
+    old, new = changed["algo.critic.warmup_steps"]
+    if old is None:  # a checkpoint from before the key was recorded
+        return
+    if old < step and new > old:
+        again = f"would freeze it again until step {new + 1} and " if new > step else ""
+        raise ValueError(f"algo.critic.warmup_steps={new} at the resume of step {step}: the checkpoint's run had a "
+                         f"warmup of {old} steps, so its actor has trained since step {old + 1}; the longer warmup "
+                         f"{again}shortens the actor's lr schedule below the updates it has made (the rest at "
+                         f"train.min_lr). Keep algo.critic.warmup_steps={old}")
+    logger.warning("resumed with algo.critic.warmup_steps %d -> %d: the actor trains from step %d (its lr schedule "
+                   "spans train.num_steps minus the warmup)", old, new, max(new, step) + 1)
 
 
 def check_same_config(cfg: Config) -> None:
@@ -262,6 +282,7 @@ def run(cfg: Config) -> dict:
     tokenizer = load_tokenizer(cfg.model)
     check_stop_ids(cfg.model, cfg.rollout.stop_token_ids)
     check_packing(cfg)
+    check_critic(cfg, tokenizer)  # a critic of its own: before any model loads, named as algo.critic.path
     processor = load_processor(cfg.model, tokenizer)  # image-text models only
     data = PromptSource(cfg.data, tokenizer, batch_size=cfg.rollout.batch_size, dp_rank=dims.dp_rank,
                         dp_size=dims.dp, seed=cfg.train.seed, processor=processor,
@@ -286,8 +307,11 @@ def run(cfg: Config) -> dict:
                              f"of dp={dims.dp}): lower one of them")
     evalset = load_eval_prompts(cfg, tokenizer, dims, processor) if cfg.eval.path else None
     if dims.is_main:
-        warn_past_context(cfg.model, max((len(p.prompt_ids) for p in data.prompts), default=0),
-                          cfg.rollout.max_response_len, logger)
+        longest = max((len(p.prompt_ids) for p in data.prompts), default=0)
+        warn_past_context(cfg.model, longest, cfg.rollout.max_response_len, logger)
+        if cfg.trains_critic and cfg.algo.critic.path:
+            warn_past_context(critic_model(cfg), longest, cfg.rollout.max_response_len, logger,
+                              what="prompt, for the critic (algo.critic.path),")
         if evalset is not None:
             warn_past_context(cfg.model, evalset.longest_prompt, cfg.eval.max_response_len or
                               cfg.rollout.max_response_len, logger, what=f"eval prompt ({cfg.eval.path})",
@@ -332,6 +356,7 @@ def run(cfg: Config) -> dict:
             start_step = state["step"]
             abandoned = newer_than(ckpt_dir, start_step)
             data.load_state_dict(state["data"])
+            check_critic_warmup(state["changed_optim"], start_step)
             for role, e in trained.items():
                 e.apply_optim_settings(cfg, changed=state["changed_optim"])
                 e.consecutive_skips = state.get("consecutive_skips", {}).get(role, 0)  # older checkpoints: none

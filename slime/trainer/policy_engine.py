@@ -13,7 +13,6 @@ depend on how samples were split over ranks, shards and micro-batches.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import logging
@@ -36,7 +35,7 @@ from slime.models.attention import PACKED_SDPA, resolve_attn_implementation
 from slime.models import fused
 from slime.models.export import save_hf_dir
 from slime.models.adapters import FAMILIES
-from slime.models.loading import load_model, resolve_dtype
+from slime.models.loading import critic_model, load_model, resolve_dtype
 from slime.models.onednn import resolve_cpu_linear, use_onednn_linears
 from slime.models.policy import PolicyModel, compile_layers
 from slime.rollout.weight_sync import iter_gathered_buckets
@@ -132,6 +131,7 @@ class PolicyEngine:
         """`trained_steps`: loop steps in which this role is updated (the lr schedule's length), all by default.
         `decay_groups`: norm gains and biases in an optimizer group without weight decay (default: with decay)."""
         self.role, self.dims, self.train_cfg, self.temperature = role, dims, train, temperature
+        self.model_path = model.path
         dtype = resolve_dtype(model.dtype)
         attention = resolve_attn_implementation(model.attn_implementation)
         shard = None
@@ -196,7 +196,8 @@ class PolicyEngine:
     def check_packing(self, path: str, dtype: torch.dtype) -> None:
         """A family without an adapter: two samples packed in one row must score as each does alone. (Every rank
         runs the same forwards, as ZeRO-3 needs.) A family whose attention misses the row's borders trained on
-        samples that saw each other, in silence."""
+        samples that saw each other, in silence. (Not run for a critic: its value head starts at zero, so its
+        values agree whatever the attention sees.)"""
         diff = packing_gap(lambda idx: self.forward(self.nograd_layout.build(PROBE, idx))[0])
         limit = 1e-3 if dtype == torch.float32 else 0.02  # a clean tiny model: 0.0 in both; leaking: 0.04-1
         if self.dims.is_main:
@@ -223,8 +224,7 @@ class PolicyEngine:
 
     @classmethod
     def critic(cls, cfg: Config, dims: ParallelDims, decay_groups: bool | None = None) -> "PolicyEngine":
-        model = dataclasses.replace(cfg.model, path=cfg.algo.critic.path or cfg.model.path)
-        return cls("critic", model=model, train=cfg.train, dims=dims, lr=cfg.algo.critic.lr, decay_groups=decay_groups)
+        return cls("critic", model=critic_model(cfg), train=cfg.train, dims=dims, lr=cfg.algo.critic.lr, decay_groups=decay_groups)
 
     # -- forward ----------------------------------------------------------------------------------
 
@@ -232,8 +232,8 @@ class PolicyEngine:
         """(logprobs (N,), entropies (N,)) for the policy roles, values (N,) for the critic."""
         top = max((int(t.max()) for t in (mb.input_ids, mb.target_ids) if t is not None and t.numel()), default=0)
         if top >= self.vocab_size:  # else an IndexError deep in torch (a response's last token is only a target)
-            raise ValueError(f"token id {top} of the samples at positions {mb.indices} on this "
-                             f"rank is outside the model's vocabulary [0, {self.vocab_size}): ids from another "
+            raise ValueError(f"token id {top} of the samples at positions {mb.indices} on this rank is outside the "
+                             f"{self.role}'s vocabulary [0, {self.vocab_size}) ({self.model_path}): ids from another "
                              "tokenizer (a rollout.generate_fn, a custom reward's rewrite, data of another model?)")
         mb = mb.to(self.dims.device)
         return self.engine(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len,
