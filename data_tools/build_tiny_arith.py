@@ -45,7 +45,9 @@ def write_data(out_dir: Path) -> None:
 
 def run_sft(*, init: Path, data_dir: Path, run_dir: Path, nproc: int, overrides: list[str],
             config: str = "examples/tiny_arith_sft.yaml") -> None:
-    """The SFT job through the real launcher and trainer, as `bash run.sh` would start it."""
+    """The SFT job through the real launcher and trainer, as `bash run.sh` would start it. It runs in the repository,
+    so the paths go to it absolute (relative ones are the caller's, as the tools' options say)."""
+    init, data_dir, run_dir = Path(init).resolve(), Path(data_dir).resolve(), Path(run_dir).resolve()
     cmd = ["deepspeed", "--num_gpus", str(nproc), "run.py", "--config", config,
            f"model.path={init}", f"data.path={data_dir / 'train.jsonl'}", f"eval.path={data_dir / 'eval.jsonl'}",
            f"log.run_dir={run_dir}", "checkpoint.resume=false", *overrides]

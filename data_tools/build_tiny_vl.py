@@ -46,8 +46,7 @@ def main() -> None:
     start = time.time()
     check_replaceable(args.work_dir, "--work-dir", ours=("init", "sft"))
     check_replaceable(args.out, "--out")
-    if not (args.data_dir / "train.jsonl").is_file():
-        write(args.data_dir, **TASK)
+    write(args.data_dir, **TASK)  # always (~10 s, deterministic): a folder of another task would train in silence
     shutil.rmtree(args.work_dir, ignore_errors=True)
     init = make_tiny_model(args.work_dir / "init", **MODEL)
     run_dir = args.work_dir / "sft"

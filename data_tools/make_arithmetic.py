@@ -110,7 +110,11 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", train), ("eval", eval_)):
-        if not rows:  # --n-eval 0: no eval file (an empty one is an error where a run reads it)
+        if not rows:  # --n-eval 0: no eval file (an empty one is an error where a run reads it), and not an
+            # earlier run's, whose problems this train split now holds (the eval's are drawn first)
+            if (args.out_dir / f"{name}.jsonl").exists():
+                (args.out_dir / f"{name}.jsonl").unlink()
+                print(f"removed {args.out_dir / f'{name}.jsonl'} of an earlier run: its problems are in this train split")
             continue
         write_jsonl(rows, args.out_dir / f"{name}.jsonl")
         print(f"wrote {len(rows)} rows to {args.out_dir / f'{name}.jsonl'}")

@@ -79,8 +79,12 @@ def write(out_dir: str | Path, *, n_train: int = 3000, n_eval: int = 300, seed: 
                 rows.append({"messages": [{"role": "user", "content": [{"type": "image", "image": name},
                                                                        {"type": "text", "text": QUESTION}]}],
                              "label": spec[0]})
-        if rows:  # no eval split asked for: no file (the trainer refuses an empty one)
+        if rows:
             (out / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        elif (out / f"{split}.jsonl").exists():  # no eval split asked for: no file (the trainer refuses an empty
+            # one), and not an earlier run's, whose scenes this train split now starts with (the eval's are drawn first)
+            (out / f"{split}.jsonl").unlink()
+            print(f"removed {out / f'{split}.jsonl'} of an earlier run: its scenes are in this train split")
     return out
 
 

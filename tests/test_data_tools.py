@@ -117,6 +117,20 @@ def test_make_vl_task_refuses_counts_it_cannot_honour_and_writes_no_empty_eval_f
         assert bad.returncode == 2 and "--n-train must be >= 1 and --n-eval >= 0" in bad.stderr
 
 
+@pytest.mark.parametrize("tool, sizes", [("make_vl_task.py", ("3", "2")), ("make_arithmetic.py", ("6", "2"))])
+def test_no_eval_split_over_an_earlier_one_removes_its_file(tmp_path, tool, sizes):
+    """--n-eval 0 into a folder of an earlier run left its eval.jsonl, whose rows (drawn first) are now the start
+    of the new train split: a run reading the folder's eval.jsonl evaluated on training data."""
+    run = [sys.executable, str(ROOT / "data_tools" / tool), "--out-dir", str(tmp_path)]
+    subprocess.run(run + ["--n-train", sizes[0], "--n-eval", sizes[1]], check=True, capture_output=True)
+    stale = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    done = subprocess.run(run + ["--n-train", sizes[0], "--n-eval", "0"], capture_output=True, text=True)
+    train = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert any(row["label"] == old["label"] for row in train for old in stale)  # why it must go
+    assert done.returncode == 0 and not (tmp_path / "eval.jsonl").exists()
+    assert "removed" in done.stdout and "eval.jsonl of an earlier run" in done.stdout
+
+
 def test_tools_that_replace_a_folder_refuse_one_holding_other_files(tmp_path):
     """gguf_to_hf and the tiny-model builds replace --out (and --work-dir): a mistyped path to a folder of the
     user's own files is refused before anything is deleted; an empty folder, a model folder, or the build's own
@@ -157,3 +171,19 @@ def test_make_tiny_model_refuses_sizes_it_cannot_build(tmp_path, args, words):
     proc = subprocess.run([sys.executable, str(ROOT / "data_tools/make_tiny_model.py"), "--out", str(tmp_path / "m"),
                            *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and words in proc.stderr and not (tmp_path / "m").exists()
+
+
+def test_the_tiny_model_builds_take_relative_paths_from_the_callers_folder(tmp_path, monkeypatch):
+    """The data and the init were written relative to the caller's folder, then the SFT job (run in the repository)
+    read model.path=w/init relative to the repository: it failed, after making a stray w/sft folder there."""
+    sys.path.insert(0, str(ROOT))
+    from data_tools import build_tiny_arith
+
+    seen = {}
+    monkeypatch.setattr(build_tiny_arith.subprocess, "run", lambda cmd, **kw: seen.update(cmd=cmd, **kw))
+    monkeypatch.chdir(tmp_path)
+    build_tiny_arith.run_sft(init=Path("w/init"), data_dir=Path("d"), run_dir=Path("w/sft"), nproc=1, overrides=[])
+    assert seen["cwd"] == ROOT
+    for arg in (f"model.path={tmp_path / 'w/init'}", f"data.path={tmp_path / 'd/train.jsonl'}",
+                f"eval.path={tmp_path / 'd/eval.jsonl'}", f"log.run_dir={tmp_path / 'w/sft'}"):
+        assert arg in seen["cmd"]
