@@ -14,15 +14,22 @@ Column layouts (the datasets' own):
 - dapo_math (DAPO-Math-17k): prompt (chat messages), reward_model.ground_truth, data_source ->
   messages as given, label = ground_truth;
 - geometry3k: images (Image feature), problem (with an <image> placeholder), answer -> the flat image form;
-  the images are written as PNG files beside the jsonl (images/<split>_<row>_<k>.png).
-Rows whose answer cannot be found are skipped and counted (printed at the end), never written unlabelled;
-rows that repeat one already written (DAPO-Math-17k is reported to hold each prompt ~100 times) are left out
-and counted.
+  the images are written beside the jsonl, named after it (images/<out name>_<row>_<k>.<format>: a second
+  output in the same folder, the test split say, writes images of its own).
+Rows whose answer cannot be found, whose messages or images cannot be read, or whose <image> placeholders do not
+match their images are skipped and counted by reason (printed at the end), never written; rows that repeat one
+already written (DAPO-Math-17k is reported to hold each prompt ~100 times; images compared by their bytes) are
+left out and counted. Rows are named by their number in the source, counting from 1; metadata.row is the source
+row's index, counting from 0.
 """
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
+import collections
 import hashlib
+import io
 import json
 import os
 import re
@@ -95,8 +102,13 @@ def split_files(folder: Path, split: str, config: str | None, exclude: Path | No
 
 
 def last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} (or \\fbox{...}), braces balanced."""
+    """The content of the last \\boxed{...} (or \\fbox{...}), braces balanced, or of a last \\boxed written
+    without braces (`\\boxed 5`: up to the next space or $, as MATH's own answer reader takes it)."""
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    bare = text.rfind("\\boxed ")
+    if bare > start:
+        answer = re.split(r"[\s$]", text[bare + len("\\boxed "):].lstrip(), maxsplit=1)[0]
+        return answer or None
     if start < 0:
         return None
     i = text.index("{", start) + 1
@@ -129,55 +141,96 @@ def math(row: dict, i: int) -> dict | None:
             "metadata": {"source": "math", "row": i, "level": row.get("level"), "type": row.get("type")}}
 
 
+class Skip(Exception):
+    """A row left out and counted under `reason` (a converter returns None for a row without a usable answer)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 def dapo_math(row: dict, i: int) -> dict | None:
     truth = (row.get("reward_model") or {}).get("ground_truth")
     messages = row.get("prompt")
-    if truth in (None, "") or not isinstance(messages, list) \
-            or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+    if truth in (None, ""):
         return None
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                 for m in messages):
+        raise Skip("messages not in role/content form")  # ShareGPT's from/value, say
     return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages], "label": str(truth),
             "metadata": {"source": row.get("data_source", "dapo_math"), "row": i}}
 
 
-def geometry3k(row: dict, i: int, *, image_dir: Path, split: str) -> dict | None:
+PNG_MODES = {"1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA"}  # what PNG stores; others (CMYK, YCbCr) go to RGB
+
+
+def image_file(image, i: int, k: int) -> tuple[bytes, str]:
+    """(the file's bytes, its suffix) of row i's image k: the Image feature undecoded ({"bytes": raw or base64
+    text, "path": ...}), a path, or a decoded PIL image (saved as PNG, in RGB where PNG cannot hold its mode).
+    Raises Skip for an image that cannot be read."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, dict) and image.get("bytes") is not None:
+        data = image["bytes"]
+        if isinstance(data, str):  # base64 text, as a JSON export of the feature holds it
+            try:
+                data = base64.b64decode(data, validate=True)
+            except binascii.Error:
+                raise Skip("unreadable image") from None
+    elif isinstance(image, (dict, str)):  # a path: the feature's {"bytes": None, "path": ...}, or a column of paths
+        path = image.get("path") if isinstance(image, dict) else image
+        if not path or not Path(path).is_file():
+            raise ValueError(f"row {i + 1}: image {k} is the path {path!r}, which is not a file here (relative "
+                             "paths are read from the current folder)")
+        data = Path(path).read_bytes()
+    elif isinstance(image, Image.Image):
+        out = io.BytesIO()
+        (image if image.mode in PNG_MODES else image.convert("RGB")).save(out, format="PNG")
+        return out.getvalue(), ".png"
+    else:
+        raise Skip("unreadable image")
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+            kind = (im.format or "png").lower()
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError):
+        raise Skip("unreadable image") from None
+    return bytes(data), {"jpeg": ".jpg"}.get(kind, f".{kind}")
+
+
+def geometry3k(row: dict, i: int, *, prefix: str) -> dict | None:
+    """The row, with its images as (name, bytes) under "_files" (written by convert() for rows it keeps)."""
     images = row.get("images") or []
     if not images or row.get("answer") in (None, ""):
         return None
-    names = []
+    files = []
     for k, image in enumerate(images):
-        name = f"images/{split}_{i:05d}_{k}.png"
-        if isinstance(image, dict) and image.get("bytes") is not None:  # the Image feature undecoded
-            (image_dir.parent / name).write_bytes(image["bytes"])
-        elif isinstance(image, (dict, str)):  # a path: the feature's {"bytes": None, "path": ...}, or a column of paths
-            path = image.get("path") if isinstance(image, dict) else image
-            if not path or not Path(path).is_file():
-                raise ValueError(f"row {i}: image {k} is the path {path!r}, which is not a file here (relative "
-                                 "paths are read from the current folder)")
-            name = f"images/{split}_{i:05d}_{k}{Path(path).suffix or '.png'}"
-            (image_dir.parent / name).write_bytes(Path(path).read_bytes())
-        else:
-            image.save(image_dir.parent / name)
-        names.append(name)
+        data, suffix = image_file(image, i, k)
+        files.append((f"images/{prefix}_{i:05d}_{k}{suffix}", data))
     problem = row["problem"]
-    if "<image>" not in problem:  # one image, no placeholder: it goes first, as the dataset means
-        problem = "<image>" * len(names) + problem
-    return {"prompt": problem, "images": names, "label": str(row["answer"]),
-            "metadata": {"source": "geometry3k", "row": i}}
+    if "<image>" not in problem:  # no placeholder: the images go first, as the dataset means
+        problem = "<image>" * len(files) + problem
+    if problem.count("<image>") != len(files):  # the trainer would skip it (and refuse a file of many such)
+        raise Skip("placeholders not matching the images")
+    return {"prompt": problem, "images": [name for name, _ in files], "label": str(row["answer"]),
+            "metadata": {"source": "geometry3k", "row": i}, "_files": files}
 
 
 CONVERTERS: dict[str, Callable] = {"gsm8k": gsm8k, "math": math, "dapo_math": dapo_math, "geometry3k": geometry3k}
 
 
-def convert(kind: str, rows: Iterable[dict], out: Path, *, split: str = "train") -> tuple[int, int, int]:
-    """Write `out` (jsonl); returns (written, skipped without a usable answer, duplicates). A row that converts to
-    one already written (the hub's DAPO-Math-17k is reported to repeat each prompt ~100 times) is left out and counted:
-    a run would otherwise see each prompt many times per epoch."""
+def convert(kind: str, rows: Iterable[dict], out: Path) -> tuple[int, collections.Counter, int]:
+    """Write `out` (jsonl); returns (written, skipped rows by reason, duplicates). A row that converts to one
+    already written (the hub's DAPO-Math-17k is reported to repeat each prompt ~100 times; images compared by
+    their bytes) is left out and counted: a run would otherwise see each prompt many times per epoch. A
+    geometry3k row's images are written only where the row is."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fn = CONVERTERS[kind]
     if kind == "geometry3k":
         (out.parent / "images").mkdir(exist_ok=True)
-        fn = lambda row, i: geometry3k(row, i, image_dir=out.parent / "images", split=split)  # noqa: E731
-    written = skipped = duplicates = 0
+        fn = lambda row, i: geometry3k(row, i, prefix=out.stem)  # noqa: E731
+    written = duplicates = 0
+    skipped: collections.Counter = collections.Counter()
     seen: set[bytes] = set()  # digests of the rows written (without their metadata, which names the source row)
     partial = out.with_name(f".{out.name}.partial")  # renamed into place once whole: no half file left behind
     try:
@@ -185,31 +238,43 @@ def convert(kind: str, rows: Iterable[dict], out: Path, *, split: str = "train")
             for i, row in enumerate(rows):
                 try:
                     converted = fn(row, i)
+                except Skip as e:
+                    skipped[e.reason] += 1
+                    continue
                 except KeyError as e:
-                    raise ValueError(f"row {i} has no column {e}, which the {kind} converter reads; its columns: "
+                    raise ValueError(f"row {i + 1} has no column {e}, which the {kind} converter reads; its columns: "
                                      f"{sorted(row)}. Is --source a {kind} dataset?") from None
                 except (TypeError, AttributeError) as e:  # a null or a number where the converter reads text
                     types = {k: type(v).__name__ for k, v in row.items()}
-                    raise ValueError(f"row {i}: the {kind} converter cannot read it ({type(e).__name__}: {e}); its "
-                                     f"columns' types: {types}") from None
+                    raise ValueError(f"row {i + 1}: the {kind} converter cannot read it ({type(e).__name__}: {e}); "
+                                     f"its columns' types: {types}") from None
                 if converted is None:
-                    skipped += 1
+                    skipped["without a usable answer"] += 1
                     continue
-                key = hashlib.blake2b(json.dumps({k: v for k, v in converted.items() if k != "metadata"},
-                                                 sort_keys=True).encode(), digest_size=16).digest()
-                if key in seen:
+                files = converted.pop("_files", [])
+                content = {k: v for k, v in converted.items() if k not in ("metadata", "images")}
+                digest = hashlib.blake2b(json.dumps(content, sort_keys=True).encode(), digest_size=16)
+                for _, data in files:
+                    digest.update(hashlib.blake2b(data, digest_size=16).digest())
+                if digest.digest() in seen:
                     duplicates += 1
                     continue
-                seen.add(key)
+                seen.add(digest.digest())
+                for name, data in files:
+                    (out.parent / name).write_bytes(data)
                 f.write(json.dumps(converted, ensure_ascii=False) + "\n")
                 written += 1
         if not written:
-            raise ValueError(f"no row of {skipped} had a usable answer: nothing written to {out}. Is --source a "
-                             f"{kind} dataset?")
+            raise ValueError(f"no row of {sum(skipped.values())} was usable ({describe(skipped)}): nothing written "
+                             f"to {out}. Is --source a {kind} dataset?")
         os.replace(partial, out)
     finally:
         partial.unlink(missing_ok=True)
     return written, skipped, duplicates
+
+
+def describe(skipped: collections.Counter) -> str:
+    return ", ".join(f"{n} {reason}" for reason, n in sorted(skipped.items())) or "none skipped"
 
 
 def main() -> None:
@@ -239,13 +304,13 @@ def main() -> None:
                  f"{f', config {config!r}' if config else ''}): {type(e).__name__}: {e}"
                  + (f" ({type(cause).__name__}: {cause})" if cause is not e else ""))
     try:
-        written, skipped, duplicates = convert(args.kind, rows, args.out, split=args.split)
+        written, skipped, duplicates = convert(args.kind, rows, args.out)
     except ValueError as e:
         sys.exit(f"convert_dataset: {args.source}: {e}")
     except OSError as e:  # an --out that cannot be written
         sys.exit(f"convert_dataset: cannot write --out {args.out}: {e}")
-    print(f"wrote {written} rows to {args.out}; skipped {skipped} without a usable answer and {duplicates} "
-          "repeating a row written before")
+    print(f"wrote {written} rows to {args.out}; skipped {sum(skipped.values())} ({describe(skipped)}) and "
+          f"{duplicates} repeating a row written before")
 
 
 if __name__ == "__main__":

@@ -33,20 +33,22 @@ def test_gsm8k(tmp_path):
         "answer": ["In May she sold 48/2 = 24 clips.\nAltogether 48+24 = 72 clips.\n#### 72", "no marker here"]})
     written, skipped, _ = convert("gsm8k", load(str(src), "train"), tmp_path / "out.jsonl")
     rows = read_jsonl(tmp_path / "out.jsonl")
-    assert (written, skipped) == (1, 1)
+    assert (written, skipped) == (1, {"without a usable answer": 1})
     assert rows[0]["label"] == "72" and rows[0]["prompt"].startswith("Natalia sold clips")
     assert rows[0]["metadata"] == {"source": "gsm8k", "row": 0}
 
 
 def test_math_takes_the_last_boxed_answer_with_nested_braces(tmp_path):
     assert last_boxed(r"so \boxed{2} then \boxed{\frac{1}{2}}.") == r"\frac{1}{2}"
+    assert last_boxed(r"first \boxed{3} final $\boxed 5$.") == "5"  # the form without braces, when last
+    assert last_boxed(r"\boxed 5 then \boxed{6}") == "6"
     src = write_parquet(tmp_path / "test.parquet", {
         "problem": ["What is $1/2 + 0$?", "No answer"],
         "solution": [r"Adding zero: $\boxed{\frac{1}{2}}$", "none"],
         "level": ["Level 1", "Level 2"], "type": ["Algebra", "Algebra"]})
     written, skipped, _ = convert("math", load(str(src), "test"), tmp_path / "out.jsonl")
     row = read_jsonl(tmp_path / "out.jsonl")[0]
-    assert (written, skipped) == (1, 1) and row["label"] == r"\frac{1}{2}"
+    assert (written, skipped) == (1, {"without a usable answer": 1}) and row["label"] == r"\frac{1}{2}"
     assert row["metadata"]["level"] == "Level 1" and "boxed" in row["prompt"]
 
 
@@ -80,6 +82,7 @@ def test_geometry3k_writes_images_and_loads_as_image_text(tmp_path):
     written, _, _ = convert("geometry3k", load(str(src), "train"), out)
     rows = read_jsonl(out)
     assert written == 2 and rows[0]["images"] == ["images/train_00000_0.png"] and rows[0]["label"] == "A"
+    # (named after the output file: a test split converted beside it writes images of its own)
     assert rows[1]["prompt"] == "<image>Find y."  # no placeholder in the source: the image goes first
     model = make_tiny_model(tmp_path / "vl", arch="qwen2_vl", seed=0)
     tok = AutoTokenizer.from_pretrained(model)
@@ -117,10 +120,10 @@ def test_length_report_errors_name_its_own_flags(tmp_path, tiny_model):
 def test_converters_skip_rows_without_a_usable_answer(tmp_path):
     rows = [{"question": "1+1?", "answer": "so #### 2"}, {"question": "?", "answer": "nothing after ####"},
             {"question": "?", "answer": "no marker"}]
-    assert convert("gsm8k", rows, tmp_path / "g.jsonl") == (1, 2, 0)
+    assert convert("gsm8k", rows, tmp_path / "g.jsonl") == (1, {"without a usable answer": 2}, 0)
     dapo = [{"prompt": [{"content": "no role"}], "reward_model": {"ground_truth": "1"}},
             {"prompt": [{"role": "user", "content": "1+0?"}], "reward_model": {"ground_truth": "1"}}]
-    assert convert("dapo_math", dapo, tmp_path / "d.jsonl") == (1, 1, 0)
+    assert convert("dapo_math", dapo, tmp_path / "d.jsonl") == (1, {"messages not in role/content form": 1}, 0)
     (tmp_path / "x.png").write_bytes(b"")
     with pytest.raises(SystemExit, match="unsupported file type '.png'"):
         load(str(tmp_path / "x.png"), "train")
@@ -145,7 +148,7 @@ def test_a_local_folder_reads_the_split_of_one_subset(tmp_path):
     write_parquet(flat / "contest.parquet", {"problem": ["other"], "solution": [r"\boxed{2}"]})
     out = flat / "math500_test.jsonl"
     for _ in range(2):  # the second run finds its own output beside the source and leaves it out
-        assert convert("math", load(str(flat), "test", exclude=out), out) == (1, 0, 0)
+        assert convert("math", load(str(flat), "test", exclude=out), out) == (1, {}, 0)
     (flat / "test.jsonl").write_text(json.dumps({"problem": "p", "solution": r"\boxed{1}"}) + "\n")
     with pytest.raises(SystemExit, match="mixes parquet and json files"):
         load(str(flat), "test", exclude=out)
@@ -155,11 +158,11 @@ def test_a_source_of_another_kind_fails_by_name_and_leaves_no_file(tmp_path):
     """A dataset of another kind (other columns, or no usable answer in any row) exited 0 after writing an empty
     file, or raised a bare KeyError and left an empty one; a later run then called the file empty."""
     out = tmp_path / "out.jsonl"
-    with pytest.raises(ValueError, match=r"row 0 has no column 'answer', which the gsm8k converter reads; its "
+    with pytest.raises(ValueError, match=r"row 1 has no column 'answer', which the gsm8k converter reads; its "
                                          r"columns: \['question', 'solution'\]"):
         convert("gsm8k", [{"question": "1+1?", "solution": "2"}], out)
     assert not out.exists() and not list(tmp_path.iterdir())
-    with pytest.raises(ValueError, match=r"no row of 2 had a usable answer: nothing written"):
+    with pytest.raises(ValueError, match=r"no row of 2 was usable \(2 without a usable answer\): nothing written"):
         convert("gsm8k", [{"question": "1+1?", "answer": "no marker"}] * 2, out)
     assert not list(tmp_path.iterdir())
     out.write_text("kept\n")  # an earlier good output stays until a conversion succeeds
@@ -171,11 +174,11 @@ def test_a_source_of_another_kind_fails_by_name_and_leaves_no_file(tmp_path):
 def test_a_null_or_a_number_where_text_goes_names_the_row_and_out_may_not_be_source(tmp_path):
     """A null question or an int problem ended in a bare TypeError/AttributeError naming no row; --out equal to
     --source overwrote the raw rows; an --out folder was a traceback."""
-    with pytest.raises(ValueError, match=r"row 1: the gsm8k converter cannot read it \(AttributeError: .*\); its "
+    with pytest.raises(ValueError, match=r"row 2: the gsm8k converter cannot read it \(AttributeError: .*\); its "
                                          r"columns' types: \{'question': 'NoneType', 'answer': 'str'\}"):
         convert("gsm8k", [{"question": "1+1?", "answer": "#### 2"}, {"question": None, "answer": "#### 3"}],
                 tmp_path / "g.jsonl")
-    with pytest.raises(ValueError, match=r"row 0: the math converter cannot read it"):
+    with pytest.raises(ValueError, match=r"row 1: the math converter cannot read it"):
         convert("math", [{"problem": 7, "solution": r"\boxed{1}"}], tmp_path / "m.jsonl")
     raw = tmp_path / "raw.jsonl"
     raw.write_text('{"question": "a?", "answer": "#### 2"}\n')
@@ -195,17 +198,17 @@ def test_null_answers_are_skipped_images_given_by_path_are_copied_and_cli_mistak
     images given as paths (a column of paths, or the Image feature's {"bytes": None, "path": ...}) failed; a mistyped
     local --source went to the hub as a repo id, and an unparsable file or a missing split ended in tracebacks."""
     assert convert("gsm8k", [{"question": "1+1?", "answer": "#### 2"}, {"question": "?", "answer": None}],
-                   tmp_path / "g.jsonl") == (1, 1, 0)
+                   tmp_path / "g.jsonl") == (1, {"without a usable answer": 1}, 0)
     assert convert("math", [{"problem": "p", "solution": r"\boxed{1}"}, {"problem": "q", "solution": None}],
-                   tmp_path / "m.jsonl") == (1, 1, 0)
+                   tmp_path / "m.jsonl") == (1, {"without a usable answer": 1}, 0)
     Image.new("RGB", (40, 30), (10, 20, 30)).save(tmp_path / "a.png")
     rows = [{"images": [str(tmp_path / "a.png")], "problem": "<image>Find x.", "answer": "3"},
             {"images": [{"bytes": None, "path": str(tmp_path / "a.png")}], "problem": "<image>Find y.", "answer": "4"}]
     out = tmp_path / "geo" / "train.jsonl"
-    assert convert("geometry3k", rows, out) == (2, 0, 0)
+    assert convert("geometry3k", rows, out) == (2, {}, 0)
     for row in read_jsonl(out):
         assert Image.open(out.parent / row["images"][0]).getpixel((0, 0)) == (10, 20, 30)
-    with pytest.raises(ValueError, match=r"row 0: image 0 is the path 'nope.png', which is not a file here"):
+    with pytest.raises(ValueError, match=r"row 1: image 0 is the path 'nope.png', which is not a file here"):
         convert("geometry3k", [{"images": ["nope.png"], "problem": "<image>x", "answer": "1"}], tmp_path / "n.jsonl")
 
     (tmp_path / "broken.jsonl").write_text('{"question": "a?", "answer": "#### 2"}\n{"question": "b?"\n')
@@ -263,7 +266,7 @@ def test_rows_that_repeat_one_written_are_left_out_and_counted(tmp_path):
              "data_source": "math_dapo"} for i in (1, 2, 1, 1, 2)]
     dapo.append({"prompt": [{"role": "user", "content": "1+0?"}], "reward_model": {"ground_truth": "one"}})
     out = tmp_path / "d.jsonl"
-    assert convert("dapo_math", dapo, out) == (3, 0, 3)
+    assert convert("dapo_math", dapo, out) == (3, {}, 3)
     assert [(r["messages"][0]["content"], r["label"], r["metadata"]["row"]) for r in read_jsonl(out)] == \
         [("1+0?", "1", 0), ("2+0?", "2", 1), ("1+0?", "one", 5)]
     src = write_parquet(tmp_path / "train.parquet", {"question": ["a?", "a?"], "answer": ["#### 1", "#### 1"]})
@@ -281,3 +284,45 @@ def test_a_dataset_saved_to_disk_is_read_with_its_split(tmp_path):
     assert [r["question"] for r in load(str(tmp_path / "dict"), "train")] == rows["question"]
     with pytest.raises(SystemExit, match="no split 'test' in this saved dataset; its splits: train"):
         load(str(tmp_path / "dict"), "test")
+
+
+def test_geometry3k_images_per_output_file_odd_images_and_duplicates(tmp_path):
+    """A test split converted beside the train split overwrote the train rows' images (both named after --split,
+    "train" by default); a CMYK image stopped the conversion as "cannot write --out", base64 text in "bytes" as a
+    TypeError; rows the trainer refuses (2 images, 1 placeholder) were written, and identical rows never counted as
+    repeats (the key held the per-row image names)."""
+    import base64
+
+    def png(colour, mode="RGB") -> bytes:
+        buf = io.BytesIO()
+        Image.new(mode, (8, 8), colour).save(buf, format="PNG" if mode != "CMYK" else "JPEG")
+        return buf.getvalue()
+
+    red, blue = png((255, 0, 0)), png((0, 0, 255))
+    train = [{"images": [{"bytes": red, "path": None}], "problem": "<image>Find x.", "answer": "1"}]
+    test = [{"images": [{"bytes": blue, "path": None}], "problem": "<image>Find x.", "answer": "2"}]
+    out = tmp_path / "geo"
+    convert("geometry3k", train, out / "train.jsonl")
+    convert("geometry3k", test, out / "test.jsonl")
+    for split, pixel in (("train", (255, 0, 0)), ("test", (0, 0, 255))):
+        (row,) = read_jsonl(out / f"{split}.jsonl")
+        assert Image.open(out / row["images"][0]).convert("RGB").getpixel((0, 0)) == pixel
+
+    cmyk = Image.new("CMYK", (8, 8), (0, 255, 255, 0))  # decoded, as datasets' Image feature gives it
+    rows = [{"images": [cmyk], "problem": "A", "answer": "1"},
+            {"images": [{"bytes": base64.b64encode(blue).decode(), "path": None}], "problem": "B", "answer": "2"},
+            {"images": [{"bytes": b"not an image", "path": None}], "problem": "C", "answer": "3"},
+            {"images": [{"bytes": red, "path": None}, {"bytes": blue, "path": None}], "problem": "<image>D",
+             "answer": "4"},
+            {"images": [{"bytes": red, "path": None}], "problem": "<image>E", "answer": "5"},
+            {"images": [{"bytes": red, "path": None}], "problem": "<image>E", "answer": "5"},  # the one before
+            {"images": [{"bytes": blue, "path": None}], "problem": "<image>E", "answer": "5"}]  # another image
+    written, skipped, duplicates = convert("geometry3k", rows, out / "odd.jsonl")
+    assert (written, dict(skipped), duplicates) == (4, {"unreadable image": 1,
+                                                        "placeholders not matching the images": 1}, 1)
+    kept = read_jsonl(out / "odd.jsonl")
+    assert [r["metadata"]["row"] for r in kept] == [0, 1, 4, 6]
+    assert Image.open(out / kept[0]["images"][0]).convert("RGB").getpixel((0, 0)) == (255, 0, 0)  # CMYK -> RGB
+    assert Image.open(out / kept[1]["images"][0]).getpixel((0, 0))[:3] == (0, 0, 255)
+    written_images = sorted(p.name for p in (out / "images").glob("odd_*"))
+    assert written_images == sorted(Path(r["images"][0]).name for r in kept)  # none for rows left out
