@@ -10,7 +10,9 @@ defaults. The flags override the config. Responses do not exist
 before a rollout, so each sample gets a response length drawn uniformly from [response-len / 4,
 response-len] (seeded): the report shows how full the packed micro-batches would be, and how much of a
 padded layout (`--micro-batch-size` samples per micro-batch) would be padding, for `--batch` prompts x `--n`
-samples over `--dp` ranks.
+samples over `--dp` ranks. With algo.policy_loss=sft (in the config, or as an override) the data is read as SFT
+reads it (chats ending in the assistant's reply, labels required) and each prompt is one sample whose response is
+its label as the run learns it (--n and --response-len do not apply).
 """
 from __future__ import annotations
 
@@ -30,22 +32,30 @@ def percentile(values: list[int], q: float) -> int:
 
 
 def report(data, model, *, max_tokens: int, response_len: int, dp: int, batch: int, n: int,
-           micro_batch_size: int = 8, max_prompt_len: int = 1 << 30, seed: int = 0) -> dict:
+           micro_batch_size: int = 8, max_prompt_len: int = 1 << 30, seed: int = 0, sft: bool = False) -> dict:
     """`data` and `model`: a run's DataConfig and ModelConfig, or the paths alone (the rest the defaults, with
-    `max_prompt_len`)."""
+    `max_prompt_len`). `sft`: the rows as SFT reads them, one sample per prompt with its label as the response
+    (the run's micro-batch row: prompt + label + the turn's end, less the last token, a target only)."""
     from slime.config import DataConfig, ModelConfig
     from slime.data.packing import packing_stats, padded_fixed_batches, plan_micro_batches
-    from slime.data.prompts import load_prompts
+    from slime.data.prompts import load_prompts, sft_samples, turn_end_stops
     from slime.models.loading import load_processor, load_tokenizer
 
     model_cfg = model if isinstance(model, ModelConfig) else ModelConfig(path=model)
     data_cfg = data if isinstance(data, DataConfig) else DataConfig(path=data, max_prompt_len=max_prompt_len)
     tokenizer = load_tokenizer(model_cfg)
-    prompts, load = load_prompts(data_cfg, tokenizer, processor=load_processor(model_cfg, tokenizer))
+    limit = (max_tokens, "--max-tokens-per-gpu") if sft else None  # SFT skips a row past it, as the run does
+    prompts, load = load_prompts(data_cfg, tokenizer, processor=load_processor(model_cfg, tokenizer),
+                                 label_required=sft, label_is_text=sft, max_sample_len=limit)
     lengths = [len(p.prompt_ids) for p in prompts]
     rng = random.Random(seed)
-    drawn = [rng.choice(lengths) for _ in range(batch)]
-    samples = [p + rng.randint(max(1, response_len // 4), response_len) for p in drawn for _ in range(n)]
+    if sft:
+        rows = [len(s.prompt_ids) + len(s.response_ids) - 1
+                for s in sft_samples(prompts, tokenizer, turn_end_stops(tokenizer, data_cfg))]
+        samples = [rng.choice(rows) for _ in range(batch)]
+    else:
+        drawn = [rng.choice(lengths) for _ in range(batch)]
+        samples = [p + rng.randint(max(1, response_len // 4), response_len) for p in drawn for _ in range(n)]
     packed = packing_stats(samples, plan_micro_batches(samples, max_tokens=max_tokens, dp_size=dp),
                            max_tokens=max_tokens)
     padded = packing_stats(samples, padded_fixed_batches(samples, micro_batch_size=micro_batch_size, dp_size=dp),
@@ -86,13 +96,16 @@ def main() -> None:
     try:
         cfg = load_config(args.config, [*args.overrides, *(f"{k}={v}" for k, v in flags.items() if v is not None)])
         args.data, args.max_tokens_per_gpu = cfg.data.path, cfg.train.max_tokens_per_gpu
+        sft = cfg.algo.policy_loss == "sft"
         r = report(cfg.data, cfg.model, max_tokens=cfg.train.max_tokens_per_gpu,
                    response_len=cfg.rollout.max_response_len, dp=args.dp, batch=cfg.rollout.batch_size,
-                   n=cfg.rollout.n_samples_per_prompt, micro_batch_size=args.micro_batch_size)
+                   n=cfg.rollout.n_samples_per_prompt, micro_batch_size=args.micro_batch_size, sft=sft)
     except (ValueError, TypeError, OSError) as e:  # the trainer's messages, with this tool's flags for its settings
         ap.error(as_flags(str(e)))
     print(f"{args.data}: {r['prompts']} prompts (dropped as too long: {r['too_long']}, skipped: {r['skipped'] or 0})")
     print(f"prompt tokens: min {r['min']}  median {r['median']}  p90 {r['p90']}  p99 {r['p99']}  max {r['max']}")
+    if sft:
+        print("algo.policy_loss=sft: one sample per prompt, its label as the response (as the run learns it)")
     pk, pd = r["packed"], r["padded"]
     print(f"packed under {args.max_tokens_per_gpu} tokens over {args.dp} ranks: budget fill {pk['budget_fill']:.3f}, "
           f"real-token fraction {pk['real_token_fraction']:.3f}, {pk['num_micro_batches']} micro-batches per rank, "

@@ -103,6 +103,31 @@ def test_length_report_on_a_converted_file(tmp_path, tiny_model):
     assert r["padded"]["real_token_fraction"] < 1.0  # padding wastes what packing does not
 
 
+def test_length_report_reads_sft_data_as_sft_does(tmp_path, tiny_model):
+    """With algo.policy_loss=sft the tool refused chats ending in the assistant's reply (naming the setting the
+    config already had) and reported RL's packing, n samples of random lengths per prompt."""
+    from transformers import AutoTokenizer
+
+    from data_tools.length_report import report
+    from slime.config import DataConfig
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "3+3="},
+                                             {"role": "assistant", "content": "66"}]}) + "\n")
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompt = tok(tok.apply_chat_template([{"role": "user", "content": "3+3="}], add_generation_prompt=True,
+                                         tokenize=False), add_special_tokens=False).input_ids
+    row = len(prompt) + 2  # + "66" + the turn's end, less the last token (a target only)
+    r = report(DataConfig(path=str(data)), str(tiny_model), max_tokens=64, response_len=8, dp=1, batch=4, n=4,
+               sft=True)
+    assert r["packed"]["num_micro_batches"] == 1
+    assert r["packed"]["budget_fill"] == pytest.approx(4 * row / 64)  # 4 prompts, one sample each
+    tool = [sys.executable, str(ROOT / "data_tools" / "length_report.py"), "--data", str(data), "--model",
+            str(tiny_model), "--dp", "1", "--batch", "2", "--n", "1"]
+    done = subprocess.run(tool + ["algo.policy_loss=sft"], capture_output=True, text=True)
+    assert done.returncode == 0 and "one sample per prompt, its label as the response" in done.stdout, done.stderr
+
+
 def test_length_report_errors_name_its_own_flags(tmp_path, tiny_model):
     """The trainer's messages name trainer settings; this tool's say its flags, and come without a traceback."""
     data = tmp_path / "p.jsonl"
