@@ -15,6 +15,7 @@ import argparse
 import importlib.util
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -57,12 +58,17 @@ def gguf_to_hf(gguf: str | Path, out: str | Path, *, overwrite: bool = False) ->
     model.load_state_dict(loaded.state_dict())  # strict: every weight must have moved over
     model.generation_config = loaded.generation_config
     # Write next to `out` and rename, so an interrupted conversion never looks finished.
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    # A scratch folder of its own (a fixed name such as <out>.tmp could be one of the user's, and was removed).
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    tmp.chmod(0o755)  # mkdtemp's 0700 would stay with the model folder
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
