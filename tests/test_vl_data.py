@@ -427,3 +427,19 @@ def test_an_http_image_is_fetched_within_the_timeout_in_all_and_a_size_cap():
     finally:
         stop.set()
         httpd.shutdown()
+
+
+def test_an_sft_label_holding_the_image_token_is_skipped_and_counted(tmp_path, vl):
+    """SFT trained such a label's image token as a target (no image fills it: the plain HF model cannot even score
+    the row), where a prompt holding it without an image is skipped as placeholder_mismatch."""
+    _, tok, proc = vl
+    name = png(tmp_path / "a.png")
+    rows = [{"prompt": f"<image>{Q}", "images": [name], "label": "red"},
+            {"prompt": f"<image>{Q}", "images": [name], "label": f"{proc.image_token} red"},
+            {"prompt": Q, "label": f"<|vision_start|>{proc.image_token}<|vision_end|>"}]
+    prompts, report = load_prompts(DataConfig(path=str(rows_file(tmp_path, rows)), max_skipped_frac=1.0), tok,
+                                   processor=proc, label_required=True, label_is_text=True)
+    assert [p.label for p in prompts] == ["red"] and dict(report.skipped) == {"placeholder_mismatch": 2}
+    kept, _ = load_prompts(DataConfig(path=str(rows_file(tmp_path, rows)), max_skipped_frac=1.0), tok,
+                           processor=proc, label_required=True)  # a reward's label: text it compares, not learned
+    assert len(kept) == 3

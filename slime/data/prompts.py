@@ -491,6 +491,11 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
                     unrendered += 1
                 elif target != plain and shown is None:
                     shown = (line, tokenizer.decode(target))
+            if label_is_text and label is not None and processor is not None and processor.image_token_id in (
+                    target if target is not None else tokenizer(str(label), add_special_tokens=False).input_ids):
+                raise SkippedRow("placeholder_mismatch", f"the label holds the image token (the text "
+                                 f"{processor.image_token!r}), which SFT would teach the model to write: no image "
+                                 "fills it; remove it from the label")
             if label_is_text and max_sample_len is not None and label is not None and len(ids) <= cfg.max_prompt_len:
                 limit, key = max_sample_len  # (a prompt past data.max_prompt_len is dropped as too long, below)
                 # prompt + label: its row in a micro-batch (the turn's end after it is a target only, Sample.row_len)
