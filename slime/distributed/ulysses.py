@@ -24,7 +24,6 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from transformers import AttentionInterface
 
 
@@ -52,11 +51,32 @@ def check_heads(num_heads: int, num_kv_heads: int, sp: int, model_path: str) -> 
                          "one another (kv heads are split over sp ranks, or repeated when fewer)")
 
 
+class _AllToAll(torch.autograd.Function):
+    """dist.all_to_all_single in equal chunks, differentiable: the gradient goes back by the same exchange (chunk j
+    of the output came from rank j, so chunk j of its gradient goes to rank j). torch's own
+    (torch.distributed.nn.functional.all_to_all_single) is deprecated and warned on every call."""
+
+    @staticmethod
+    def forward(ctx, send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        send = send.contiguous()
+        recv = torch.empty_like(send, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(recv, send, group=group)
+        return recv
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()  # (autograd hands it in any layout; the exchange reads and writes flat chunks)
+        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
 def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, sp: int) -> torch.Tensor:
     """(1, H, T/sp, D) sequence shard of all heads -> (1, H/sp, T, D) all tokens of this rank's heads."""
     b, h, t, d = x.shape
     send = x.reshape(b, sp, h // sp, t, d).transpose(0, 1).contiguous()  # chunk i goes to rank i
-    recv = dist_fn.all_to_all_single(torch.empty_like(send), send, group=group)  # chunk j: rank j's tokens
+    recv = _AllToAll.apply(send, group)  # chunk j: rank j's tokens
     return recv.permute(1, 2, 0, 3, 4).reshape(b, h // sp, sp * t, d)
 
 
@@ -64,7 +84,7 @@ def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, sp: int) -> torch.T
     """(1, T, H/sp, D) all tokens of this rank's heads -> (1, T/sp, H, D) this rank's tokens, all heads."""
     b, t, h, d = x.shape
     send = x.reshape(b, sp, t // sp, h, d).transpose(0, 1).contiguous()  # token chunk i goes to rank i
-    recv = dist_fn.all_to_all_single(torch.empty_like(send), send, group=group)  # chunk j: rank j's heads
+    recv = _AllToAll.apply(send, group)  # chunk j: rank j's heads
     return recv.permute(1, 2, 0, 3, 4).reshape(b, t // sp, sp * h, d)
 
 
