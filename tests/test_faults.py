@@ -65,7 +65,7 @@ def test_a_nan_loss_on_one_rank_skips_the_step_everywhere_and_repeated_skips_sto
     assert r["good_skipped"] == 0.0 and r["moved"]  # a finite step still trains
     assert r["nan_input_skipped"] == 1.0 and r["nan_input_unchanged"]  # NaN pi_old: a NaN loss with zero gradients
     assert "2 consecutive optimizer steps of the actor had a non-finite loss or gradient" in r["error"]
-    assert "outside the model's vocabulary" in r["vocab_error"], r["vocab_error"]
+    assert "outside the actor's vocabulary" in r["vocab_error"], r["vocab_error"]
 
 
 def job_overrides(model, task_dir, run_dir) -> list[str]:
