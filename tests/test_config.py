@@ -676,15 +676,23 @@ def test_a_critic_of_its_own_is_checked_before_any_model_loads(tiny_model, tmp_p
     dynamic = critic("dynamic", max_position_embeddings=10,
                      rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     small = critic("small-vocab", vocab_size=100)
-    other = critic("other-tokenizer")
-    other_tok = AutoTokenizer.from_pretrained(other)
-    other_tok.add_tokens(["<extra>"])
-    other_tok.save_pretrained(other)
+    padded = critic("one-more-token")  # the actor's tokenizer and a token of its own: every actor id the same
+    padded_tok = AutoTokenizer.from_pretrained(padded)
+    padded_tok.add_special_tokens({"pad_token": "<critic-pad>"})
+    padded_tok.save_pretrained(padded)
+    check_critic(cfg(padded), tokenizer)
+    other = critic("other-tokenizer")  # two tokens swapped
+    vocab = json.loads((other / "tokenizer.json").read_text())
+    model_vocab = vocab["model"]["vocab"]
+    a, b = "a", "b"
+    model_vocab[a], model_vocab[b] = model_vocab[b], model_vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(vocab))
     for path, words in ((tmp_path / "missing", r"algo.critic.path=.*missing is not a directory"),
                         (dynamic, r"algo.critic.path=.*dynamic uses dynamic rope, .* set train.packing=false"),
                         (small, r"algo.critic.path=.*small-vocab has a vocabulary of 100 tokens .* fewer than the "
                                 r"actor's 261"),
-                        (other, r"algo.critic.path=.*other-tokenizer holds a tokenizer other than model.path's")):
+                        (other, r"algo.critic.path=.*other-tokenizer holds a tokenizer other than model.path's \(2 "
+                                r"ids name other tokens")):
         with pytest.raises((ValueError, FileNotFoundError), match=words):
             check_critic(cfg(path), tokenizer)
     check_critic(cfg(dynamic, "train.packing=false", "train.micro_batch_size=1"), tokenizer)  # each sample alone

@@ -58,10 +58,13 @@ def check_critic(cfg, tokenizer) -> None:
                          "a critic trained with the actor's tokenizer")
     if any((Path(model.path) / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         own = AutoTokenizer.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
-        if own.get_vocab() != tokenizer.get_vocab():
-            raise ValueError(f"{key}={model.path} holds a tokenizer other than model.path's: the critic would read "
-                             "the actor's token ids as other tokens. Give a critic trained with the actor's tokenizer "
-                             "(or remove the critic's tokenizer files if it was)")
+        mine = {i: t for t, i in own.get_vocab().items()}
+        theirs = {i: t for t, i in tokenizer.get_vocab().items()}  # tokens added on one side only are no conflict
+        if other := sorted(i for i in mine.keys() & theirs.keys() if mine[i] != theirs[i]):
+            raise ValueError(f"{key}={model.path} holds a tokenizer other than model.path's ({len(other)} ids name "
+                             f"other tokens, e.g. id {other[0]}: {theirs[other[0]]!r} for the actor, "
+                             f"{mine[other[0]]!r} for the critic): the critic would read the actor's token ids as "
+                             "other tokens. Give a critic trained with the actor's tokenizer")
 
 
 def check_weight_files(cfg: ModelConfig, key: str = "model.path") -> None:
