@@ -103,12 +103,13 @@ def split_files(folder: Path, split: str, config: str | None, exclude: Path | No
 
 def last_boxed(text: str) -> str | None:
     """The content of the last \\boxed{...} (or \\fbox{...}), braces balanced, or of a last \\boxed written
-    without braces (`\\boxed 5`: up to the next space or $, as MATH's own answer reader takes it)."""
+    without braces (`\\boxed 5`: its first word, up to the next space or $; MATH's own reader takes up to the $)."""
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
     bare = text.rfind("\\boxed ")
     if bare > start:
         answer = re.split(r"[\s$]", text[bare + len("\\boxed "):].lstrip(), maxsplit=1)[0]
-        return answer or None
+        if answer:  # (an empty trailing "\\boxed " leaves the braced one before it)
+            return answer
     if start < 0:
         return None
     i = text.index("{", start) + 1

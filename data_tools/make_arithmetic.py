@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
             # earlier run's, whose problems this train split now holds (the eval's are drawn first)
             if (args.out_dir / f"{name}.jsonl").exists():
                 (args.out_dir / f"{name}.jsonl").unlink()
-                print(f"removed {args.out_dir / f'{name}.jsonl'} of an earlier run: its problems are in this train split")
+                print(f"removed {args.out_dir / f'{name}.jsonl'} of an earlier run: its problems are in this "
+                      "train split")
             continue
         write_jsonl(rows, args.out_dir / f"{name}.jsonl")
         print(f"wrote {len(rows)} rows to {args.out_dir / f'{name}.jsonl'}")

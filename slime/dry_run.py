@@ -222,7 +222,8 @@ def report(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> str:
 
     lines = [
         f"model {cfg.model.path}: {count(p['params'])} parameters (largest layer {count(p['largest_layer'])})",
-        f"layout: {p['world']} trainer ranks = dp {p['dp']} x sp {p['sp']}; ep {p['ep']} (blocks of consecutive ranks); "
+        f"layout: {p['world']} trainer ranks = dp {p['dp']} x sp {p['sp']}; "
+        f"ep {p['ep']} (blocks of consecutive ranks); "
         f"{p['total_gpus']} GPUs in all",
         f"engines: {p['engines']}",
         f"per GPU, training: ZeRO-{p['zero_stage']} actor states {g(p['actor_states'])}"

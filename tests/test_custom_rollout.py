@@ -2,6 +2,7 @@
 reward servers over HTTP and reward models as checkpoints."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
@@ -95,9 +96,13 @@ def test_generate_fn_reward_and_errors(hf_engine, tokenizer):
     assert [s.reward for s in graded] == [float(len(s.response_ids)) for s in graded]
     assert [s.index for s in graded] == list(range(8)) and graded[4].group_id == 6
     with pytest.raises(TypeError, match=r"custom_rollouts:wrong_count must return a list of 4 Sample.*"
-                                        r"n_samples_per_prompt=4\), got a list of 1 \(Sample\) for the prompt at "
-                                        r"prompts.jsonl:1"):
+                                        r"rollout.n_samples_per_prompt=4\), got a list of 1 \(Sample\) for the prompt "
+                                        r"at prompts.jsonl:1"):
         generate_rollout(hf_engine, prompts, params, tokenizer, make_reward_fn("exact_match"), first_group_id=0,
+                         generate_fn="custom_rollouts:wrong_count")
+    evaluating = dataclasses.replace(params, trains=False)  # an evaluation asks for eval.n_samples_per_prompt
+    with pytest.raises(TypeError, match=r"eval.n_samples_per_prompt=4\), got a list of 1"):
+        generate_rollout(hf_engine, prompts, evaluating, tokenizer, make_reward_fn("exact_match"), first_group_id=0,
                          generate_fn="custom_rollouts:wrong_count")
     with pytest.raises(TypeError, match=r"got a list of 4 \(dict\) for the prompt at prompts.jsonl:1"):
         generate_rollout(hf_engine, prompts, params, tokenizer, make_reward_fn("exact_match"), first_group_id=0,

@@ -31,8 +31,10 @@ def test_pass_at_k_equals_the_count_over_every_subset_of_k_answers(n):
         assert total == pytest.approx(sum(brute_pass_at_k(g, k) for g in groups), rel=1e-12)
 
 
-def test_a_prompt_with_fewer_answers_than_k_is_left_out_of_that_k():
-    """A generate_fn may return fewer answers than asked: pass@4 cannot be computed from 2 of them."""
+def test_a_group_of_fewer_answers_than_k_is_left_out_of_that_k():
+    """A guard (a generate_fn must return exactly n answers per prompt): pass@4 cannot be computed from 2 answers,
+    and an empty group (n - c = 0 < k) must not count as a pass."""
+    assert pass_at_k_sums([[]], [1]) == [(0.0, 0)]
     (t1, c1), (t4, c4) = pass_at_k_sums([[True, False], [False, False, True, False]], [1, 4])
     assert (c1, c4) == (2, 1) and t1 == pytest.approx(0.5 + 0.25) and t4 == 1.0
 

@@ -88,6 +88,7 @@ def test_math_garbage_scores_zero_without_raising(response):
 def test_math_reads_the_answer_after_the_reasoning():
     assert math_reward(S("<think>is it \\boxed{2}? no</think>\n\n\\boxed{\\frac{1}{2}}", "0.5"))["reward"] == 1.0
     assert math_reward(S("<think>\\boxed{0.5}</think> I am not sure", "0.5"))["reward"] == 0.0
+    assert math_reward(S("<think>so it is 0.5", "0.5"))["reward"] == 0.0  # cut while thinking: no answer yet
 
 
 def test_math_counts_unparsed_prediction():
@@ -169,6 +170,7 @@ def test_a_label_the_builtin_rewards_cannot_compare_is_an_error_not_its_repr(lab
     ("<think>\n\n</think>\n\n19", "19", 1.0),  # a reasoning model's (and Qwen3's template's) empty block
     ("<think>Answer: 20? no</think> 19", "19", 1.0),  # what it wrote while thinking is not its answer
     ("<think>so it is 19", "19", 0.0),         # still thinking at the length limit: no answer
+    ("<think>Answer: 19", "19", 0.0),          # (even where it wrote an answer marker)
 ])
 def test_exact_match(response, label, expected):
     assert exact_match_reward(S(response, label)) == expected

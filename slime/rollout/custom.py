@@ -63,9 +63,9 @@ class Trajectory:
     def generate(self, *, max_new_tokens: int | None = None, stop_token_ids: tuple[int, ...] | list[int] = (),
                  temperature: float | None = None) -> Generation:
         """The policy's next turn from everything so far; its tokens carry loss and logprobs. `temperature` may
-        differ from rollout.temperature only in evaluation (nothing trained, params.trains false): the trainer scores every
-        generated token at rollout.temperature, and TIS and the PPO ratio would compare logprobs of two
-        distributions. (`RolloutContext.generate` takes any temperature, for text the trajectory observes.)"""
+        differ from rollout.temperature only in evaluation (nothing trained, params.trains false): the trainer
+        scores every generated token at rollout.temperature, and TIS and the PPO ratio would compare logprobs of
+        two distributions. (`RolloutContext.generate` takes any temperature, for text the trajectory observes.)"""
         run_t = self.ctx.params.temperature
         if temperature is not None and temperature != run_t and run_t != 0 and self.ctx.params.trains:
             raise ValueError(f"Trajectory.generate(temperature={temperature}) for {self.ctx.prompt.where}: "
@@ -291,8 +291,9 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
                 got = f"a {type(group).__name__} of {len(group)} ({', '.join(kinds) or 'empty'})"
             else:
                 got = type(group).__name__
+            count = "rollout" if params.trains else "eval"  # evaluation asks for eval.n_samples_per_prompt
             raise TypeError(f"rollout.generate_fn {spec} must return a list of {params.n} Sample objects per prompt "
-                            f"(RolloutContext.trajectory().sample(); rollout.n_samples_per_prompt={params.n}), got "
+                            f"(RolloutContext.trajectory().sample(); {count}.n_samples_per_prompt={params.n}), got "
                             f"{got} for {ctx.prompt.where}")
         for s in group:
             if id(s) in seen:

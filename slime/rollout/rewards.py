@@ -81,10 +81,13 @@ def _last_boxed(text: str) -> str | None:
 
 def after_reasoning(text: str) -> str:
     """A response without its reasoning: the text after the last "</think>" (reasoning models, Qwen3's template
-    and the SFT that learns it), or all of it where there is none. An answer written while thinking is not the
+    and the SFT that learns it); nothing where a "<think>" is never closed (cut at the length limit while
+    thinking: no answer yet); all of it where there is no block. An answer written while thinking is not the
     final one, and the block around an answer made the whole response differ from its label."""
     end = text.rfind("</think>")
-    return text if end < 0 else text[end + len("</think>"):]
+    if end >= 0:
+        return text[end + len("</think>"):]
+    return "" if "<think>" in text else text
 
 
 def extract_answer(text: str) -> str | None:

@@ -81,8 +81,10 @@ def evaluate(engine, evalset: EvalSet, cfg: Config, tokenizer, reward_fn, dims: 
                                    generate_fn_timeout=cfg.rollout.generate_fn_timeout) if prompts else []
     correct = [s.reward >= ev.accuracy_threshold for s in samples]
     ks = pass_at_ks(ev.n_samples_per_prompt)
-    passed = pass_at_k_sums([[c for c, s in zip(correct, samples) if s.group_id == g] for g in range(len(prompts))],
-                            ks)
+    groups: list[list[bool]] = [[] for _ in prompts]  # each prompt's answers (a generate_fn returns exactly n)
+    for c, s in zip(correct, samples):
+        groups[s.group_id].append(c)
+    passed = pass_at_k_sums(groups, ks)
     n, n_correct, reward, length, cut, n_prompts, *pass_sums = dims.all_reduce_sum([
         len(samples), sum(correct), sum(s.reward for s in samples), sum(len(s.response_ids) for s in samples),
         sum(s.finish_reason == "length" for s in samples), len(prompts), *(x for pair in passed for x in pair)],
@@ -110,8 +112,8 @@ def pass_at_ks(n: int) -> list[int]:
 def pass_at_k_sums(groups: list[list[bool]], ks: list[int]) -> list[tuple[float, int]]:
     """Per k: (the sum over prompts of the chance that k of a prompt's answers drawn without replacement hold a
     correct one, the number of prompts summed). The unbiased estimator of pass@k from n >= k answers of which c are
-    correct, 1 - C(n - c, k) / C(n, k) (Chen et al. 2021); a prompt with fewer than k answers (a generate_fn that
-    returned fewer) is left out of that k."""
+    correct, 1 - C(n - c, k) / C(n, k) (Chen et al. 2021). Every prompt of an evaluation has n answers (a
+    generate_fn must return exactly n); a group of fewer than k would be left out of that k, not counted as a pass."""
     out = []
     for k in ks:
         total, count = 0.0, 0

@@ -224,7 +224,8 @@ class PolicyEngine:
 
     @classmethod
     def critic(cls, cfg: Config, dims: ParallelDims, decay_groups: bool | None = None) -> "PolicyEngine":
-        return cls("critic", model=critic_model(cfg), train=cfg.train, dims=dims, lr=cfg.algo.critic.lr, decay_groups=decay_groups)
+        return cls("critic", model=critic_model(cfg), train=cfg.train, dims=dims, lr=cfg.algo.critic.lr,
+                   decay_groups=decay_groups)
 
     # -- forward ----------------------------------------------------------------------------------
 
