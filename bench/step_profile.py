@@ -16,7 +16,8 @@ step --step. Each phase's profiled self time is grouped by op:
 - other ops, and the time the profiler sees outside any op (Python, hooks, the profiler's own cost).
 
 Printed per phase with its floor from the 1-thread matmul peak measured here (as bench/vs_trl.py: generation
-2 N T_gen, update 6 N T, N the parameters without embeddings) and two efficiencies: floor / the phase's time
+2 N T, update 6 N T, N the parameters without embeddings, T the positions needed: each prompt once, each
+response but its last token) and two efficiencies: floor / the phase's time
 without the profiler, and floor / its matmuls alone, i.e. the most it could reach if everything but the matmuls
 took no time. The last lines say how much time a step may spend outside its matmuls for floor / step time to
 reach bench/vs_trl.py's target, against what it spends now. --top N also lists each phase's N ops of most self
@@ -112,8 +113,11 @@ def main() -> None:
                 seen[phase] = (wall, grouped(prof, wall))
                 if phase == "rollout":
                     prompts, params = a[0], a[1]
+                    # the positions needed (as bench/vs_trl.py's floor): each prompt once, each response but
+                    # its last token, for the prefill and decode steps and for the update alike
                     tokens["gen"] = sum(len(g.response_ids) for group in out for g in group)
-                    tokens["all"] = tokens["gen"] + params.n * sum(map(len, prompts))
+                    tokens["all"] = sum(map(len, prompts)) + sum(len(g.response_ids) - 1 for group in out
+                                                                 for g in group)
             return out
 
         setattr(owner, name, wrapper)
@@ -129,9 +133,10 @@ def main() -> None:
     if missing:  # another engine (rollout.engine=sglang), or an override that ends the job before --step
         sys.exit(f"step_profile: no {' or '.join(missing)} of step {args.step} was profiled (calls seen: {calls}); "
                  "it profiles the hf engine's generate and the trainer's train_step, in this process")
-    floors = {"rollout": 2 * n * tokens["gen"] / (peak * 1e9), "update": 6 * n * tokens["all"] / (peak * 1e9)}
+    floors = {"rollout": 2 * n * tokens["all"] / (peak * 1e9), "update": 6 * n * tokens["all"] / (peak * 1e9)}
     print(f"\n{args.size}: {n / 1e6:.1f}M parameters without embeddings, 1-thread fp32 matmul peak {peak:.0f} "
-          f"GFLOP/s; step {args.step}: {tokens['gen']} generated tokens, {tokens['all']} in the update's batch")
+          f"GFLOP/s; step {args.step}: {tokens['gen']} generated tokens; {tokens['all']} positions needed (each "
+          "prompt once, each response but its last token)")
     plain, matmuls = {}, {}
     for phase in ("rollout", "update"):
         wall, (groups, ops) = seen[phase]

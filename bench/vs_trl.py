@@ -21,9 +21,12 @@ Runs alternate (TRL, ours, ..., then again) so machine load hits all alike; each
 of steps 2..N. --whole-machine adds TRL with 2 threads against ours in one process of 2 threads and ours on 2
 ranks of 1 thread. Printed: the step times, the ratio ours/TRL against the issue's target, our breakdown
 (rollout / scoring+update / sync), and the FLOP floor of a step from the 1-thread fp32 matmul peak measured in
-the same run (the faster of torch's F.linear and oneDNN): generation 2 N T_gen, old-logprob forward 2 N T,
-forward+backward 6 N T (N parameters without embeddings, T tokens), with each run's efficiency = floor / step
-time (target >= 0.8 on the ~25M model). On a shared machine the peak moves with load from minute to minute (seen
+the same run (the faster of torch's F.linear and oneDNN): generation 2 N T, old-logprob forward 2 N T,
+forward+backward 6 N T (N parameters without embeddings), with each run's efficiency = floor / step time (target
+>= 0.8 on the ~25M model). T counts the positions a step needs: each prompt once (its samples share it) and each
+response without its last token (a target only, which feeds nothing): 16 x 6 + 64 x 63 = 4128 here. (Until
+2026-12-07 T counted every sample's own prompt and every token, 64 x 70 = 4480, work TRL runs but the step does not
+need: efficiencies printed before then read 6.2% high.) On a shared machine the peak moves with load from minute to minute (seen
 here: 117-155 GFLOP/s on one VM within an hour), so the peak is also measured between runs, and each run's
 efficiency is printed twice: against the best peak of the whole invocation (never flattering), and against the
 better of the peaks measured just before and just after it (the machine as the run found it).
@@ -194,7 +197,7 @@ def run_ours(model: Path, data: Path, out: Path, steps: int, extra: list[str], r
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"times": [r["time/step"] for r in rows], "response_len": [r["rollout/response_len"] for r in rows],
             "rollout": [r["time/rollout"] for r in rows], "train": [r["time/train"] for r in rows],
-            "sync": [r.get("time/sync", 0.0) for r in rows]}
+            "sync": [r.get("time/sync", 0.0) for r in rows], "train_tokens": [r["train/tokens"] for r in rows]}
 
 
 def run_trl(model: Path, data: Path, out: Path, steps: int, threads: int = 1, compile_model: bool = False,
@@ -208,6 +211,13 @@ def run_trl(model: Path, data: Path, out: Path, steps: int, threads: int = 1, co
                            str(threads), str(int(compile_model)), str(int(onednn))], env=env, stdout=f, stderr=subprocess.STDOUT).returncode:
             sys.exit(f"the TRL run failed, see {log}")
     return json.loads((out / "trl.json").read_text())
+
+
+def needed_positions(prompt_len: float, gen_len: float) -> float:
+    """The positions a step of the bench needs a forward at, in generation and in the update alike: each prompt
+    once (its samples share it: one prefill, one shared prompt in the update) and each response but its last
+    token (a target only: no later token reads it). The floor's T; ours trains exactly these (train/tokens)."""
+    return PROMPTS * prompt_len + PROMPTS * SAMPLES * (gen_len - 1)
 
 
 def med(xs: list[float]) -> float:
@@ -301,11 +311,11 @@ def main() -> None:
         for name, rs in results.items():
             t = statistics.median(med(r["times"]) for r in rs)
             gen_len = statistics.median(med(r["response_len"]) for r in rs if r["response_len"])
-            gen_tokens = PROMPTS * SAMPLES * gen_len
-            all_tokens = gen_tokens + PROMPTS * SAMPLES * prompt_len
+            # The positions the step needs: each prompt once, each response but its last token (see the docstring)
+            needed = needed_positions(prompt_len, gen_len)
             passes = 6 + (2 if runs[name][1] else 0)  # fwd+bwd, plus a separate old-logprob forward
             cores = 2 if name.endswith(("threads", "ranks")) else 1
-            flops = 2 * n * gen_tokens + passes * n * all_tokens
+            flops = (2 + passes) * n * needed  # generation (prefill and decode), then the update
             floor = flops / (cores * peak * 1e9)
             step[name], efficiency[name] = t, floor / t
             beside[name] = statistics.median(flops / (cores * r["peak"] * 1e9) / med(r["times"]) for r in rs)
