@@ -1,4 +1,4 @@
-"""Weight sync: GB/s of a push into the SGLang engine, against a memcpy of the same bytes, in the same run.
+"""Weight sync: GiB/s of a push into the SGLang engine, against a memcpy of the same bytes, in the same run.
 
     export SLIME_SGLANG_PYTHON=... [SLIME_SGLANG_PYTHONPATH=...]   # see docs/sglang.md
     python bench/weight_sync.py [--hidden 512] [--layers 10] [--steps 4] [--modes colocated,disaggregated]
@@ -6,7 +6,7 @@
 A random Qwen3 model (~25M parameters at the defaults, fp32) trains for a few GRPO steps on one rank with
 an SGLang server on CPU; after each step the trainer gathers its weights and pushes them (colocated: the
 tensors handed to the server; disaggregated: a broadcast over the weight-update group). Printed per mode:
-bytes per push, the median push time (steps 2..N) and GB/s, and the hf engine's in-process push for
+bytes per push, the median push time (steps 2..N) and GiB/s, and the hf engine's in-process push for
 reference; then a single-thread memcpy of the same bytes (dst.copy_(src)) and each push's share of it.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 CPU_ARGS = ["--max-total-tokens", "4096", "--skip-server-warmup", "--random-seed", "0"]
 
 
-def memcpy_gb_per_s(nbytes: int, reps: int = 7) -> float:
+def memcpy_gib_per_s(nbytes: int, reps: int = 7) -> float:
     import torch
 
     torch.set_num_threads(1)
@@ -49,7 +49,7 @@ def overrides(model: Path, data: Path, run_dir: Path, steps: int, engine: list[s
             "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "rollout.max_response_len=8",
             "rollout.reward.fn=exact_match", f"train.num_steps={steps}", "train.lr=1e-5", "train.min_lr=0",
             "eval.path=null", "checkpoint.export_hf=false", "checkpoint.save_final=false", "checkpoint.interval=0",
-            *engine]
+            "model.dtype=float32", *engine]  # fp32 on a GPU too (auto: bf16): the bytes counted are the fp32 file's
 
 
 def run(model: Path, data: Path, run_dir: Path, steps: int, engine: list[str]) -> list[dict]:
@@ -96,11 +96,11 @@ def main() -> None:
         results[f"sglang {mode}"] = statistics.median(times)
     rows = run(model, data, work / "hf", args.steps, ["rollout.engine=hf"])
     results["hf engine (in-process copy)"] = statistics.median(r["time/sync"] for r in rows[1:])
-    copy = memcpy_gb_per_s(nbytes)
-    print(f"memcpy of the same bytes (1 thread): {copy:.2f} GB/s ({nbytes / 2**30 / copy * 1e3:.1f} ms)")
+    copy = memcpy_gib_per_s(nbytes)
+    print(f"memcpy of the same bytes (1 thread): {copy:.2f} GiB/s ({nbytes / 2**30 / copy * 1e3:.1f} ms)")
     for name, t in results.items():
         rate = nbytes / 2**30 / t
-        print(f"  {name:28s} {t * 1e3:8.1f} ms per push  {rate:6.2f} GB/s  {rate / copy:.2f}x memcpy")
+        print(f"  {name:28s} {t * 1e3:8.1f} ms per push  {rate:6.2f} GiB/s  {rate / copy:.2f}x memcpy")
 
 
 if __name__ == "__main__":
