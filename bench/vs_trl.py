@@ -17,7 +17,7 @@ train.compile=true on ZeRO-2, TRL torch_compile=True; each pays its compile in s
 torch's F.linear, i.e. MKL, elsewhere) and TRL with its linears on oneDNN and our malloc settings
 (train.cpu_malloc=retain), to show what the kernel gives and what the rest of the design does; --unfused
 adds ours with HF's eager norm, rotary and SwiGLU chains (train.fuse_elementwise=false).
-Runs alternate (TRL, ours, ..., then again) so machine load hits all alike; each reports the median step time
+Runs alternate (TRL, ours, ..., then the other way round) so machine load hits all alike; each reports the median step time
 of steps 2..N. --whole-machine adds TRL with 2 threads against ours in one process of 2 threads and ours on 2
 ranks of 1 thread. Printed: the step times, the ratio ours/TRL against the issue's target, our breakdown
 (rollout / scoring+update / sync), and the FLOP floor of a step from the 1-thread fp32 matmul peak measured in
@@ -298,7 +298,8 @@ def main() -> None:
         for rep in range(args.reps):
             out = work / f"{size}-{rep}"
             out.mkdir()
-            for name, (fn, _) in runs.items():
+            order = list(runs.items())
+            for name, (fn, _) in order[::-1] if rep % 2 else order:  # each side first in every other rep
                 results[name].append(fn(out))
                 after = peak_now()
                 results[name][-1]["peak"] = max(before, after)  # the machine as this run found it
