@@ -17,19 +17,20 @@ train.compile=true on ZeRO-2, TRL torch_compile=True; each pays its compile in s
 torch's F.linear, i.e. MKL, elsewhere) and TRL with its linears on oneDNN and our malloc settings
 (train.cpu_malloc=retain), to show what the kernel gives and what the rest of the design does; --unfused
 adds ours with HF's eager norm, rotary and SwiGLU chains (train.fuse_elementwise=false).
-Runs alternate (TRL, ours, ..., then the other way round) so machine load hits all alike; each reports the median step time
-of steps 2..N. --whole-machine adds TRL with 2 threads against ours in one process of 2 threads and ours on 2
-ranks of 1 thread. Printed: the step times, the ratio ours/TRL against the issue's target, our breakdown
-(rollout / scoring+update / sync), and the FLOP floor of a step from the 1-thread fp32 matmul peak measured in
-the same run (the faster of torch's F.linear and oneDNN): generation 2 N T, old-logprob forward 2 N T,
-forward+backward 6 N T (N parameters without embeddings), with each run's efficiency = floor / step time (target
->= 0.8 on the ~25M model). T counts the positions a step needs: each prompt once (its samples share it) and each
-response without its last token (a target only, which feeds nothing): 16 x 6 + 64 x 63 = 4128 here. (Until
-2026-12-07 T counted every sample's own prompt and every token, 64 x 70 = 4480, work TRL runs but the step does not
-need: efficiencies printed before then read 6.2% high.) On a shared machine the peak moves with load from minute to minute (seen
-here: 117-155 GFLOP/s on one VM within an hour), so the peak is also measured between runs, and each run's
-efficiency is printed twice: against the best peak of the whole invocation (never flattering), and against the
-better of the peaks measured just before and just after it (the machine as the run found it).
+Runs alternate (TRL, ours, ..., then the other way round) so machine load hits all alike; each reports the
+median step time of steps 2..N. --whole-machine adds TRL with 2 threads against ours in one process of 2 threads
+and ours on 2 ranks of 1 thread. Printed: the step times, the ratio ours/TRL against the issue's target, our
+breakdown (rollout / scoring+update / sync), and the FLOP floor of a step from the 1-thread fp32 matmul peak
+measured in the same run (the faster of torch's F.linear and oneDNN): generation 2 N T, old-logprob forward
+2 N T, forward+backward 6 N T (N parameters without embeddings), with each run's efficiency = floor / step time
+(target >= 0.8 on the ~25M model). T counts the positions a step needs: each prompt once (its samples share it)
+and each response without its last token (a target only, which feeds nothing): 16 x 6 + 64 x 63 = 4128 here.
+(Until 2026-12-07 T counted every sample's own prompt and every token, 64 x 70 = 4480, work TRL runs but the step
+does not need: efficiencies printed before then read 6.2% high.) On a shared machine the peak moves with load
+from minute to minute (seen here: 117-155 GFLOP/s on one VM within an hour), so the peak is also measured
+between runs, and each run's efficiency is printed twice: against the best peak of the whole invocation (never
+flattering), and against the better of the peaks measured just before and just after it (the machine as the run
+found it).
 """
 from __future__ import annotations
 
