@@ -105,10 +105,9 @@ def last_boxed(text: str) -> str | None:
     """The content of the last \\boxed{...} (or \\fbox{...}), braces balanced, or of a last \\boxed written
     without braces (`\\boxed 5`: its first word, up to the next space or $; MATH's own reader takes up to the $)."""
     start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    bare = text.rfind("\\boxed ")
-    if bare > start:
+    for bare in reversed([m.start() for m in re.finditer(r"\\boxed ", text) if m.start() > start]):
         answer = re.split(r"[\s$]", text[bare + len("\\boxed "):].lstrip(), maxsplit=1)[0]
-        if answer:  # (an empty trailing "\\boxed " leaves the braced one before it)
+        if answer:  # (an empty trailing "\\boxed " leaves the one before it)
             return answer
     if start < 0:
         return None

@@ -646,7 +646,7 @@ def test_one_step_off_without_a_correction_of_the_lag_is_warned():
         assert load_config(str(example), ["model.path=m"]).off_policy_warning() is None, example.name
 
 
-def test_a_critic_of_its_own_is_checked_before_any_model_loads(tiny_model, tmp_path):
+def test_a_critic_of_its_own_is_checked_before_any_model_loads(tiny_model, tmp_path, caplog):
     """algo.critic.path: a missing folder was reported as model.path after the actor and reference had loaded; a
     critic whose packed samples compute unlike each alone (dynamic rope past its context) trained on wrong values
     where the same model as the actor is refused; one of another vocabulary failed after the first rollout,
@@ -681,6 +681,13 @@ def test_a_critic_of_its_own_is_checked_before_any_model_loads(tiny_model, tmp_p
     padded_tok.add_special_tokens({"pad_token": "<critic-pad>"})
     padded_tok.save_pretrained(padded)
     check_critic(cfg(padded), tokenizer)
+    lacking = critic("lacking")  # the critic's tokenizer without a token the actor can write: warned
+    lacking_vocab = json.loads((lacking / "tokenizer.json").read_text())
+    del lacking_vocab["model"]["vocab"]["~"]
+    (lacking / "tokenizer.json").write_text(json.dumps(lacking_vocab))
+    with caplog.at_level(logging.WARNING, logger="slime.models.loading"):
+        check_critic(cfg(lacking), tokenizer)
+    assert "its tokenizer lacks 1 of the actor's tokens (e.g. '~', id" in caplog.text
     other = critic("other-tokenizer")  # two tokens swapped
     vocab = json.loads((other / "tokenizer.json").read_text())
     model_vocab = vocab["model"]["vocab"]

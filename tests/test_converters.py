@@ -43,6 +43,7 @@ def test_math_takes_the_last_boxed_answer_with_nested_braces(tmp_path):
     assert last_boxed(r"first \boxed{3} final $\boxed 5$.") == "5"  # the form without braces, when last
     assert last_boxed(r"\boxed 5 then \boxed{6}") == "6"
     assert last_boxed(r"so \boxed{3} and \boxed ") == "3"
+    assert last_boxed(r"\boxed 5 and \boxed ") == "5"
     src = write_parquet(tmp_path / "test.parquet", {
         "problem": ["What is $1/2 + 0$?", "No answer"],
         "solution": [r"Adding zero: $\boxed{\frac{1}{2}}$", "none"],

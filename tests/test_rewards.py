@@ -89,6 +89,12 @@ def test_math_reads_the_answer_after_the_reasoning():
     assert math_reward(S("<think>is it \\boxed{2}? no</think>\n\n\\boxed{\\frac{1}{2}}", "0.5"))["reward"] == 1.0
     assert math_reward(S("<think>\\boxed{0.5}</think> I am not sure", "0.5"))["reward"] == 0.0
     assert math_reward(S("<think>so it is 0.5", "0.5"))["reward"] == 0.0  # cut while thinking: no answer yet
+    assert math_reward(S("the tag <think> aside, \\boxed{0.5}", "0.5"))["reward"] == 1.0  # mentioned, not opened
+    opened = Sample(prompt_ids=[1], prompt_text="<|im_start|>assistant\n<think>\n", response_text="so it is 0.5",
+                    label="0.5")  # a template whose generation prompt opens the reasoning: still thinking
+    assert math_reward(opened)["reward"] == 0.0 and exact_match_reward(opened) == 0.0
+    opened.response_text = "so it is 0.5</think>\n\n\\boxed{0.5}"
+    assert math_reward(opened)["reward"] == 1.0 and exact_match_reward(opened) == 1.0
 
 
 def test_math_counts_unparsed_prediction():
@@ -171,6 +177,8 @@ def test_a_label_the_builtin_rewards_cannot_compare_is_an_error_not_its_repr(lab
     ("<think>Answer: 20? no</think> 19", "19", 1.0),  # what it wrote while thinking is not its answer
     ("<think>so it is 19", "19", 0.0),         # still thinking at the length limit: no answer
     ("<think>Answer: 19", "19", 0.0),          # (even where it wrote an answer marker)
+    ("I would not <think> long: 19", "19", 0.0),  # a tag mid-answer is text: compared whole, as before
+    ("I would not <think> long. Answer: 19", "19", 1.0),
 ])
 def test_exact_match(response, label, expected):
     assert exact_match_reward(S(response, label)) == expected

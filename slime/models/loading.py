@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -42,9 +43,9 @@ def critic_model(cfg) -> ModelConfig:
 def check_critic(cfg, tokenizer) -> None:
     """A critic of its own (algo.critic.path), checked before any model loads: its folder, its weight files, that
     its samples compute in packed rows as alone (check_packing), and that it reads the actor's token ids (its
-    vocabulary holds the tokenizer's, and a tokenizer of its own is the same). A critic of another vocabulary
-    failed after the first rollout, blaming the rollout; one of another tokenizer of the same size read every
-    token as another."""
+    vocabulary is at least the actor's, and no id of a tokenizer of its own names another token). A critic of
+    another vocabulary failed after the first rollout, blaming the rollout; one of another tokenizer of the same
+    size read every token as another. One whose tokenizer lacks some of the actor's tokens is warned."""
     if not (cfg.trains_critic and cfg.algo.critic.path):
         return
     model, key = critic_model(cfg), "algo.critic.path"
@@ -65,6 +66,13 @@ def check_critic(cfg, tokenizer) -> None:
                              f"other tokens, e.g. id {other[0]}: {theirs[other[0]]!r} for the actor, "
                              f"{mine[other[0]]!r} for the critic): the critic would read the actor's token ids as "
                              "other tokens. Give a critic trained with the actor's tokenizer")
+        # Tokens of the actor's the critic's tokenizer lacks (ids inside the actor's model: it can write them), e.g.
+        # Qwen3's <think> under a Qwen2.5 critic: embedding rows the critic never trained on.
+        if unknown := sorted(i for i in theirs.keys() - mine.keys() if actors is None or i < actors):
+            logging.getLogger(__name__).warning(
+                "%s=%s: its tokenizer lacks %d of the actor's tokens (e.g. %r, id %d): the critic reads them through "
+                "embedding rows it was not trained with", key, model.path, len(unknown), theirs[unknown[0]],
+                unknown[0])
 
 
 def check_weight_files(cfg: ModelConfig, key: str = "model.path") -> None:

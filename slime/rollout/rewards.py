@@ -79,15 +79,18 @@ def _last_boxed(text: str) -> str | None:
     return None
 
 
-def after_reasoning(text: str) -> str:
+def after_reasoning(text: str, prompt: str = "") -> str:
     """A response without its reasoning: the text after the last "</think>" (reasoning models, Qwen3's template
-    and the SFT that learns it); nothing where a "<think>" is never closed (cut at the length limit while
-    thinking: no answer yet); all of it where there is no block. An answer written while thinking is not the
-    final one, and the block around an answer made the whole response differ from its label."""
+    and the SFT that learns it); nothing where the reasoning was opened, by the response's start or by the prompt's
+    end (templates whose generation prompt opens it: Qwen3-Thinking's, DeepSeek-R1's), and never closed (cut at
+    the length limit while thinking: no answer yet); all of it otherwise (a "<think>" mentioned mid-answer is
+    text). An answer written while thinking is not the final one, and the block around an answer made the whole
+    response differ from its label."""
     end = text.rfind("</think>")
     if end >= 0:
         return text[end + len("</think>"):]
-    return "" if "<think>" in text else text
+    opened = text.lstrip().startswith("<think>") or prompt.rstrip().endswith("<think>")
+    return "" if opened else text
 
 
 def extract_answer(text: str) -> str | None:
@@ -155,7 +158,7 @@ def normalize_answer(text: str) -> str:
 
 def exact_match_reward(sample: Sample) -> float:
     """1.0 when the extracted answer (or the whole stripped response) equals a label."""
-    text = after_reasoning(sample.response_text)
+    text = after_reasoning(sample.response_text, sample.prompt_text or "")
     pred = extract_answer(text)
     pred = normalize_answer(text if pred is None else pred)
     return float(any(pred == normalize_answer(g) for g in _labels(sample, "exact_match")))
@@ -204,7 +207,7 @@ def math_reward(sample: Sample) -> dict[str, float]:
     from math_verify.errors import TimeoutException
 
     timeout = MATH_VERIFY_TIMEOUT_S
-    text = after_reasoning(sample.response_text)
+    text = after_reasoning(sample.response_text, sample.prompt_text or "")
     pred_text = extract_answer(text)
     info = {"reward": 0.0, "math/pred_unparsed": 0.0, "math/error": 0.0}
     try:
