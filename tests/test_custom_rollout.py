@@ -1354,8 +1354,8 @@ def test_token_ids_past_the_models_vocabulary_are_named_before_the_embedding():
     from slime.trainer.policy_engine import PolicyEngine
 
     actor = object.__new__(PolicyEngine)
-    actor.vocab_size = 100
+    actor.vocab_size, actor.role, actor.model_path = 100, "critic", "models/critic"
     samples = [Sample(prompt_ids=[1, 2], response_ids=[3, 4]), Sample(prompt_ids=[5], response_ids=[100, 7])]
     with pytest.raises(ValueError, match=r"token id 100 of the samples at positions \[0, 1\] on this rank is outside "
-                                         r"the model's vocabulary \[0, 100\)"):
+                                         r"the critic's vocabulary \[0, 100\) \(models/critic\)"):
         actor.forward(build_micro_batch(samples, [0, 1]))
