@@ -479,28 +479,29 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
             if label_is_text and label is not None and (isinstance(label, bool) or not isinstance(label, (str, int, float))):
                 raise ValueError(f"{path}:{line}: SFT learns the label's text as the response, but '{cfg.label_key}' is "
                                  f"a {type(label).__name__} ({str(label)[:60]}); give one string")
-            target = None
-            if label_is_text and label is not None and use_template:
-                chat = (parsed[0] if parsed is not None  # as the prompt was rendered: encode_(image_)prompt
-                        else [{"role": "user", "content": row[cfg.prompt_key]}] if row.get(cfg.prompt_key) is not None
-                        else row[cfg.messages_key] if processor is not None
-                        else _joined_text_parts(row[cfg.messages_key]))
-                target = sft_target(chat, str(label), text, ids, cfg, tokenizer, end_id)
-                plain = tokenizer(str(label), add_special_tokens=False).input_ids + [end_id]
-                if target is None:
-                    unrendered += 1
-                elif target != plain and shown is None:
-                    shown = (line, tokenizer.decode(target))
-            if label_is_text and label is not None and processor is not None and processor.image_token_id in (
-                    target if target is not None else tokenizer(str(label), add_special_tokens=False).input_ids):
+            target = learned = None  # SFT: the template's rendering of the reply, and what is learned
+            if label_is_text and label is not None:
+                learned = tokenizer(str(label), add_special_tokens=False).input_ids + [end_id]
+                if use_template:
+                    chat = (parsed[0] if parsed is not None  # as the prompt was rendered: encode_(image_)prompt
+                            else [{"role": "user", "content": row[cfg.prompt_key]}]
+                            if row.get(cfg.prompt_key) is not None
+                            else row[cfg.messages_key] if processor is not None
+                            else _joined_text_parts(row[cfg.messages_key]))
+                    target = sft_target(chat, str(label), text, ids, cfg, tokenizer, end_id)
+                    if target is None:
+                        unrendered += 1
+                    elif target != learned and shown is None:
+                        shown = (line, tokenizer.decode(target))
+                    learned = learned if target is None else target
+            if learned is not None and processor is not None and processor.image_token_id in learned:
                 raise SkippedRow("placeholder_mismatch", f"the label holds the image token (the text "
                                  f"{processor.image_token!r}), which SFT would teach the model to write: no image "
                                  "fills it; remove it from the label")
-            if label_is_text and max_sample_len is not None and label is not None and len(ids) <= cfg.max_prompt_len:
+            if learned is not None and max_sample_len is not None and len(ids) <= cfg.max_prompt_len:
                 limit, key = max_sample_len  # (a prompt past data.max_prompt_len is dropped as too long, below)
                 # prompt + label: its row in a micro-batch (the turn's end after it is a target only, Sample.row_len)
-                n = len(ids) + (len(target) - 1 if target is not None else
-                                len(tokenizer(str(label), add_special_tokens=False).input_ids))
+                n = len(ids) + len(learned) - 1
                 if n > limit:
                     raise SkippedRow("label_too_long", f"prompt + label is {n} tokens, more than a micro-batch "
                                                        f"holds ({key} = {limit})")
