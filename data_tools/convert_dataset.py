@@ -25,8 +25,6 @@ row's index, counting from 0.
 from __future__ import annotations
 
 import argparse
-import base64
-import binascii
 import collections
 import hashlib
 import io
@@ -38,6 +36,8 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from slime.multimodal.images import ImageError, _source as image_source  # noqa: E402
 
 GSM8K_INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
 
@@ -170,13 +170,11 @@ def image_file(image, i: int, k: int) -> tuple[bytes, str]:
     Raises Skip for an image that cannot be read."""
     from PIL import Image, UnidentifiedImageError
 
-    if isinstance(image, dict) and image.get("bytes") is not None:
-        data = image["bytes"]
-        if isinstance(data, str):  # base64 text, as a JSON export of the feature holds it
-            try:
-                data = base64.b64decode(data, validate=True)
-            except binascii.Error:
-                raise Skip("unreadable image") from None
+    if isinstance(image, dict) and image.get("bytes") is not None:  # raw, or base64 text as JSON holds it
+        try:
+            data = image_source(image, Path.cwd(), timeout=0, max_bytes=0).getvalue()  # the trainer's reading
+        except ImageError:
+            raise Skip("unreadable image") from None
     elif isinstance(image, (dict, str)):  # a path: the feature's {"bytes": None, "path": ...}, or a column of paths
         path = image.get("path") if isinstance(image, dict) else image
         if not path or not Path(path).is_file():
