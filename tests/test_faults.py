@@ -81,15 +81,23 @@ def launch(model, task_dir, run_dir, *overrides, nproc=2, check=True, timeout=60
     return run_ranks(args, nproc=nproc, timeout=timeout, env=env, check=check)
 
 
-def test_a_step_without_a_token_to_learn_from_is_said(model, task_dir, tmp_path):
-    """A generate function that masks every response token trained on nothing, exit 0, loss 0, not a word."""
-    proc = launch(model, task_dir, tmp_path / "run", "rollout.generate_fn=custom_rollouts:masks_everything",
-                  "train.num_steps=1", "eval.path=null")
+def test_a_step_without_a_token_to_learn_from_is_said_and_leaves_the_weights(model, task_dir, tmp_path):
+    """A generate function that masks every response token trained on nothing, exit 0, loss 0, not a word; and
+    after a step that trained, Adam's momentum still moved the weights at such a step."""
+    from safetensors.torch import load_file
+
+    run_dir = tmp_path / "run"
+    launch(model, task_dir, run_dir, "train.num_steps=1")
+    before = load_file(next((run_dir / "hf").glob("*.safetensors")))
+    proc = launch(model, task_dir, run_dir, "rollout.generate_fn=custom_rollouts:masks_everything",
+                  "train.num_steps=2")
     out = proc.stdout + proc.stderr
     assert "actor: this step has no token to learn from (every response token has loss mask 0" in out
+    after = load_file(next((run_dir / "hf").glob("*.safetensors")))
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     # means over no token are null, not 0 (an entropy of 0 in the plot); sums and the loss stay numbers
-    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    assert row["train/entropy"] is None and row["train/pg_clipfrac"] is None and \
+    row = read_metrics(run_dir)[-1]
+    assert row["step"] == 2 and row["train/entropy"] is None and row["train/pg_clipfrac"] is None and \
         row["rollout/train_logprob_abs_diff"] is None and row["adv/adv_abs_mean"] is None, row
     assert row["train/loss"] == 0.0 and row["train/grad_norm"] == 0.0 and row["rollout/gen_tokens"] == 0, row
 

@@ -256,11 +256,13 @@ class PolicyEngine:
 
     # -- training ---------------------------------------------------------------------------------
 
-    def forward_backward(self, batch: RankBatch, mini: MiniBatch, loss_fn: LossFn) -> dict[str, torch.Tensor]:
+    def forward_backward(self, batch: RankBatch, mini: MiniBatch, loss_fn: LossFn, *, learns: bool = True
+                         ) -> dict[str, torch.Tensor]:
         """Accumulate the gradients of one mini-batch over this rank's micro-batches; local metric sums.
 
         `loss_fn(mb, *outputs, num_tokens=, num_seqs=)` returns the micro-batch's share of the mini-batch
         loss (global normalisers) and metric sums. The last backward is the accumulation boundary.
+        learns=False: the forward and the metrics only, no gradient (every rank alike).
         """
         sums: dict[str, torch.Tensor] = {}
         dummy_fields: list[str] = []
@@ -271,13 +273,15 @@ class PolicyEngine:
         for k, idx in enumerate(mini.micro):
             mb = self.train_layout.build(batch.samples, idx, dummy_fields).to(self.dims.device)
             self.engine.set_gradient_accumulation_boundary(k == len(mini.micro) - 1)
-            outputs = self.forward(mb)
-            loss, metrics = loss_fn(mb, *(outputs if isinstance(outputs, tuple) else (outputs,)),
-                                    num_tokens=mini.num_loss_tokens, num_seqs=mini.num_seqs,
-                                    num_processed=mini.num_processed)
-            # DeepSpeed averages gradients over every rank; each sp peer back-propagates only through its own
-            # shard of the (identical) micro-batch loss, so the shares add up over sp and average over dp.
-            self.engine.backward(loss * self.dims.dp * self.dims.sp)
+            with torch.set_grad_enabled(learns):
+                outputs = self.forward(mb)
+                loss, metrics = loss_fn(mb, *(outputs if isinstance(outputs, tuple) else (outputs,)),
+                                        num_tokens=mini.num_loss_tokens, num_seqs=mini.num_seqs,
+                                        num_processed=mini.num_processed)
+            if learns:
+                # DeepSpeed averages gradients over every rank; each sp peer back-propagates only through its own
+                # shard of the (identical) micro-batch loss, so the shares add up over sp and average over dp.
+                self.engine.backward(loss * self.dims.dp * self.dims.sp)
             # a dummy's token is not counted, as in the plan's real_token_fraction
             metrics["train_tokens"] = torch.tensor(0.0 if mb.is_dummy else float(mb.num_tokens), device=loss.device)
             metrics["real_tokens"] = torch.tensor(float(sum(batch.samples[i].total_len for i in idx)), device=loss.device)
@@ -367,10 +371,20 @@ class PolicyEngine:
         skipped_before = self.skipped_steps
         lrs = []  # the rates the steps use (get_lr after a step gives the next step's)
         for mini in batch.mini_batches:
-            for key, value in self.forward_backward(batch, mini, loss_fn).items():
+            # No loss token on any rank (the count is global, so every rank decides alike): the gradient is zero,
+            # but an Adam update would still move the weights by the momentum of earlier steps. Its metrics come
+            # from a forward without gradients; the weights, Adam's moments and step count stay as they are; the
+            # schedule advances, as it does for a step with tokens.
+            learns = mini.num_loss_tokens > 0
+            for key, value in self.forward_backward(batch, mini, loss_fn, learns=learns).items():
                 sums[key] = sums[key] + value if key in sums else value
             lrs.append(self.engine.get_lr()[0])
-            grad_norms.append(self.optimizer_step())
+            if learns:
+                grad_norms.append(self.optimizer_step())
+            else:
+                grad_norms.append(0.0)
+                if self.engine.lr_scheduler is not None:
+                    self.engine.lr_scheduler.step()
         router = {k: sums.pop(k) for k in list(sums) if k.startswith("router_")}
         g = self.dims.all_reduce_tensors(sums)
         n_mini = len(batch.mini_batches)
@@ -378,8 +392,8 @@ class PolicyEngine:
         prefix = "critic" if self.role == "critic" else "train"
         if loss_tokens == 0 and self.dims.rank == 0:
             logger.warning("%s: this step has no token to learn from (every response token has loss mask 0: a "
-                           "generate function that masks them all, or only empty responses): its gradient is zero, "
-                           "but Adam's momentum of earlier steps still moves the weights",
+                           "generate function that masks them all, or only empty responses): the weights and the "
+                           "optimizer's state are left as they were",
                            self.role)
         out = {f"{prefix}/grad_norm": sum(grad_norms) / n_mini, f"{prefix}/lr": sum(lrs) / n_mini,
                f"{prefix}/skipped_steps": float(self.skipped_steps - skipped_before)}
