@@ -502,12 +502,51 @@ def test_sampled_logprobs_are_those_of_the_temperature_scaled_policy(engines):
 
 
 @needs_sglang
+def test_a_sampled_evaluation_on_the_real_server_scores_each_prompts_own_answers(engines, tiny_model):
+    """eval.n_samples_per_prompt answers per prompt from SGLang (n in one request): eval/pass@k and the accuracy
+    equal those computed here from the very answers the server returned, grouped by their prompts."""
+    from slime.config import load_config
+    from slime.data.prompts import Prompt
+    from slime.models.loading import load_tokenizer
+    from slime.rollout.rewards import make_reward_fn
+    from slime.trainer.evaluate import EvalSet, evaluate, pass_at_k_sums
+
+    ours, _, prompts = engines
+    returned = []
+
+    class Recorded:  # the real engine; its answers kept as they come back
+        def __getattr__(self, name):
+            return getattr(ours, name)
+
+        def generate(self, ids, params, **kw):
+            out = ours.generate(ids, params, **kw)
+            returned.extend(zip(ids, out))
+            return out
+
+    tokenizer = load_tokenizer(ModelConfig(path=str(tiny_model)))
+    cfg = load_config(None, ["model.path=m", "data.path=d.jsonl", "eval.path=e.jsonl", "eval.n_samples_per_prompt=4",
+                             "eval.temperature=1.0", "rollout.max_response_len=8", "eval.accuracy_threshold=0.1"])
+    evalset = EvalSet([Prompt(prompt_ids=ids, prompt_text="", label=None, metadata={}, index=i, source=f"e:{i + 1}")
+                       for i, ids in enumerate(prompts)], {})
+    out = evaluate(Recorded(), evalset, cfg, tokenizer, make_reward_fn("e2e_rewards:digit_fraction"), OneRank())
+    assert [ids for ids, _ in returned] == prompts and all(len(gens) == 4 for _, gens in returned)
+    texts = [[tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens] for _, gens in returned]
+    assert any(len(set(t)) > 1 for t in texts), texts  # sampled answers, not four greedy copies
+    correct = [[sum(c.isdigit() for c in t) / max(len(t), 1) >= 0.1 for t in group] for group in texts]
+    assert out["eval/num_samples"] == 16
+    assert out["eval/accuracy"] == pytest.approx(sum(map(sum, correct)) / 16)
+    for k, (total, count) in zip([1, 2, 4], pass_at_k_sums(correct, [1, 2, 4])):
+        assert out[f"eval/pass@{k}"] == pytest.approx(total / count)
+
+
+@needs_sglang
 @pytest.mark.parametrize("fn", ["two_turns", "two_turns_async"])
 def test_multi_turn_generate_fn_on_sglang(engines, fn, tiny_model):
     """A generate function on the SGLang engine (one thread per prompt for the sync one): observation ids
     are appended as given, and every generated token's logprob is the HF model's given all before it."""
     from custom_rollouts import OBSERVATION
     from slime.data.prompts import Prompt
+    from slime.models.loading import load_tokenizer
     from slime.rollout.rewards import make_reward_fn
     from slime.rollout.rollout import generate_rollout
 
