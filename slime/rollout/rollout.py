@@ -172,7 +172,7 @@ def collect_rollout(engine: RolloutEngine, data: PromptSource, cfg: RolloutConfi
                 "group all samples got the same reward before any overlong penalty (all solved or all failed), so "
                 "none has a task signal to train on. Check the reward function and the prompts' difficulty, raise "
                 "rollout.max_sampling_attempts or rollout.over_sample_factor, or set rollout.dynamic_sampling=false")
-        if n_kept_groups < cfg.batch_size:
+        if n_kept_groups < cfg.batch_size and dims.rank == 0:  # global figures: said once
             logger.warning("dynamic sampling kept %d of %d groups after %d attempts (rollout.max_sampling_attempts)",
                            n_kept_groups, cfg.batch_size, attempts)
     metrics = rollout_metrics(generated, dims)
