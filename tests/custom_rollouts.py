@@ -1,5 +1,7 @@
 """Generate functions for tests: a scripted environment that always answers once between two policy turns,
 so every sample is multi-turn (the calculator example only is when the model calls it)."""
+import dataclasses
+
 from slime.rollout.custom import RolloutContext
 
 OBSERVATION = " ok:"
@@ -233,4 +235,36 @@ def sampled_hint(ctx: RolloutContext):
         traj.observe(ctx.tokenizer(OBSERVATION, add_special_tokens=False).input_ids)
         traj.generate(max_new_tokens=2)
         samples.append(traj.sample())
+    return samples
+
+
+def three_turns(ctx: RolloutContext):
+    """Three policy turns of 2 tokens with an observation between them (image-text prompts: the model's tests)."""
+    samples = []
+    for _ in range(ctx.n):
+        traj = ctx.trajectory()
+        for turn in range(3):
+            if turn:
+                traj.observe(ctx.tokenizer(" ok", add_special_tokens=False).input_ids)
+            traj.generate(max_new_tokens=2)
+        samples.append(traj.sample())
+    return samples
+
+
+def asks_a_judge_in_text(ctx: RolloutContext):
+    """A side generation on a text context of its own (a judge's question), then the policy's turn."""
+    judge = ctx.generate(ctx.tokenizer("is it red?", add_special_tokens=False).input_ids, max_new_tokens=2)
+    samples = []
+    for _ in range(ctx.n):
+        traj = ctx.trajectory()
+        traj.generate(max_new_tokens=2)
+        samples.append(traj.sample(metadata={"judge": judge.response_ids}))
+    return samples
+
+
+def adds_an_image(ctx: RolloutContext):
+    """Gives each sample images of its own (a tool's image), which the trainer would replace with the prompt's."""
+    samples = two_turns(ctx)
+    for s in samples:
+        s.mm = dataclasses.replace(ctx.prompt.mm)
     return samples

@@ -9,6 +9,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 from conftest import REPO, run_ranks
+from one_rank import OneRank
 from data_tools.make_tiny_model import make_tiny_model
 from slime.data.batch import build_micro_batch
 from slime.data.sample import Sample
@@ -291,3 +292,91 @@ def test_a_context_with_an_image_token_no_image_fills_is_refused_by_name(vl_mode
                                          rf"images fill {fills}: a multi-turn context"):
         engine.generate([second.prompt_ids, context], params, [second.mm, first.mm])
     assert len(engine.generate([context[:-1]], params, [first.mm])[0][0].response_ids) == 2
+
+
+def vl_prompts(model_dir, n=2):
+    """Image-text prompts as the data path makes them (a chat with one image each)."""
+    from slime.data.prompts import Prompt
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    proc = VLProcessor(str(model_dir), tok)
+    out = []
+    for k in range(n):
+        img = image(56 + 28 * k, 56, k)
+        text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                     {"type": "text", "text": f"q{k}"}]}],
+                                       add_generation_prompt=True, tokenize=False)
+        out.append(Prompt(prompt_ids=proc.prompt_ids(text, [img.size]), prompt_text=text, label=None, metadata={},
+                          index=k, source=f"vl.jsonl:{k + 1}", mm=proc.pixels([img])))
+    return tok, out
+
+
+def digit_fraction():
+    from slime.rollout.rewards import make_reward_fn
+
+    return make_reward_fn("e2e_rewards:digit_fraction")
+
+
+@functools.lru_cache(maxsize=2)
+def vl_engine(model_dir):
+    from slime.config import ModelConfig
+    from slime.rollout.hf_engine import HFEngine
+
+    return HFEngine(ModelConfig(path=str(model_dir), dtype="float32"), AutoTokenizer.from_pretrained(model_dir),
+                    device=torch.device("cpu"))
+
+
+def test_a_sampled_image_token_ends_its_trajectory_not_the_run(vl_model):
+    """A multi-turn generate function on image-text prompts: a turn in which the policy samples the image token
+    (the random tiny model does, about once in 265 tokens) made the next turn's context one no engine can read,
+    and the run stopped. The real engine, with its first reply to one prompt given that token."""
+    from slime.rollout.engine import SamplingParams
+    from slime.rollout.rollout import generate_rollout, rollout_metrics
+
+    tok, prompts = vl_prompts(vl_model)
+    engine, calls = vl_engine(vl_model), []
+
+    class SamplesTheImageToken:  # the real engine; the first turn of prompt 0 ends in the image token
+        thread_safe = False
+
+        def generate(self, ids, params, mm=None):
+            calls.append(list(ids[0]))
+            out = engine.generate(ids, params, mm)
+            if len(calls) == 1:
+                gen = out[0][0]
+                gen.response_ids, gen.logprobs = gen.response_ids[:1] + [prompts[0].mm.token_id], gen.logprobs[:1] + [-9.0]
+            return out
+
+    samples = generate_rollout(SamplesTheImageToken(), prompts, SamplingParams(max_new_tokens=16, n=1, temperature=0),
+                               tok, digit_fraction(), first_group_id=0, generate_fn="custom_rollouts:three_turns")
+    ended, other = samples
+    assert ended.response_ids[1] == prompts[0].mm.token_id and len(ended.response_ids) == 2  # its first turn only
+    assert ended.metadata["turns"] == 1 and ended.metadata["ended_at_image_token"]
+    assert other.metadata["turns"] == 3 and "ended_at_image_token" not in other.metadata
+    assert len(calls) == 4  # prompt 0 once, prompt 1 three times: nothing sent after the image token
+    assert rollout_metrics(samples, OneRank())["rollout/image_token_ends"] == 1
+    assert "rollout/image_token_ends" not in rollout_metrics([other], OneRank())
+
+
+def test_a_side_generation_on_a_text_context_goes_without_the_prompts_images(vl_model):
+    """ctx.generate() on a context of the function's own (a judge's question) sent the prompt's images with it, and
+    the engine refused the call (0 image tokens where the images fill 4)."""
+    from slime.rollout.engine import SamplingParams
+    from slime.rollout.rollout import generate_rollout
+
+    tok, prompts = vl_prompts(vl_model, n=1)
+    samples = generate_rollout(vl_engine(vl_model), prompts, SamplingParams(max_new_tokens=4, n=2, temperature=0),
+                               tok, digit_fraction(), first_group_id=0, generate_fn="custom_rollouts:asks_a_judge_in_text")
+    assert len(samples) == 2 and all(len(s.metadata["judge"]) == 2 for s in samples)
+
+
+def test_images_a_generate_function_gives_a_sample_are_refused(vl_model):
+    """A sample's own Sample.mm (a tool's image) was replaced by the prompt's without a word."""
+    from slime.rollout.engine import SamplingParams
+    from slime.rollout.rollout import generate_rollout
+
+    tok, prompts = vl_prompts(vl_model, n=1)
+    with pytest.raises(ValueError, match=r"custom_rollouts:adds_an_image: a sample of the prompt at vl.jsonl:1 has images "
+                                         r"of its own \(Sample.mm\): a sample's images are its prompt's"):
+        generate_rollout(vl_engine(vl_model), prompts, SamplingParams(max_new_tokens=4, n=1, temperature=0), tok,
+                         digit_fraction(), first_group_id=0, generate_fn="custom_rollouts:adds_an_image")

@@ -31,7 +31,7 @@ from slime.utils import jsonfiles
 logger = logging.getLogger(__name__)
 
 
-RESERVED_METADATA = frozenset({"turns", "reward_info", "weight_version"})
+RESERVED_METADATA = frozenset({"turns", "reward_info", "weight_version", "ended_at_image_token"})
 """Keys the rollout sets in a sample's metadata (a generate function's turns, reward functions' extra numbers,
 the engine's weight version): a row's own metadata may not hold them."""
 

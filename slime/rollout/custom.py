@@ -50,6 +50,7 @@ class Trajectory:
         self.logprobs: list[float] = []
         self.finish_reason = "stop"
         self.turns = 0
+        self.ended_at_image_token = False
 
     @property
     def context_ids(self) -> list[int]:
@@ -76,8 +77,15 @@ class Trajectory:
         if budget <= 0:
             self.finish_reason = "length"
             return Generation([], [], "length")
+        if self.ended_at_image_token:
+            return Generation([], [], self.finish_reason)
         gen = self.ctx.generate(self.context_ids, max_new_tokens=budget, stop_token_ids=stop_token_ids,
                                 temperature=temperature)
+        mm = self.ctx.prompt.mm
+        # The policy sampled the image token: no image fills it, so no engine can go on from this context (the
+        # trainer reads the token as text, as the engine did). The trajectory ends with this turn, not the run:
+        # later turns return nothing and observations add nothing (rollout/image_token_ends counts such samples).
+        self.ended_at_image_token = mm is not None and mm.token_id in gen.response_ids
         self.response_ids += gen.response_ids
         self.mask += [1] * len(gen.response_ids)
         self.logprobs += gen.logprobs
@@ -99,6 +107,8 @@ class Trajectory:
         except TypeError:
             raise TypeError(f"trajectory.observe() for {self.ctx.prompt.where} takes token ids (integers), "
                             f"got {list(ids)[:5]!r:.80}; tokenize text with ctx.tokenizer first") from None
+        if self.ended_at_image_token:  # the trajectory ended (generate): nothing more goes in
+            return
         room = max(self.remaining, 0)
         if len(ids) > room:
             ids, self.finish_reason = ids[:room], "length"
@@ -111,7 +121,8 @@ class Trajectory:
         s = Sample(prompt_ids=list(p.prompt_ids), response_ids=list(self.response_ids), response_mask=list(self.mask),
                    rollout_logprobs=as_token_tensor(self.logprobs), prompt_text=p.prompt_text,
                    response_text=self.ctx.tokenizer.decode(self.response_ids, skip_special_tokens=True),
-                   label=p.label, metadata={**p.metadata, **(metadata or {}), "turns": self.turns},
+                   label=p.label, metadata={**p.metadata, **(metadata or {}), "turns": self.turns,
+                                            **({"ended_at_image_token": True} if self.ended_at_image_token else {})},
                    finish_reason=self.finish_reason)
         if reward is not None:
             if not isinstance(reward, numbers.Real) and getattr(reward, "ndim", None) == 0 and hasattr(reward, "item"):
@@ -195,11 +206,14 @@ class RolloutContext:
 
     def generate(self, input_ids: list[int], *, max_new_tokens: int, stop_token_ids=(), temperature=None
                  ) -> Generation:
-        """One completion of `input_ids` with the run's sampling settings (EOS always stops)."""
+        """One completion of `input_ids` with the run's sampling settings (EOS always stops). A context that starts
+        with the prompt's ids goes with the prompt's images; any other (a judge's or a user simulator's text)
+        without."""
         params = dataclasses.replace(self.params, n=1, max_new_tokens=max_new_tokens,
                                      stop_token_ids=tuple(self.params.stop_token_ids) + tuple(stop_token_ids),
                                      temperature=self.params.temperature if temperature is None else temperature)
-        mm = [self.prompt.mm] if self.prompt.mm is not None else None
+        own = self.prompt.prompt_ids
+        mm = [self.prompt.mm] if self.prompt.mm is not None and list(input_ids[:len(own)]) == list(own) else None
         if self.lock is None:  # an engine serving calls at once; one with a request queue counts its waits here
             token = REQUEST_WAIT.set(self.queue)
             try:
@@ -307,6 +321,10 @@ def run_generate_fn(fn: Callable, spec: str, engine: RolloutEngine, prompts: lis
                                  f"prompt has {len(ctx.prompt.prompt_ids)}): the engine conditioned on the prompt, "
                                  "and its group is the prompt's. Build samples with ctx.trajectory(), or keep "
                                  "ctx.prompt.prompt_ids; text added before the reply goes in with observe()")
+            if s.mm is not None and s.mm is not ctx.prompt.mm:  # the trainer gives every sample its prompt's images
+                raise ValueError(f"{what} has images of its own (Sample.mm): a sample's images are its prompt's, "
+                                 "with which the engine generated, and the trainer gives it those; a generate "
+                                 "function cannot add any (leave Sample.mm unset)")
             r = len(s.response_ids)
             if r == 0:
                 raise ValueError(f"{what} has no response tokens; call trajectory.generate() at least once")

@@ -313,12 +313,13 @@ def _cut_to_batch_size(kept: list[Sample], batch_size: int, dims: ParallelDims) 
 def rollout_metrics(samples: list[Sample], dims: ParallelDims) -> dict:
     """Global means over every rank's generated samples (before any filtering)."""
     shaped = [s for s in samples if s.task_reward is not None]  # the overlong penalty is on
-    n, r, r2, length, trunc, turned, turns, masked, n_shaped, task, penalised = dims.all_reduce_sum([
+    n, r, r2, length, trunc, turned, turns, masked, n_shaped, task, penalised, image_ends = dims.all_reduce_sum([
         len(samples), sum(s.reward for s in samples), sum(s.reward ** 2 for s in samples),
         sum(len(s.response_ids) for s in samples), sum(s.finish_reason == "length" for s in samples),
         sum("turns" in s.metadata for s in samples), sum(s.metadata.get("turns", 0) for s in samples),
         sum(len(s.response_ids) - s.num_loss_tokens for s in samples), len(shaped),
-        sum(s.task_reward for s in shaped), sum(s.reward < s.task_reward for s in shaped)])
+        sum(s.task_reward for s in shaped), sum(s.reward < s.task_reward for s in shaped),
+        sum(bool(s.metadata.get("ended_at_image_token")) for s in samples)])
     if not n:
         raise RuntimeError("no rank has a sample this step (every prompt drawn was skipped; see the warnings "
                            "above)")
@@ -331,6 +332,8 @@ def rollout_metrics(samples: list[Sample], dims: ParallelDims) -> dict:
                     "rollout/overlong_penalized_frac": penalised / n_shaped})
     if turned:  # samples of a generate function: policy turns, and the share of tokens it did not generate
         out.update({"rollout/turns": turns / turned, "rollout/observation_frac": masked / max(length, 1)})
+    if image_ends:  # trajectories a sampled image token ended (custom.Trajectory.generate)
+        out["rollout/image_token_ends"] = image_ends
     out.update(reward_info_metrics(samples, dims))
     return out
 
