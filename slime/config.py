@@ -577,6 +577,13 @@ class Config:
             raise ValueError("data.path is required: a .jsonl or .parquet prompt file")
         if self.parallel.sp > 1 and not self.train.packing:
             raise ValueError("parallel.sp > 1 cuts packed rows into shards: it needs train.packing=true")
+        sft = self.algo.policy_loss == "sft"
+        per_step = self.rollout.batch_size * (1 if sft else self.rollout.n_samples_per_prompt)
+        if per_step < self.train.num_mini_batches:  # a step's batch is at most this (filters only take away)
+            raise ValueError(f"train.num_mini_batches={self.train.num_mini_batches} optimizer steps per batch, but a "
+                             f"step has {per_step} samples (rollout.batch_size"
+                             + ("" if sft else " x rollout.n_samples_per_prompt") + "): lower train.num_mini_batches "
+                             "or raise rollout.batch_size")
         if self.rollout.one_step_off:
             why = ("rollout.dynamic_sampling=true (its attempts agree over ranks)" if self.rollout.dynamic_sampling
                    else "parallel.sp > 1 (sp peers gather their generations)" if self.parallel.sp > 1

@@ -12,11 +12,16 @@ engine and the trainer take turns on the GPU:
 - rollout: the colocated SGLang engine at its static memory fraction (weights + KV cache), with the
   actor's states offloaded (a reference's and a critic's stay on the GPU and are counted).
 
-Activations are a first-order estimate: per token and layer the bf16 tensors autograd keeps for a
-decoder layer with flash attention (no T^2 term): 2 x (4 H + 2 q + 2 kv + 3 I) bytes, I the MLP width
-(top-k x expert width, plus a shared expert's, for a mixture of experts); with gradient checkpointing,
-each layer's input plus one layer's worth. Real runs add the CUDA context and fragmentation: the warning
-leaves a margin.
+Activations: per token and layer, the tensors autograd keeps for an HF decoder layer (attention without a T^2
+term), as measured with saved-tensor hooks (`tests/test_dry_run.py` holds the formula to the measurement):
+e x (6 H + 3 q + 2 kv + 4 I) bytes at e bytes per element (two RMSNorms keep three H-wide tensors each; rope's
+rotated q and k, v, attention's output and its copy for the output projection; SwiGLU four I-wide tensors), 4
+bytes per head (attention's log-sum-exp), and 4 H bytes more in bf16 (the norms' fp32 upcasts); q/k norms
+(Qwen3) add e x 2 (q + kv), and 2 (q + kv) more in bf16. I is the MLP width (top-k x
+expert width, plus a shared expert's, for a mixture of experts). With gradient checkpointing: each layer's input
+plus one layer's worth. The plan is for GPUs: bf16 unless model.dtype=float32 (a CPU run of model.dtype=auto
+trains in fp32, twice the activations). Real runs add the CUDA context and fragmentation: the warning leaves a
+margin.
 """
 from __future__ import annotations
 
@@ -50,6 +55,7 @@ class ModelShape:
     num_heads: int = 0
     num_kv_heads: int = 0
     num_experts: int | None = None
+    qk_norm: bool = False  # RMSNorms on q and k per head (Qwen3, OLMo 2, Gemma 3)
 
 
 def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
@@ -81,7 +87,8 @@ def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
                       layers=text.num_hidden_layers, q_dim=text.num_attention_heads * head_dim,
                       kv_dim=text.num_key_value_heads * head_dim, mlp_width=mlp, vocab=text.vocab_size,
                       model_type=config.model_type, num_heads=text.num_attention_heads,
-                      num_kv_heads=text.num_key_value_heads, num_experts=num_experts(config))
+                      num_kv_heads=text.num_key_value_heads, num_experts=num_experts(config),
+                      qk_norm=any(name.endswith((".q_norm", ".k_norm")) for name in sizes))
 
 
 def model_states_bytes(stage: int, params: int, largest_layer: int, gpus: int) -> int:
@@ -101,10 +108,15 @@ def model_states_bytes(stage: int, params: int, largest_layer: int, gpus: int) -
     return gpu
 
 
-def activation_bytes(shape: ModelShape, tokens: int, checkpointing: bool) -> int:
-    per_token_layer = 2 * (4 * shape.hidden + 2 * shape.q_dim + 2 * shape.kv_dim + 3 * shape.mlp_width)
+def activation_bytes(shape: ModelShape, tokens: int, checkpointing: bool, element_bytes: int = 2) -> int:
+    """What autograd keeps for `tokens` tokens of training forward (the module docstring's formula)."""
+    e, h, qkv = element_bytes, shape.hidden, shape.q_dim + shape.kv_dim
+    per_token_layer = e * (6 * h + 3 * shape.q_dim + 2 * shape.kv_dim + 4 * shape.mlp_width) + 4 * shape.num_heads \
+        + (4 * h if e == 2 else 0)
+    if shape.qk_norm:
+        per_token_layer += e * 2 * qkv + (2 * qkv if e == 2 else 0)
     if checkpointing:
-        return tokens * (shape.layers * 2 * shape.hidden + per_token_layer)
+        return tokens * (shape.layers * e * h + per_token_layer)
     return tokens * shape.layers * per_token_layer
 
 
@@ -131,7 +143,11 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
                  "largest_layer": shape.largest_layer}
     # engines
     s = cfg.rollout.sglang
-    if cfg.rollout.engine == "hf":
+    sft = cfg.algo.policy_loss == "sft"
+    if sft and not cfg.eval.path:  # SFT generates nothing unless it evaluates
+        out["engines"] = "none (SFT without eval.path generates nothing)"
+        engine_gpus, num_engines = 0, 0
+    elif cfg.rollout.engine == "hf":
         out["engines"] = f"hf engine in every trainer process ({num_gpus} copies of the weights)"
         engine_gpus, num_engines = 0, num_gpus
     elif s.mode == "colocated":
@@ -148,7 +164,6 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
                           f"{num_gpus + engine_gpus} GPUs)")
     out["total_gpus"] = num_gpus + engine_gpus
     # training phase
-    sft = cfg.algo.policy_loss == "sft"
     stage = zero_stage(build_ds_config(cfg.train, bf16=cfg.model.dtype != "float32"))  # as on GPUs ("auto": bf16)
     needs_ref = cfg.algo.needs_reference and not sft
     check_stage(stage, cfg.train, sp=sp, ep=ep, offload_params=needs_ref and cfg.algo.ref_offload)
@@ -162,8 +177,9 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
             ref = 0 if cfg.algo.ref_offload else 2 * shape.params // num_gpus + 2 * shape.largest_layer
     critic = actor if cfg.trains_critic else 0
     tokens = cfg.train.max_tokens_per_gpu
-    act_ckpt = activation_bytes(shape, tokens, True)
-    act_full = activation_bytes(shape, tokens, False)
+    element = 4 if cfg.model.dtype == "float32" else 2  # "auto" is bf16 on GPUs
+    act_ckpt = activation_bytes(shape, tokens, True, element)
+    act_full = activation_bytes(shape, tokens, False, element)
     acts = act_ckpt if cfg.model.gradient_checkpointing else act_full
     logits = 3 * 4 * min(cfg.train.logits_chunk_size, tokens) * shape.vocab
     training = actor + ref + critic + acts + logits + CONTEXT_GIB * GIB
@@ -171,7 +187,9 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
                activations_checkpointed=act_ckpt, activations_full=act_full, logits_chunk=logits,
                training_total=training)
     # rollout phase (colocated engine awake, trainer offloaded)
-    if cfg.rollout.engine == "sglang":
+    if not num_engines:
+        out["engine_weights"] = out["rollout_total"] = 0
+    elif cfg.rollout.engine == "sglang":
         fraction = s.mem_fraction or SGLANG_DEFAULT_MEM_FRACTION
         weights = 2 * shape.params // s.tp_size
         pool = fraction * gpu_gib * GIB
@@ -190,7 +208,7 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
         out["engine_weights"] = 2 * shape.params if cfg.model.dtype != "float32" else 4 * shape.params
         out["rollout_total"] = out["engine_weights"] + CONTEXT_GIB * GIB
         out["training_total"] += out["engine_weights"]  # the hf engine's copy stays resident
-    seqs = -(-cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt // num_engines)  # per engine, at most
+    seqs = -(-cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt // max(num_engines, 1))  # per engine
     out["kv_tokens_needed"] = seqs * (cfg.data.max_prompt_len + cfg.rollout.max_response_len)
     out["cpu_load_bytes_per_node"] = min(num_gpus, 8) * 2 * shape.params  # every rank loads the bf16 model once
     out["gpu_bytes"] = gpu_gib * GIB
@@ -200,7 +218,7 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
     if (longest := cfg.longest_sample_warning()) is not None:
         out["warnings"].append(longest)
     out["notes"] = []
-    if cfg.rollout.engine == "sglang" and out["kv_tokens"] < out["kv_tokens_needed"]:
+    if num_engines and cfg.rollout.engine == "sglang" and out["kv_tokens"] < out["kv_tokens_needed"]:
         out["notes"].append(f"the KV cache holds about {out['kv_tokens']} tokens per engine and a rollout may ask up "
                             f"to {out['kv_tokens_needed']} at full length: SGLang queues what does not fit (slower, "
                             "still correct)")
@@ -208,10 +226,13 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
 
 
 def report(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> str:
-    from slime.models.loading import check_model_path
+    from slime.models.loading import check_model_path, check_packing, critic_model
     from slime.rollout.rewards import check_reward_spec
 
     check_model_path(cfg.model)  # config.json is all a dry run reads: a missing folder is said as such
+    check_packing(cfg)  # a model whose packed samples would not compute as each alone, refused as at launch
+    if cfg.trains_critic and cfg.algo.critic.path and Path(cfg.algo.critic.path).is_dir():
+        check_packing(cfg, critic_model(cfg), "algo.critic.path")
     check_reward_spec(cfg.rollout.reward.fn)
     p = plan(cfg, num_gpus, gpu_gib)
     def g(b: float) -> str:  # MiB below a GiB: the CPU examples' figures read 0.0 GiB
@@ -221,7 +242,9 @@ def report(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> str:
         return f"{n / 1e9:.3f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
 
     lines = [
-        f"model {cfg.model.path}: {count(p['params'])} parameters (largest layer {count(p['largest_layer'])})",
+        f"model {cfg.model.path}: {count(p['params'])} parameters (largest layer {count(p['largest_layer'])}); "
+        f"planned for GPUs in {'fp32' if cfg.model.dtype == 'float32' else 'bf16'} (model.dtype={cfg.model.dtype}"
+        + ("; a CPU run trains in fp32: twice the activations)" if cfg.model.dtype == "auto" else ")"),
         f"layout: {p['world']} trainer ranks = dp {p['dp']} x sp {p['sp']}; "
         f"ep {p['ep']} (blocks of consecutive ranks); "
         f"{p['total_gpus']} GPUs in all",
@@ -234,7 +257,9 @@ def report(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> str:
           f"{g(p['activations_checkpointed'])} with, {g(p['activations_full'])} without)"
         + f" + logits chunk {g(p['logits_chunk'])} + context = {g(p['training_total'])}",
     ]
-    if cfg.rollout.engine == "sglang":
+    if not p["engine_weights"]:
+        pass
+    elif cfg.rollout.engine == "sglang":
         resident = f" + reference/critic kept on the GPU {g(p['rollout_resident'])}" if p["rollout_resident"] else ""
         lines.append(f"per GPU, rollout: SGLang weights {g(p['engine_weights'])} + KV cache {g(p['kv_cache'])} "
                      f"(~{p['kv_tokens']} tokens){resident} = {g(p['rollout_total'])}; the actor's states are "

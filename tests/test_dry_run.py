@@ -90,7 +90,9 @@ def test_hand_computed_figures_for_qwen3_4b_on_8_gpus():
     assert p["largest_layer"] == V * H  # the embedding
     assert p["actor_states"] == 4 * V * H + 18 * params // 8  # DeepSpeed's ZeRO-3 estimate
     tokens = 16384
-    assert p["activations"] == tokens * (L * 2 * H + 2 * (4 * H + 2 * q + 2 * kv + 3 * I))  # checkpointing on
+    # checkpointing on: each layer's bf16 input, and one layer's tensors (with Qwen3's q/k norms; the fp32 upcasts)
+    assert p["activations"] == tokens * (L * 2 * H + 2 * (6 * H + 3 * q + 2 * kv + 4 * I) + 4 * 32 + 4 * H
+                                         + 2 * 2 * (q + kv) + 2 * (q + kv))
     assert p["logits_chunk"] == 3 * 4 * 2048 * V
     assert p["engine_weights"] == 2 * params and p["rollout_total"] == pytest.approx(0.7 * 80 * GIB + 1.5 * GIB)
     assert p["reference"] == 0 and p["critic_states"] == 0  # GRPO without KL: neither
@@ -188,3 +190,82 @@ def test_the_dry_run_names_a_missing_model_an_unknown_reward_and_data_not_there_
     run_py_main()([*recipe, model, f"data.path={tmp_path / 'later.jsonl'}"])
     out = capsys.readouterr().out
     assert f"note: data.path={tmp_path / 'later.jsonl'} is not a file here yet: the run needs it" in out
+
+
+def test_the_dry_run_refuses_what_the_run_refuses_at_start(tmp_path, capsys):
+    """A model whose packed samples would not compute as each alone (dynamic rope past its context), and more
+    mini-batches than a step has samples: the dry run said "fits"; the run refused the one at start and failed the
+    other after its first rollout."""
+    import json
+
+    config = json.loads((REPO / "assets/tiny-arith/config.json").read_text())
+    config.update(max_position_embeddings=16, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                               "rope_theta": 10000.0})
+    (tmp_path / "dyn").mkdir()
+    (tmp_path / "dyn/config.json").write_text(json.dumps(config))
+    example = ["--config", str(REPO / "examples/cpu_tiny_grpo.yaml"), "--dry-run", "--num-gpus", "2"]
+    with pytest.raises(SystemExit, match=r"dry run: model.path=.*dyn uses dynamic rope"):
+        run_py_main()([*example, f"model.path={tmp_path / 'dyn'}"])
+    with pytest.raises(SystemExit, match=r"train.num_mini_batches=8 optimizer steps per batch, but a step has 4 "
+                                         r"samples \(rollout.batch_size x rollout.n_samples_per_prompt\)"):
+        run_py_main()([*example, "rollout.batch_size=2", "rollout.n_samples_per_prompt=2", "train.num_mini_batches=8"])
+
+
+def test_sft_without_evaluation_plans_no_engine(capsys):
+    """SFT builds a rollout engine only to evaluate: the dry run added an hf engine's weights (15 GiB a GPU at 8B)."""
+    cfg = load_config(REPO / "examples/tiny_arith_sft.yaml", [f"model.path={REPO / 'assets/tiny-arith'}",
+                                                              "eval.path=null"])
+    p = plan(cfg, 2)
+    assert p["engines"].startswith("none") and p["engine_weights"] == 0 == p["rollout_total"]
+    with_eval = plan(load_config(REPO / "examples/tiny_arith_sft.yaml", [f"model.path={REPO / 'assets/tiny-arith'}",
+                                                                          "eval.path=e.jsonl"]), 2)
+    assert with_eval["engine_weights"] > 0 and with_eval["training_total"] == p["training_total"] + \
+        with_eval["engine_weights"]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_activation_formula_is_what_autograd_keeps(arch, dtype, tmp_path):
+    """activation_bytes against the tensors a training forward saves for backward (saved-tensor hooks, each
+    storage once, parameters left out), per layer: 4 layers less 2 layers, with q wider than the hidden size. The
+    formula before counted 1.5-1.7x too little (the norms' outputs, the rotated q and k, attention's output twice,
+    SwiGLU's fourth tensor; the fp32 upcasts under bf16)."""
+    import torch
+    import transformers
+
+    from slime.data.batch import build_micro_batch
+    from slime.data.sample import Sample
+    from slime.dry_run import activation_bytes, model_shape
+    from slime.models.attention import PACKED_SDPA
+    from slime.models.policy import PolicyModel
+
+    cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config, "llama": transformers.LlamaConfig}
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(prompt_ids=torch.randint(5, 200, (16,), generator=g).tolist(),
+                      response_ids=torch.randint(5, 200, (16,), generator=g).tolist()) for _ in range(16)]
+    mb = build_micro_batch(samples, range(16))
+    saved = {}
+    for layers in (2, 4):
+        config = cls[arch](vocab_size=256, hidden_size=192, intermediate_size=640, num_hidden_layers=layers,
+                           num_attention_heads=6, num_key_value_heads=2, head_dim=48, tie_word_embeddings=False)
+        config.save_pretrained(tmp_path / f"{layers}")
+        torch.manual_seed(0)
+        model = PolicyModel(transformers.AutoModelForCausalLM.from_config(
+            config, attn_implementation=PACKED_SDPA, dtype=getattr(torch, dtype)))
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        kept = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.pred_index, max_len=mb.max_len,
+                  target_ids=mb.target_ids)
+        saved[layers] = sum(kept.values())
+    shape = model_shape(str(tmp_path / "4"))
+    assert shape.qk_norm == (arch == "qwen3")
+    tokens = mb.input_ids.numel()
+    per_two_layers = activation_bytes(shape, tokens, False, 4 if dtype == "float32" else 2) // 2
+    assert saved[4] - saved[2] == pytest.approx(per_two_layers, rel=0.005)

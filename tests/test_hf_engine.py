@@ -526,6 +526,22 @@ def test_stop_ids_past_the_vocabulary_are_refused(tiny_model):
         check_stop_ids(cfg, [5, vocab])
 
 
+def test_a_chat_templates_turn_end_past_the_vocabulary_is_refused(tiny_model):
+    """A template ending turns in a token the model cannot produce: GRPO stopped at it never (and exported it as an
+    EOS), SFT failed in its first step blaming "ids from another tokenizer"."""
+    from transformers import AutoTokenizer
+
+    from slime.models.loading import check_turn_end, text_config_value
+
+    cfg = ModelConfig(path=str(tiny_model))
+    vocab, tokenizer = text_config_value(cfg, "vocab_size"), AutoTokenizer.from_pretrained(tiny_model)
+    check_turn_end(cfg, (vocab - 1,), tokenizer)
+    check_turn_end(cfg, (), tokenizer)
+    with pytest.raises(ValueError, match=rf"the chat template's turn end .* \(id {vocab}\) is past the model's "
+                                         rf"vocabulary of {vocab} tokens .*cannot learn it"):
+        check_turn_end(cfg, (vocab,), tokenizer)
+
+
 def test_a_moe_checkpoint_saved_with_router_logits_on_generates(tmp_path):
     """A MoE config.json with output_router_logits=true (a training setting) made the model's forward compute its
     load-balancing loss at each one-token decode step, against the whole attention mask: a shape error at the

@@ -115,6 +115,18 @@ def check_stop_ids(cfg: ModelConfig, stop_ids) -> None:
                          "this model's tokenizer")
 
 
+def check_turn_end(cfg: ModelConfig, turn_end: tuple[int, ...], tokenizer) -> None:
+    """The chat template's turn end (a rollout's stop, SFT's last target) past the model's vocabulary: a stop that
+    never stops, and an SFT target the loss cannot take."""
+    vocab = text_config_value(cfg, "vocab_size")
+    bad = [t for t in turn_end if vocab is not None and t >= vocab]
+    if bad:
+        raise ValueError(f"the chat template's turn end {tokenizer.convert_ids_to_tokens(bad[0])!r} (id {bad[0]}) is "
+                         f"past the model's vocabulary of {vocab} tokens (vocab_size in {cfg.path}/config.json): the "
+                         "model can never generate it, and SFT cannot learn it. The tokenizer in the model folder (its chat "
+                         "template) is not this model's, or the model's embeddings were not resized to it")
+
+
 def check_packing(cfg, model: ModelConfig | None = None, key: str = "model.path") -> None:
     """A model (the actor's, or `model` named by `key`) whose samples would not compute as each alone in a packed
     row or padded batch is refused at start (slime/models/attention.py's packing_refusal), naming the setting

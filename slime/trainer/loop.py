@@ -26,8 +26,8 @@ from slime.data.prompts import PromptSource, rows_on_every_rank, sft_samples
 from slime.distributed.ds_config import read_ds_json, zero_stage
 from slime.distributed.parallel_dims import ParallelDims
 from slime.models.export import exported_step
-from slime.models.loading import (check_critic, check_packing, check_stop_ids, critic_model, load_processor,
-                                  load_tokenizer, resolve_dtype, warn_past_context)
+from slime.models.loading import (check_critic, check_packing, check_stop_ids, check_turn_end, critic_model,
+                                  load_processor, load_tokenizer, resolve_dtype, warn_past_context)
 from slime.rollout.custom import load_generate_fn
 from slime.rollout.engine import make_engine
 from slime.rollout.rewards import check_reward_spec, needs_label, reward_fn_from_config
@@ -290,6 +290,7 @@ def run(cfg: Config) -> dict:
                         max_sample_len=(cfg.train.max_tokens_per_gpu * cfg.parallel.sp,  # packing's budget only
                                         "parallel.sp x train.max_tokens_per_gpu")
                         if sft and cfg.train.packing else None)
+    check_turn_end(cfg.model, data.turn_end, tokenizer)
     if dims.world_size > 1:  # every rank loaded the file on its own: the same list everywhere, or none draws right
         dropped = data.keep_only(rows_on_every_rank(data.prompts, dims))
         if dropped:
