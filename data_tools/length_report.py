@@ -32,10 +32,13 @@ def percentile(values: list[int], q: float) -> int:
 
 
 def report(data, model, *, max_tokens: int, response_len: int, dp: int, batch: int, n: int,
-           micro_batch_size: int = 8, max_prompt_len: int = 1 << 30, seed: int = 0, sft: bool = False) -> dict:
+           micro_batch_size: int = 8, max_prompt_len: int = 1 << 30, seed: int = 0, sft: bool = False,
+           num_mini_batches: int = 1, share_prompts: bool = False) -> dict:
     """`data` and `model`: a run's DataConfig and ModelConfig, or the paths alone (the rest the defaults, with
     `max_prompt_len`). `sft`: the rows as SFT reads them, one sample per prompt with its label as the response
-    (the run's micro-batch row: prompt + label + the turn's end, less the last token, a target only)."""
+    (the run's micro-batch row: prompt + label + the turn's end, less the last token, a target only). As the run
+    plans: each of `num_mini_batches` mini-batches on its own (the packing figures are means over them), and with
+    `share_prompts` a prompt's samples in one micro-batch carry it once."""
     from slime.config import DataConfig, ModelConfig
     from slime.data.packing import packing_stats, padded_fixed_batches, plan_micro_batches
     from slime.data.prompts import load_prompts, sft_samples, turn_end_stops
@@ -49,6 +52,7 @@ def report(data, model, *, max_tokens: int, response_len: int, dp: int, batch: i
                                  label_required=sft, label_is_text=sft, max_sample_len=limit)
     lengths = [len(p.prompt_ids) for p in prompts]
     rng = random.Random(seed)
+    keys = None
     if sft:
         rows = [len(s.prompt_ids) + len(s.response_ids) - 1
                 for s in sft_samples(prompts, tokenizer, turn_end_stops(tokenizer, data_cfg))]
@@ -56,10 +60,23 @@ def report(data, model, *, max_tokens: int, response_len: int, dp: int, batch: i
     else:
         drawn = [rng.choice(lengths) for _ in range(batch)]
         samples = [p + rng.randint(max(1, response_len // 4), response_len) for p in drawn for _ in range(n)]
-    packed = packing_stats(samples, plan_micro_batches(samples, max_tokens=max_tokens, dp_size=dp),
-                           max_tokens=max_tokens)
-    padded = packing_stats(samples, padded_fixed_batches(samples, micro_batch_size=micro_batch_size, dp_size=dp),
-                           padded=True)
+        keys = [(j, p) for j, p in enumerate(drawn) for _ in range(n)] if share_prompts else None
+    if len(samples) < num_mini_batches:
+        raise ValueError(f"train.num_mini_batches={num_mini_batches} is more than the {len(samples)} samples a step has")
+    bounds = [round(m * len(samples) / num_mini_batches) for m in range(num_mini_batches + 1)]  # as the run splits
+    packed, padded = [], []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        part, part_keys = samples[a:b], keys[a:b] if keys else None
+        plan = plan_micro_batches(part, max_tokens=max_tokens, dp_size=dp, prompts=part_keys, allow_empty=True)
+        packed.append(packing_stats(part, plan, max_tokens=max_tokens, prompts=part_keys))
+        padded.append(packing_stats(part, padded_fixed_batches(part, micro_batch_size=micro_batch_size, dp_size=dp,
+                                                               allow_empty=True), padded=True))
+
+    def mean(stats: list[dict]) -> dict:  # over the mini-batches, as the run's train/ metrics
+        return {k: sum(st[k] for st in stats) / len(stats) if all(st[k] is not None for st in stats) else None
+                for k in stats[0] if isinstance(stats[0][k], (int, float)) or stats[0][k] is None}
+
+    packed, padded = mean(packed), mean(padded)
     return {"prompts": len(lengths), "too_long": load.too_long, "skipped": dict(load.skipped),
             "min": min(lengths), "median": int(statistics.median(lengths)), "p90": percentile(lengths, 0.9),
             "p99": percentile(lengths, 0.99), "max": max(lengths), "packed": packed, "padded": padded}
@@ -73,6 +90,22 @@ FLAGS = {"model.path": "--model", "data.path": "--data", "train.max_tokens_per_g
 def as_flags(message: str) -> str:
     """A message from the trainer's code, naming this tool's flags where it names the settings they stand for."""
     return re.sub("|".join(map(re.escape, FLAGS)), lambda m: FLAGS[m.group(0)], message)
+
+
+def shares_no_prompts(cfg) -> str | None:
+    """Why the run would not share prompts on this machine (the trainer's reasons), or None: it would."""
+    from transformers import AutoConfig
+
+    from slime.models.adapters import get_adapter
+    from slime.models.attention import resolve_attn_implementation
+    from slime.models.loading import check_model_path
+    from slime.trainer.layout import prompts_unshared
+
+    check_model_path(cfg.model)
+    adapter = get_adapter(AutoConfig.from_pretrained(cfg.model.path,
+                                                     trust_remote_code=cfg.model.trust_remote_code).model_type)
+    return prompts_unshared(cfg.train, sp=cfg.parallel.sp, multimodal=adapter.multimodal, moe=adapter.moe,
+                            attention=resolve_attn_implementation(cfg.model.attn_implementation))
 
 
 def main() -> None:
@@ -97,19 +130,24 @@ def main() -> None:
         cfg = load_config(args.config, [*args.overrides, *(f"{k}={v}" for k, v in flags.items() if v is not None)])
         args.data, args.max_tokens_per_gpu = cfg.data.path, cfg.train.max_tokens_per_gpu
         sft = cfg.algo.policy_loss == "sft"
+        unshared = shares_no_prompts(cfg)
         r = report(cfg.data, cfg.model, max_tokens=cfg.train.max_tokens_per_gpu,
                    response_len=cfg.rollout.max_response_len, dp=args.dp, batch=cfg.rollout.batch_size,
-                   n=cfg.rollout.n_samples_per_prompt, micro_batch_size=args.micro_batch_size, sft=sft)
+                   n=cfg.rollout.n_samples_per_prompt, micro_batch_size=args.micro_batch_size, sft=sft,
+                   num_mini_batches=cfg.train.num_mini_batches, share_prompts=unshared is None and not sft)
     except (ValueError, TypeError, OSError) as e:  # the trainer's messages, with this tool's flags for its settings
         ap.error(as_flags(str(e)))
     print(f"{args.data}: {r['prompts']} prompts (dropped as too long: {r['too_long']}, skipped: {r['skipped'] or 0})")
     print(f"prompt tokens: min {r['min']}  median {r['median']}  p90 {r['p90']}  p99 {r['p99']}  max {r['max']}")
     if sft:
         print("algo.policy_loss=sft: one sample per prompt, its label as the response (as the run learns it)")
+    else:
+        print(f"shared prompts: {'off (' + unshared + ')' if unshared else 'on (a prompt once per micro-batch)'}")
     pk, pd = r["packed"], r["padded"]
+    per = f" per mini-batch ({cfg.train.num_mini_batches})" if cfg.train.num_mini_batches > 1 else ""
     print(f"packed under {args.max_tokens_per_gpu} tokens over {args.dp} ranks: budget fill {pk['budget_fill']:.3f}, "
-          f"real-token fraction {pk['real_token_fraction']:.3f}, {pk['num_micro_batches']} micro-batches per rank, "
-          f"dp imbalance {pk['compute_imbalance']:.3f}")
+          f"real-token fraction {pk['real_token_fraction']:.3f}, {pk['num_micro_batches']:g} micro-batches per "
+          f"rank{per}, dp imbalance {pk['compute_imbalance']:.3f}")
     print(f"padded, {args.micro_batch_size} per micro-batch: real-token fraction {pd['real_token_fraction']:.3f}")
 
 

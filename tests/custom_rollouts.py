@@ -268,3 +268,13 @@ def adds_an_image(ctx: RolloutContext):
     for s in samples:
         s.mm = dataclasses.replace(ctx.prompt.mm)
     return samples
+
+
+def asks_a_judge_about_the_image(ctx: RolloutContext):
+    """A side generation on a context of its own that holds the prompt's image tokens (a preface before them)."""
+    context = ctx.tokenizer("judge:", add_special_tokens=False).input_ids + list(ctx.prompt.prompt_ids)
+    judge = ctx.generate(context, max_new_tokens=3)
+    traj = ctx.trajectory()
+    traj.generate(max_new_tokens=2)
+    return [traj.sample(metadata={"judge": judge.response_ids, "judge_logprobs": judge.logprobs,
+                                  "judge_context": context})]

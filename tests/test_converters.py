@@ -130,6 +130,29 @@ def test_length_report_reads_sft_data_as_sft_does(tmp_path, tiny_model):
     assert done.returncode == 0 and "one sample per prompt, its label as the response" in done.stdout, done.stderr
 
 
+def test_length_report_plans_each_mini_batch_and_shares_prompts_as_the_run(tmp_path, tiny_model):
+    """It planned the whole batch at once with every sample's own prompt copy: 3x the micro-batches a CPU run took
+    (shared prompts are on there), and no notion of train.num_mini_batches."""
+    from transformers import AutoTokenizer
+
+    from data_tools.length_report import report
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "1+1="}) + "\n" for _ in range(8)))
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    length = len(tok(tok.apply_chat_template([{"role": "user", "content": "1+1="}], add_generation_prompt=True,
+                                             tokenize=False), add_special_tokens=False).input_ids)
+    kw = dict(max_tokens=4096, response_len=8, dp=1, batch=4, n=4)  # each mini-batch in one micro-batch
+    for minis in (1, 2):
+        own = report(str(data), str(tiny_model), num_mini_batches=minis, **kw)["packed"]
+        shared = report(str(data), str(tiny_model), num_mini_batches=minis, share_prompts=True, **kw)["packed"]
+        assert own["num_micro_batches"] == shared["num_micro_batches"] == 1
+        # the same draws: each micro-batch carries each of its 4 / minis prompts once instead of 4 times
+        assert (own["budget_fill"] - shared["budget_fill"]) * 4096 == pytest.approx(3 * length * 4 / minis)
+    with pytest.raises(ValueError, match="train.num_mini_batches=32 is more than the 16 samples a step has"):
+        report(str(data), str(tiny_model), num_mini_batches=32, **kw)
+
+
 def test_length_report_errors_name_its_own_flags(tmp_path, tiny_model):
     """The trainer's messages name trainer settings; this tool's say its flags, and come without a traceback."""
     data = tmp_path / "p.jsonl"

@@ -329,33 +329,36 @@ def vl_engine(model_dir):
 def test_a_sampled_image_token_ends_its_trajectory_not_the_run(vl_model):
     """A multi-turn generate function on image-text prompts: a turn in which the policy samples the image token
     (the random tiny model does, about once in 265 tokens) made the next turn's context one no engine can read,
-    and the run stopped. The real engine, with its first reply to one prompt given that token."""
+    and the run stopped. The real engine, with a reply given that token: prompt 0's first turn, prompt 1's last."""
     from slime.rollout.engine import SamplingParams
     from slime.rollout.rollout import generate_rollout, rollout_metrics
 
     tok, prompts = vl_prompts(vl_model)
-    engine, calls = vl_engine(vl_model), []
+    engine, calls, image_token = vl_engine(vl_model), [], prompts[0].mm.token_id
 
-    class SamplesTheImageToken:  # the real engine; the first turn of prompt 0 ends in the image token
+    class SamplesTheImageToken:  # the real engine; calls 1 and 4 end in the image token
         thread_safe = False
 
         def generate(self, ids, params, mm=None):
             calls.append(list(ids[0]))
             out = engine.generate(ids, params, mm)
-            if len(calls) == 1:
+            if len(calls) in (1, 4):
                 gen = out[0][0]
-                gen.response_ids, gen.logprobs = gen.response_ids[:1] + [prompts[0].mm.token_id], gen.logprobs[:1] + [-9.0]
+                gen.response_ids, gen.logprobs = gen.response_ids[:1] + [image_token], gen.logprobs[:1] + [-9.0]
             return out
 
     samples = generate_rollout(SamplesTheImageToken(), prompts, SamplingParams(max_new_tokens=16, n=1, temperature=0),
                                tok, digit_fraction(), first_group_id=0, generate_fn="custom_rollouts:three_turns")
-    ended, other = samples
-    assert ended.response_ids[1] == prompts[0].mm.token_id and len(ended.response_ids) == 2  # its first turn only
+    ended, last = samples
+    observed = tok(" ok", add_special_tokens=False).input_ids
+    assert ended.response_ids == ended.response_ids[:1] + [image_token] + observed * 2  # its first turn only
+    assert ended.response_mask == [1, 1] + [0] * 2 * len(observed)
     assert ended.metadata["turns"] == 1 and ended.metadata["ended_at_image_token"]
-    assert other.metadata["turns"] == 3 and "ended_at_image_token" not in other.metadata
-    assert len(calls) == 4  # prompt 0 once, prompt 1 three times: nothing sent after the image token
+    # the image token in the last turn cut nothing
+    assert last.metadata["turns"] == 3 and "ended_at_image_token" not in last.metadata
+    assert last.response_ids[-1] == image_token and len(calls) == 4  # nothing sent after an image token
     assert rollout_metrics(samples, OneRank())["rollout/image_token_ends"] == 1
-    assert "rollout/image_token_ends" not in rollout_metrics([other], OneRank())
+    assert "rollout/image_token_ends" not in rollout_metrics([last], OneRank())
 
 
 def test_a_side_generation_on_a_text_context_goes_without_the_prompts_images(vl_model):
@@ -368,6 +371,22 @@ def test_a_side_generation_on_a_text_context_goes_without_the_prompts_images(vl_
     samples = generate_rollout(vl_engine(vl_model), prompts, SamplingParams(max_new_tokens=4, n=2, temperature=0),
                                tok, digit_fraction(), first_group_id=0, generate_fn="custom_rollouts:asks_a_judge_in_text")
     assert len(samples) == 2 and all(len(s.metadata["judge"]) == 2 for s in samples)
+
+
+def test_a_side_generation_on_a_context_of_its_own_with_the_image_tokens_sees_the_images(vl_model):
+    """A judge's context that holds the prompt's image tokens after its own preface goes with the prompt's images
+    (a first fix sent images only with contexts that start with the prompt: the judge ran without them, unsaid)."""
+    from slime.rollout.engine import SamplingParams
+    from slime.rollout.rollout import generate_rollout
+
+    tok, prompts = vl_prompts(vl_model, n=1)
+    engine = vl_engine(vl_model)
+    greedy = SamplingParams(max_new_tokens=3, n=1, temperature=0)
+    s, = generate_rollout(engine, prompts, greedy, tok, digit_fraction(), first_group_id=0,
+                          generate_fn="custom_rollouts:asks_a_judge_about_the_image")
+    want = engine.generate([s.metadata["judge_context"]], greedy, [prompts[0].mm])[0][0]
+    assert s.metadata["judge"] == want.response_ids
+    assert s.metadata["judge_logprobs"] == pytest.approx(want.logprobs, abs=1e-6)
 
 
 def test_images_a_generate_function_gives_a_sample_are_refused(vl_model):

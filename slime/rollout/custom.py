@@ -50,7 +50,8 @@ class Trajectory:
         self.logprobs: list[float] = []
         self.finish_reason = "stop"
         self.turns = 0
-        self.ended_at_image_token = False
+        self.sampled_image_token = False  # the policy generated the image token: no engine can go on from here
+        self.ended_at_image_token = False  # ... and a generate() call after it was refused for that
 
     @property
     def context_ids(self) -> list[int]:
@@ -77,15 +78,16 @@ class Trajectory:
         if budget <= 0:
             self.finish_reason = "length"
             return Generation([], [], "length")
-        if self.ended_at_image_token:
+        if self.sampled_image_token:
+            self.ended_at_image_token = True
             return Generation([], [], self.finish_reason)
         gen = self.ctx.generate(self.context_ids, max_new_tokens=budget, stop_token_ids=stop_token_ids,
                                 temperature=temperature)
         mm = self.ctx.prompt.mm
         # The policy sampled the image token: no image fills it, so no engine can go on from this context (the
-        # trainer reads the token as text, as the engine did). The trajectory ends with this turn, not the run:
-        # later turns return nothing and observations add nothing (rollout/image_token_ends counts such samples).
-        self.ended_at_image_token = mm is not None and mm.token_id in gen.response_ids
+        # trainer reads the token as text, as the engine did). The trajectory's turns end here, not the run: a
+        # later generate() returns nothing (rollout/image_token_ends counts the samples that asked for one).
+        self.sampled_image_token |= mm is not None and mm.token_id in gen.response_ids
         self.response_ids += gen.response_ids
         self.mask += [1] * len(gen.response_ids)
         self.logprobs += gen.logprobs
@@ -107,8 +109,6 @@ class Trajectory:
         except TypeError:
             raise TypeError(f"trajectory.observe() for {self.ctx.prompt.where} takes token ids (integers), "
                             f"got {list(ids)[:5]!r:.80}; tokenize text with ctx.tokenizer first") from None
-        if self.ended_at_image_token:  # the trajectory ended (generate): nothing more goes in
-            return
         room = max(self.remaining, 0)
         if len(ids) > room:
             ids, self.finish_reason = ids[:room], "length"
@@ -206,14 +206,15 @@ class RolloutContext:
 
     def generate(self, input_ids: list[int], *, max_new_tokens: int, stop_token_ids=(), temperature=None
                  ) -> Generation:
-        """One completion of `input_ids` with the run's sampling settings (EOS always stops). A context that starts
-        with the prompt's ids goes with the prompt's images; any other (a judge's or a user simulator's text)
-        without."""
+        """One completion of `input_ids` with the run's sampling settings (EOS always stops). A context holding image
+        tokens goes with the prompt's images; one without any (a judge's or a user simulator's text) without."""
         params = dataclasses.replace(self.params, n=1, max_new_tokens=max_new_tokens,
                                      stop_token_ids=tuple(self.params.stop_token_ids) + tuple(stop_token_ids),
                                      temperature=self.params.temperature if temperature is None else temperature)
-        own = self.prompt.prompt_ids
-        mm = [self.prompt.mm] if self.prompt.mm is not None and list(input_ids[:len(own)]) == list(own) else None
+        p = self.prompt
+        # The prompt's images go with a context that holds image tokens (the engine checks that they fill them all);
+        # a context without any (a judge's or a user simulator's own text) goes without
+        mm = [p.mm] if p.mm is not None and p.mm.token_id in input_ids else None
         if self.lock is None:  # an engine serving calls at once; one with a request queue counts its waits here
             token = REQUEST_WAIT.set(self.queue)
             try:

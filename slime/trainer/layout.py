@@ -113,6 +113,20 @@ class Layout:
         return {"real_token_fraction": st["real_token_fraction"], "dp_imbalance": st["compute_imbalance"]}
 
 
+def prompts_unshared(train: TrainConfig, *, sp: int, multimodal: bool, moe: bool, attention: str) -> str | None:
+    """Why a model's training rows do not share prompts (train.share_prompts), or None: they do. Shared prompts
+    need packed_sdpa's prefix attention; image and MoE models keep their own copies (the router's per-token aux
+    loss is weighted by input tokens, the vision tower runs per sample)."""
+    from slime.models.attention import PACKED_SDPA
+
+    return ("train.share_prompts=false" if not train.share_prompts
+            else "train.packing=false" if not train.packing
+            else f"parallel.sp={sp}" if sp > 1
+            else "an image-text model" if multimodal
+            else "a MoE model" if moe
+            else f"{attention} attention, not {PACKED_SDPA}" if attention != PACKED_SDPA else None)
+
+
 @dataclasses.dataclass
 class MiniBatch:
     """One optimizer step's share of this rank."""

@@ -31,7 +31,7 @@ from slime.distributed.parallel_dims import ParallelDims
 from slime.distributed.expert_parallel import ExpertGather, expert_units
 from slime.distributed.parallelize import parallelize
 from slime.distributed.ulysses import SequenceShard, check_heads, register_ulysses_attention
-from slime.models.attention import PACKED_SDPA, resolve_attn_implementation
+from slime.models.attention import resolve_attn_implementation
 from slime.models import fused
 from slime.models.export import save_hf_dir
 from slime.models.adapters import FAMILIES
@@ -39,7 +39,7 @@ from slime.models.loading import critic_model, load_model, resolve_dtype
 from slime.models.onednn import resolve_cpu_linear, use_onednn_linears
 from slime.models.policy import PolicyModel, compile_layers
 from slime.rollout.weight_sync import iter_gathered_buckets
-from slime.trainer.layout import Layout, MiniBatch, RankBatch
+from slime.trainer.layout import Layout, MiniBatch, RankBatch, prompts_unshared
 
 logger = logging.getLogger(__name__)
 
@@ -172,14 +172,8 @@ class PolicyEngine:
                                   lr_lambda=lr_lambda(train, total) if role != "reference" else None,
                                   offload_params=offload_params,
                                   decay_groups=bool(train.weight_decay) if decay_groups is None else decay_groups)
-        # Shared prompts need packed_sdpa's prefix attention; image and MoE models keep their own copies (the
-        # router's per-token aux loss is weighted by input tokens, the vision tower runs per sample).
-        unshared = ("train.share_prompts=false" if not train.share_prompts
-                    else "train.packing=false" if not train.packing
-                    else f"parallel.sp={dims.sp}" if dims.sp > 1
-                    else "an image-text model" if self.adapter.multimodal
-                    else "a MoE model" if self.adapter.moe
-                    else f"{attention} attention, not {PACKED_SDPA}" if attention != PACKED_SDPA else None)
+        unshared = prompts_unshared(train, sp=dims.sp, multimodal=self.adapter.multimodal, moe=self.adapter.moe,
+                                    attention=attention)
         self.share_prompts = unshared is None
         if role == "actor" and dims.is_main:
             logger.info("shared prompts (train.share_prompts): %s", f"off ({unshared})" if unshared else "on")
