@@ -453,9 +453,14 @@ def test_resume_refuses_another_model_or_zero_stage_or_no_resume_and_applies_a_c
     other = make_tiny_model(tmp_path / "other", arch="qwen2", seed=0, layers=3)
     proc = launch(other, task_dir, run_dir, "train.num_steps=2", *constant, check=False)
     assert proc.returncode != 0 and "resuming would load another model's weights" in proc.stderr + proc.stdout
+    assert "shared prompts (train.share_prompts)" not in proc.stdout + proc.stderr  # before the actor was built
     proc = launch(model, task_dir, run_dir, "train.num_steps=2", *constant, "train.ds_config=ds_configs/zero2.json",
                   check=False)
     assert proc.returncode != 0 and "holds ZeRO-3 states but train.ds_config sets ZeRO stage 2" in proc.stderr + proc.stdout
+    assert "shared prompts (train.share_prompts)" not in proc.stdout + proc.stderr
+    proc = launch(model, task_dir, run_dir, "train.num_steps=2", *constant, nproc=1, check=False)
+    assert proc.returncode != 0 and "was written by 2 ranks, this run has 1" in proc.stderr + proc.stdout
+    assert "shared prompts (train.share_prompts)" not in proc.stdout + proc.stderr
     proc = launch(model, task_dir, run_dir, "train.num_steps=2", *constant, "train.lr=1e-3")
     assert "train.lr 0.005 -> 0.001" in proc.stdout + proc.stderr
     rows = read_metrics(run_dir)

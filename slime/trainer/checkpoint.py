@@ -234,30 +234,9 @@ def find_checkpoint(ckpt_dir: Path, verify=verify, tags: list[str] | None = None
     return None, notes
 
 
-def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> dict | None:
-    """Collective. Restore the newest good checkpoint; returns its loop state (with 'step') or None when
-    there is none. Raises when checkpoints exist but none verifies, or they are of another model."""
-    def together(path: Path) -> str | None:  # every rank checks its share of the files (a collective)
-        problems = dims.all_gather_objects(verify(path, (dims.rank, dims.world_size)), group=dims.world_group)
-        return next((p for p in problems if p), None)
-
-    # Every rank walks rank 0's candidates, each one collectively, so all take the same number of collectives.
-    tags = dims.all_gather_objects(candidates(ckpt_dir) if dims.is_main else None, group=dims.world_group)[0]
-    path, notes = find_checkpoint(ckpt_dir, verify=together, tags=tags)
-    if dims.is_main:
-        for note in notes:
-            logger.error("checkpoint not usable, skipped: %s", note)
-        if path is not None and notes:
-            newer = any(_step_of(t) > _step_of(path.name) and (ckpt_dir / t).is_dir() for t in tags)
-            logger.warning("resuming from %s checkpoint %s", "the older" if newer else "the", path)
-    if path is None:
-        if notes:
-            raise ValueError(f"{ckpt_dir} holds checkpoints but none is usable:\n  " + "\n  ".join(notes) +
-                             "\nmove the folder away to start over, or set checkpoint.resume=false with a new "
-                             "log.run_dir")
-        return None
-    path = Path(path)
-    manifest = json.loads((path / MANIFEST).read_text())
+def check_manifest(path: Path, manifest: dict, identity: dict, world_size: int) -> None:
+    """A checkpoint of another model, or laid out for another precision, ZeRO stage, ep or rank count, is refused
+    naming the setting (DeepSpeed's states are per layout: nothing is converted)."""
     for key in ("model_path", "model_config_sha256"):
         if manifest.get(key) != identity.get(key):
             raise ValueError(f"{path} was written for {key}={manifest.get(key)!r} but this run has "
@@ -283,6 +262,57 @@ def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> d
         raise ValueError(f"{path} was written with parallel.ep={saved_ep}, this run has parallel.ep="
                          f"{identity.get('parallel_ep', 1)}; resume with parallel.ep={saved_ep} (expert parallelism "
                          "lays the experts' modules and states out per ep), or start a new log.run_dir")
+    if manifest.get("world_size") != world_size:
+        raise ValueError(f"{path} was written by {manifest.get('world_size')} ranks, this run has {world_size}; "
+                         "resume with the same number of ranks (DeepSpeed's ZeRO partitions are per rank)")
+
+
+def check_resume_early(ckpt_dir: Path, identity: dict, dims) -> None:
+    """Collective, before any model loads: the newest checkpoint's manifest against this run's model and layout
+    (check_manifest), so that a refused resume comes in seconds, not after the models, the engines and the hashes
+    of every checkpoint file. The resume checks it again on the checkpoint it picks."""
+    problem = None
+    if dims.is_main:
+        for tag in candidates(ckpt_dir) if ckpt_dir.is_dir() else []:
+            try:
+                manifest = json.loads((ckpt_dir / tag / MANIFEST).read_text())
+            except (OSError, ValueError):
+                continue  # torn or unreadable: the resume's verification says so, and falls back
+            try:
+                check_manifest(ckpt_dir / tag, manifest, identity, dims.world_size)
+            except ValueError as e:
+                problem = str(e)
+            break
+    problem = dims.all_gather_objects(problem, group=dims.world_group)[0]
+    if problem:
+        raise ValueError(problem)
+
+
+def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> dict | None:
+    """Collective. Restore the newest good checkpoint; returns its loop state (with 'step') or None when
+    there is none. Raises when checkpoints exist but none verifies, or they are of another model."""
+    def together(path: Path) -> str | None:  # every rank checks its share of the files (a collective)
+        problems = dims.all_gather_objects(verify(path, (dims.rank, dims.world_size)), group=dims.world_group)
+        return next((p for p in problems if p), None)
+
+    # Every rank walks rank 0's candidates, each one collectively, so all take the same number of collectives.
+    tags = dims.all_gather_objects(candidates(ckpt_dir) if dims.is_main else None, group=dims.world_group)[0]
+    path, notes = find_checkpoint(ckpt_dir, verify=together, tags=tags)
+    if dims.is_main:
+        for note in notes:
+            logger.error("checkpoint not usable, skipped: %s", note)
+        if path is not None and notes:
+            newer = any(_step_of(t) > _step_of(path.name) and (ckpt_dir / t).is_dir() for t in tags)
+            logger.warning("resuming from %s checkpoint %s", "the older" if newer else "the", path)
+    if path is None:
+        if notes:
+            raise ValueError(f"{ckpt_dir} holds checkpoints but none is usable:\n  " + "\n  ".join(notes) +
+                             "\nmove the folder away to start over, or set checkpoint.resume=false with a new "
+                             "log.run_dir")
+        return None
+    path = Path(path)
+    manifest = json.loads((path / MANIFEST).read_text())
+    check_manifest(path, manifest, identity, dims.world_size)
     saved_groups, groups = manifest.get("decay_groups", False), identity.get("decay_groups", False)
     if saved_groups != groups:  # the run built its optimizer as the newest checkpoint's manifest says
         raise ValueError(f"{path} holds optimizer states of {'two parameter groups' if saved_groups else 'one'}, but "
@@ -290,9 +320,6 @@ def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> d
                          "skipped as unusable, says; weight decay leaves norm gains and biases out in two): the "
                          "states would not fit. Move the unusable checkpoints out of the checkpoints folder and "
                          "rerun")
-    if manifest.get("world_size") != dims.world_size:
-        raise ValueError(f"{path} was written by {manifest.get('world_size')} ranks, this run has {dims.world_size}; "
-                         "resume with the same number of ranks (DeepSpeed's ZeRO partitions are per rank)")
     saved_roles = {name.split("/", 1)[0] for name in manifest.get("files", {}) if "/" in name}
     missing = [role for role in engines if role not in saved_roles]
     if missing:  # DeepSpeed's own words: a bare AssertionError in its checkpoint list

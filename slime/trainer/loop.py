@@ -33,7 +33,8 @@ from slime.rollout.engine import make_engine
 from slime.rollout.rewards import check_reward_spec, needs_label, reward_fn_from_config
 from slime.rollout.rollout import RolloutAhead, collect_rollout, over_sampled
 from slime.trainer.advantages import compute_advantages
-from slime.trainer.checkpoint import load_checkpoint, newer_than, save_checkpoint, saved_decay_groups
+from slime.trainer.checkpoint import (check_resume_early, load_checkpoint, newer_than, save_checkpoint,
+                                     saved_decay_groups)
 from slime.trainer.layout import RankBatch, distribute
 from slime.trainer.losses import actor_loss, critic_loss
 from slime.trainer.policy_engine import PolicyEngine
@@ -279,6 +280,8 @@ def run(cfg: Config) -> dict:
         if dims.rank == 0 and warning is not None:
             logger.warning(warning)
     ckpt_dir = run_dir / "checkpoints"
+    if cfg.checkpoint.resume:  # a resume of another model or layout, refused before any model loads
+        check_resume_early(ckpt_dir, checkpoint_identity(cfg), dims)
     tokenizer = load_tokenizer(cfg.model)
     check_stop_ids(cfg.model, cfg.rollout.stop_token_ids)
     check_packing(cfg)
