@@ -62,7 +62,8 @@ def report(data, model, *, max_tokens: int, response_len: int, dp: int, batch: i
         samples = [p + rng.randint(max(1, response_len // 4), response_len) for p in drawn for _ in range(n)]
         keys = [(j, p) for j, p in enumerate(drawn) for _ in range(n)] if share_prompts else None
     if len(samples) < num_mini_batches:
-        raise ValueError(f"train.num_mini_batches={num_mini_batches} is more than the {len(samples)} samples a step has")
+        raise ValueError(f"train.num_mini_batches={num_mini_batches} is more than the {len(samples)} samples a step "
+                         "has")
     bounds = [round(m * len(samples) / num_mini_batches) for m in range(num_mini_batches + 1)]  # as the run splits
     packed, padded = [], []
     for a, b in zip(bounds[:-1], bounds[1:]):

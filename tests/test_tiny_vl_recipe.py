@@ -44,7 +44,8 @@ def test_vl_sft_then_grpo_runs_with_eval_and_export(tmp_path):
     turns_dir = tmp_path / "turns"
     run_ranks([str(REPO / "run.py"), "--config", str(REPO / "examples/cpu_tiny_vl_grpo.yaml"),
                f"model.path={sft_dir / 'hf'}", f"log.run_dir={turns_dir}", "train.num_steps=1", "eval.path=null",
-               "rollout.batch_size=4", "rollout.n_samples_per_prompt=4", "rollout.generate_fn=custom_rollouts:three_turns",
+               "rollout.batch_size=4", "rollout.n_samples_per_prompt=4",
+               "rollout.generate_fn=custom_rollouts:three_turns",
                "checkpoint.export_hf=false", "log.plot=false", f"data.path={data / 'train.jsonl'}"])
     row, = read_metrics(turns_dir)
     assert 1 < row["rollout/turns"] <= 3 and row["rollout/observation_frac"] > 0, row

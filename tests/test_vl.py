@@ -369,7 +369,8 @@ def test_a_side_generation_on_a_text_context_goes_without_the_prompts_images(vl_
 
     tok, prompts = vl_prompts(vl_model, n=1)
     samples = generate_rollout(vl_engine(vl_model), prompts, SamplingParams(max_new_tokens=4, n=2, temperature=0),
-                               tok, digit_fraction(), first_group_id=0, generate_fn="custom_rollouts:asks_a_judge_in_text")
+                               tok, digit_fraction(), first_group_id=0,
+                               generate_fn="custom_rollouts:asks_a_judge_in_text")
     assert len(samples) == 2 and all(len(s.metadata["judge"]) == 2 for s in samples)
 
 
@@ -395,7 +396,7 @@ def test_images_a_generate_function_gives_a_sample_are_refused(vl_model):
     from slime.rollout.rollout import generate_rollout
 
     tok, prompts = vl_prompts(vl_model, n=1)
-    with pytest.raises(ValueError, match=r"custom_rollouts:adds_an_image: a sample of the prompt at vl.jsonl:1 has images "
-                                         r"of its own \(Sample.mm\): a sample's images are its prompt's"):
+    with pytest.raises(ValueError, match=r"custom_rollouts:adds_an_image: a sample of the prompt at vl.jsonl:1 has "
+                                         r"images of its own \(Sample.mm\): a sample's images are its prompt's"):
         generate_rollout(vl_engine(vl_model), prompts, SamplingParams(max_new_tokens=4, n=1, temperature=0), tok,
                          digit_fraction(), first_group_id=0, generate_fn="custom_rollouts:adds_an_image")

@@ -123,8 +123,8 @@ def check_turn_end(cfg: ModelConfig, turn_end: tuple[int, ...], tokenizer) -> No
     if bad:
         raise ValueError(f"the chat template's turn end {tokenizer.convert_ids_to_tokens(bad[0])!r} (id {bad[0]}) is "
                          f"past the model's vocabulary of {vocab} tokens (vocab_size in {cfg.path}/config.json): the "
-                         "model can never generate it, and SFT cannot learn it. The tokenizer in the model folder (its chat "
-                         "template) is not this model's, or the model's embeddings were not resized to it")
+                         "model can never generate it, and SFT cannot learn it. The tokenizer in the model folder "
+                         "(its chat template) is not this model's, or the model's embeddings were not resized to it")
 
 
 def check_packing(cfg, model: ModelConfig | None = None, key: str = "model.path") -> None:
