@@ -95,16 +95,13 @@ def as_flags(message: str) -> str:
 
 def shares_no_prompts(cfg) -> str | None:
     """Why the run would not share prompts on this machine (the trainer's reasons), or None: it would."""
-    from transformers import AutoConfig
-
-    from slime.models.adapters import get_adapter
+    from slime.models.adapters import adapter_for
     from slime.models.attention import resolve_attn_implementation
     from slime.models.loading import check_model_path
     from slime.trainer.layout import prompts_unshared
 
     check_model_path(cfg.model)
-    adapter = get_adapter(AutoConfig.from_pretrained(cfg.model.path,
-                                                     trust_remote_code=cfg.model.trust_remote_code).model_type)
+    adapter = adapter_for(cfg.model)  # as the trainer reads the model (a GGUF file too)
     return prompts_unshared(cfg.train, sp=cfg.parallel.sp, multimodal=adapter.multimodal, moe=adapter.moe,
                             attention=resolve_attn_implementation(cfg.model.attn_implementation))
 

@@ -271,10 +271,22 @@ def adds_an_image(ctx: RolloutContext):
 
 
 def asks_a_judge_about_the_image(ctx: RolloutContext):
-    """A side generation on a context of its own that holds the prompt's image tokens (a preface before them)."""
+    """A side generation on a context of its own that holds the prompt's image tokens (a preface before them),
+    given as an iterator."""
     context = ctx.tokenizer("judge:", add_special_tokens=False).input_ids + list(ctx.prompt.prompt_ids)
-    judge = ctx.generate(context, max_new_tokens=3)
+    judge = ctx.generate(iter(context), max_new_tokens=3)
     traj = ctx.trajectory()
     traj.generate(max_new_tokens=2)
     return [traj.sample(metadata={"judge": judge.response_ids, "judge_logprobs": judge.logprobs,
                                   "judge_context": context})]
+
+
+def loops_on_budget(ctx: RolloutContext):
+    """Policy turns while the trajectory has budget left (a loop that ends only on traj.remaining)."""
+    samples = []
+    for _ in range(ctx.n):
+        traj, reasons = ctx.trajectory(), []
+        while traj.remaining > 0 and len(reasons) < 50:
+            reasons.append(traj.generate(max_new_tokens=2).finish_reason)
+        samples.append(traj.sample(metadata={"reasons": reasons}))
+    return samples

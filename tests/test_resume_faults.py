@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO, run_ranks
 from slime.config import LogConfig
-from slime.trainer.checkpoint import find_checkpoint, save_checkpoint
+from slime.trainer.checkpoint import check_resume_early, find_checkpoint, save_checkpoint
 from slime.utils.metrics import MetricsLogger
 
 
@@ -29,10 +29,13 @@ class FakeEngine:
 
 
 class OneRank:
-    is_main, rank, world_size = True, 0, 1
+    is_main, rank, world_size, world_group = True, 0, 1, None
 
     def barrier(self):
         pass
+
+    def all_gather_objects(self, obj, group=None):
+        return [obj]
 
 
 def save(ckpt: Path, step: int, keep: int, abandoned=()) -> Path:
@@ -94,6 +97,7 @@ def rename_bytes_key(manifest: dict) -> None:
 
 @pytest.mark.parametrize("damage,problem", [
     ("flip", "UnicodeDecodeError"),
+    ("null", "TypeError"),
     (rename_bytes_key, "KeyError: 'bytes'"),
     (lambda m: m.update(files=list(m["files"])), "AttributeError"),
     (lambda m: m["files"].update({"actor/model_states.pt": 7}), "TypeError"),
@@ -106,6 +110,8 @@ def test_a_damaged_manifest_makes_its_checkpoint_unusable_and_the_older_one_is_f
     manifest = ckpt / "step_4" / "manifest.json"
     if damage == "flip":
         flip_byte(manifest)
+    elif damage == "null":
+        manifest.write_text("null")
     else:
         content = json.loads(manifest.read_text())
         damage(content)
@@ -113,6 +119,10 @@ def test_a_damaged_manifest_makes_its_checkpoint_unusable_and_the_older_one_is_f
     path, notes = find_checkpoint(ckpt)
     assert path == ckpt / "step_2"
     assert len(notes) == 1 and f"step_4: manifest.json is unreadable or malformed ({problem}" in notes[0]
+    # the check before the models load passes over it as the resume does (it crashed on rank 0, the others waiting)
+    check_resume_early(ckpt, {"optim": {}, "zero_stage": 3}, OneRank())
+    with pytest.raises(ValueError, match=r"step_2 holds ZeRO-3 states but train.ds_config sets ZeRO stage 2"):
+        check_resume_early(ckpt, {"optim": {}, "zero_stage": 2}, OneRank())
 
 
 # -- metrics.jsonl -----------------------------------------------------------------------------------------

@@ -359,6 +359,13 @@ def test_a_sampled_image_token_ends_its_trajectory_not_the_run(vl_model):
     assert last.response_ids[-1] == image_token and len(calls) == 4  # nothing sent after an image token
     assert rollout_metrics(samples, OneRank())["rollout/image_token_ends"] == 1
     assert "rollout/image_token_ends" not in rollout_metrics([last], OneRank())
+    # a function that loops while the trajectory has budget left ends: the refused turn says why, remaining is 0
+    calls.clear()
+    greedy = SamplingParams(max_new_tokens=16, n=1, temperature=0)
+    first, second = generate_rollout(SamplesTheImageToken(), prompts, greedy, tok,
+                                     digit_fraction(), first_group_id=0, generate_fn="custom_rollouts:loops_on_budget")
+    assert first.metadata["reasons"] == ["length", "image_token"] and first.response_ids[-1] == image_token
+    assert second.metadata["reasons"] == ["length"] * 3 + ["image_token"] and len(calls) == 4
 
 
 def test_a_side_generation_on_a_text_context_goes_without_the_prompts_images(vl_model):

@@ -59,7 +59,11 @@ class Trajectory:
 
     @property
     def remaining(self) -> int:
-        """Tokens left of rollout.max_response_len for this trajectory (generated and observed together)."""
+        """Tokens left of rollout.max_response_len for this trajectory (generated and observed together); 0 once a
+        turn was refused after the policy sampled the image token (a loop on it ends)."""
+        return 0 if self.ended_at_image_token else self._room()
+
+    def _room(self) -> int:
         return self.ctx.params.max_new_tokens - len(self.response_ids)
 
     def generate(self, *, max_new_tokens: int | None = None, stop_token_ids: tuple[int, ...] | list[int] = (),
@@ -74,13 +78,13 @@ class Trajectory:
                              f"the trainer scores the trajectory's generated tokens at rollout.temperature={run_t}, so "
                              "their rollout logprobs must be sampled at it too; generate text at another temperature "
                              "with ctx.generate() and add it with trajectory.observe() (no loss)")
+        if self.sampled_image_token:
+            self.ended_at_image_token = True
+            return Generation([], [], "image_token")
         budget = self.remaining if max_new_tokens is None else min(max_new_tokens, self.remaining)
         if budget <= 0:
             self.finish_reason = "length"
             return Generation([], [], "length")
-        if self.sampled_image_token:
-            self.ended_at_image_token = True
-            return Generation([], [], self.finish_reason)
         gen = self.ctx.generate(self.context_ids, max_new_tokens=budget, stop_token_ids=stop_token_ids,
                                 temperature=temperature)
         mm = self.ctx.prompt.mm
@@ -109,7 +113,7 @@ class Trajectory:
         except TypeError:
             raise TypeError(f"trajectory.observe() for {self.ctx.prompt.where} takes token ids (integers), "
                             f"got {list(ids)[:5]!r:.80}; tokenize text with ctx.tokenizer first") from None
-        room = max(self.remaining, 0)
+        room = max(self._room(), 0)
         if len(ids) > room:
             ids, self.finish_reason = ids[:room], "length"
         self.response_ids += ids
@@ -208,6 +212,7 @@ class RolloutContext:
                  ) -> Generation:
         """One completion of `input_ids` with the run's sampling settings (EOS always stops). A context holding image
         tokens goes with the prompt's images; one without any (a judge's or a user simulator's text) without."""
+        input_ids = list(input_ids)  # once: an iterator would be spent by the image-token test below
         params = dataclasses.replace(self.params, n=1, max_new_tokens=max_new_tokens,
                                      stop_token_ids=tuple(self.params.stop_token_ids) + tuple(stop_token_ids),
                                      temperature=self.params.temperature if temperature is None else temperature)
@@ -218,13 +223,13 @@ class RolloutContext:
         if self.lock is None:  # an engine serving calls at once; one with a request queue counts its waits here
             token = REQUEST_WAIT.set(self.queue)
             try:
-                return self.engine.generate([list(input_ids)], params, mm=mm)[0][0]
+                return self.engine.generate([input_ids], params, mm=mm)[0][0]
             finally:
                 REQUEST_WAIT.reset(token)
         with self.queue.waiting():  # an in-process engine serves one call at a time
             self.lock.acquire()
         try:
-            return self.engine.generate([list(input_ids)], params, mm=mm)[0][0]
+            return self.engine.generate([input_ids], params, mm=mm)[0][0]
         finally:
             self.lock.release()
 

@@ -168,6 +168,19 @@ def _check_same_files(staging: Path, names: list[str], dims) -> None:
             "mount, not a node-local disk), or each node would hold only its part of the checkpoint")
 
 
+MANIFEST_DAMAGE = (OSError, ValueError, KeyError, TypeError, AttributeError)
+
+
+def read_manifest(path: Path) -> tuple[dict, dict]:
+    """The manifest of the checkpoint at `path` and its files' (bytes, sha256); one of MANIFEST_DAMAGE if it is
+    unreadable or malformed."""
+    content = json.loads((path / MANIFEST).read_bytes())
+    files = {name: (meta["bytes"], meta["sha256"]) for name, meta in content["files"].items()}
+    if not isinstance(content.get("step"), int) or not isinstance(content.get("loop_state"), dict):
+        raise ValueError("no integer 'step' or no 'loop_state'")  # load_checkpoint reads both
+    return content, files
+
+
 def verify(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
     """None if the checkpoint at `path` is whole and unchanged, else what is wrong with it. `share` = (k, n):
     check only every n-th file from the k-th (n ranks check a checkpoint together)."""
@@ -177,11 +190,8 @@ def verify(path: Path, share: tuple[int, int] = (0, 1)) -> str | None:
     if not manifest.is_file():
         return "no manifest.json (an incomplete or pre-manifest checkpoint)"
     try:  # any damage (a flipped byte, a lost key, a wrong type) makes the checkpoint unusable, not the resume
-        content = json.loads(manifest.read_bytes())
-        files = {name: (meta["bytes"], meta["sha256"]) for name, meta in content["files"].items()}
-        if not isinstance(content.get("step"), int) or not isinstance(content.get("loop_state"), dict):
-            raise ValueError("no integer 'step' or no 'loop_state'")  # load_checkpoint reads both
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        files = read_manifest(path)[1]
+    except MANIFEST_DAMAGE as e:
         return f"manifest.json is unreadable or malformed ({type(e).__name__}: {e})"
     for name, (size, sha256) in sorted(files.items())[share[0]::share[1]]:
         f = path / name
@@ -250,7 +260,7 @@ def check_manifest(path: Path, manifest: dict, identity: dict, world_size: int) 
     if "dtype" in manifest and manifest["dtype"] != identity.get("dtype"):  # recorded since it was checked
         raise ValueError(f"{path} was written in {manifest['dtype']}, this run trains in {identity.get('dtype')} "
                          "(model.dtype; auto is bfloat16 on a GPU, float32 on CPU): DeepSpeed lays the states out "
-                         f"per precision. Resume with model.dtype={manifest['dtype'].removeprefix('torch.')}, or "
+                         f"per precision. Resume with model.dtype={str(manifest['dtype']).removeprefix('torch.')}, or "
                          "start a new log.run_dir")
     saved_stage = manifest.get("zero_stage", 3)  # recorded since ZeRO-2 was offered; before, the configs were ZeRO-3
     if saved_stage != identity.get("zero_stage"):
@@ -275,15 +285,15 @@ def check_resume_early(ckpt_dir: Path, identity: dict, dims) -> None:
     if dims.is_main:
         for tag in candidates(ckpt_dir) if ckpt_dir.is_dir() else []:
             try:
-                manifest = json.loads((ckpt_dir / tag / MANIFEST).read_text())
-            except (OSError, ValueError):
-                continue  # torn or unreadable: the resume's verification says so, and falls back
+                manifest = read_manifest(ckpt_dir / tag)[0]
+            except MANIFEST_DAMAGE:
+                continue  # unusable: the resume's verification says so, and falls back to an older one
             try:
                 check_manifest(ckpt_dir / tag, manifest, identity, dims.world_size)
             except ValueError as e:
                 problem = str(e)
             break
-    problem = dims.all_gather_objects(problem, group=dims.world_group)[0]
+    problem = dims.all_gather_objects(problem, group=dims.world_group)[0]  # every rank, whatever rank 0 met
     if problem:
         raise ValueError(problem)
 
