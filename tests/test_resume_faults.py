@@ -416,6 +416,8 @@ def test_a_resume_keeps_its_checkpoints_parameter_grouping(tmp_path):
     assert saved_decay_groups(tmp_path) is True
     (tmp_path / "step_3" / "manifest.json").write_text("{")  # the newest unusable: step_2 is read, the fallback
     assert saved_decay_groups(tmp_path) is False
+    (tmp_path / "step_3" / "manifest.json").write_text("null")  # JSON, not a manifest: it crashed every rank
+    assert saved_decay_groups(tmp_path) is False
     decayed = {"optim": {"train.weight_decay": 0.1}, "zero_stage": 3, "decay_groups": True}
     with pytest.raises(ValueError, match=r"step_2 holds optimizer states of one, but this run's optimizer has two "
                                          r"\(built as a newer checkpoint, skipped as unusable, says"):

@@ -44,7 +44,8 @@ class SamplingParams:
 class Generation:
     response_ids: list[int]
     logprobs: list[float]  # log p(token) under the sampling distribution at `temperature` (T=1 when greedy)
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop" or "length" ("abort" for an aborted request; "image_token" for a turn a trajectory
+    # refused after the policy sampled the image token, custom.Trajectory.generate)
 
 
 NamedTensors = list[tuple[str, torch.Tensor]]

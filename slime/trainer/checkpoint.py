@@ -223,12 +223,12 @@ def candidates(ckpt_dir: Path) -> list[str]:
 
 
 def saved_decay_groups(ckpt_dir: Path) -> bool | None:
-    """Whether the newest checkpoint with a manifest keeps weight decay off norm gains and biases (its optimizer has
-    two parameter groups); False for one written before that was recorded; None where there is none."""
+    """Whether the newest checkpoint with a well-formed manifest keeps weight decay off norm gains and biases (its
+    optimizer has two parameter groups); False for one written before that was recorded; None where there is none."""
     for tag in candidates(ckpt_dir) if ckpt_dir.is_dir() else []:
         try:
-            return bool(json.loads((ckpt_dir / tag / MANIFEST).read_text()).get("decay_groups", False))
-        except (OSError, ValueError):
+            return bool(read_manifest(ckpt_dir / tag)[0].get("decay_groups", False))
+        except MANIFEST_DAMAGE:  # a damaged one (JSON null: it crashed every rank) is passed over, as the resume does
             continue
     return None
 

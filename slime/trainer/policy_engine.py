@@ -365,10 +365,10 @@ class PolicyEngine:
         skipped_before = self.skipped_steps
         lrs = []  # the rates the steps use (get_lr after a step gives the next step's)
         for mini in batch.mini_batches:
-            # No loss token on any rank (the count is global, so every rank decides alike): the gradient is zero,
-            # but an Adam update would still move the weights by the momentum of earlier steps. Its metrics come
-            # from a forward without gradients; the weights, Adam's moments and step count stay as they are; the
-            # schedule advances, as it does for a step with tokens.
+            # No loss token on any rank (the count is global, so every rank decides alike): the gradient is zero
+            # (but a MoE router's aux loss, dropped with it), yet an Adam update would still move the weights by the
+            # momentum of earlier steps. Its metrics come from a forward without gradients; the weights, Adam's
+            # moments and step count stay as they are; the schedule advances, as it does for a step with tokens.
             learns = mini.num_loss_tokens > 0
             for key, value in self.forward_backward(batch, mini, loss_fn, learns=learns).items():
                 sums[key] = sums[key] + value if key in sums else value
