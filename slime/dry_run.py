@@ -257,14 +257,12 @@ def report(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> str:
           f"{g(p['activations_checkpointed'])} with, {g(p['activations_full'])} without)"
         + f" + logits chunk {g(p['logits_chunk'])} + context = {g(p['training_total'])}",
     ]
-    if not p["engine_weights"]:
-        pass
-    elif cfg.rollout.engine == "sglang":
+    if p["engine_weights"] and cfg.rollout.engine == "sglang":
         resident = f" + reference/critic kept on the GPU {g(p['rollout_resident'])}" if p["rollout_resident"] else ""
         lines.append(f"per GPU, rollout: SGLang weights {g(p['engine_weights'])} + KV cache {g(p['kv_cache'])} "
                      f"(~{p['kv_tokens']} tokens){resident} = {g(p['rollout_total'])}; the actor's states are "
                      "offloaded")
-    else:
+    elif p["engine_weights"]:
         lines.append(f"per GPU, rollout: hf engine weights {g(p['engine_weights'])}")
     lines.append(f"CPU memory at load: about {g(p['cpu_load_bytes_per_node'])} per node (each rank reads the model)")
     lines += [f"note: {n}" for n in p["notes"]]

@@ -105,10 +105,15 @@ def context_length(cfg: ModelConfig) -> int | None:
     return text_config_value(cfg, "max_position_embeddings")
 
 
+def ids_past_vocabulary(cfg: ModelConfig, ids) -> tuple[int | None, list[int]]:
+    """The model's vocabulary size (config.json) and the ids of `ids` at or past it."""
+    vocab = text_config_value(cfg, "vocab_size")
+    return vocab, [t for t in ids if vocab is not None and t >= vocab]
+
+
 def check_stop_ids(cfg: ModelConfig, stop_ids) -> None:
     """rollout.stop_token_ids past the model's vocabulary could never be generated: a stop that never stops."""
-    vocab = text_config_value(cfg, "vocab_size")
-    bad = [t for t in stop_ids if vocab is not None and t >= vocab]
+    vocab, bad = ids_past_vocabulary(cfg, stop_ids)
     if bad:
         raise ValueError(f"rollout.stop_token_ids={list(stop_ids)}: {bad} are past the model's vocabulary of {vocab} "
                          f"tokens (vocab_size in {cfg.path}/config.json), so they never end a response; give ids of "
@@ -118,8 +123,7 @@ def check_stop_ids(cfg: ModelConfig, stop_ids) -> None:
 def check_turn_end(cfg: ModelConfig, turn_end: tuple[int, ...], tokenizer) -> None:
     """The chat template's turn end (a rollout's stop, SFT's last target) past the model's vocabulary: a stop that
     never stops, and an SFT target the loss cannot take."""
-    vocab = text_config_value(cfg, "vocab_size")
-    bad = [t for t in turn_end if vocab is not None and t >= vocab]
+    vocab, bad = ids_past_vocabulary(cfg, turn_end)
     if bad:
         raise ValueError(f"the chat template's turn end {tokenizer.convert_ids_to_tokens(bad[0])!r} (id {bad[0]}) is "
                          f"past the model's vocabulary of {vocab} tokens (vocab_size in {cfg.path}/config.json): the "

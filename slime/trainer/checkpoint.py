@@ -321,7 +321,7 @@ def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> d
                              "log.run_dir")
         return None
     path = Path(path)
-    manifest = json.loads((path / MANIFEST).read_text())
+    manifest = read_manifest(path)[0]  # verified above
     check_manifest(path, manifest, identity, dims.world_size)
     saved_groups, groups = manifest.get("decay_groups", False), identity.get("decay_groups", False)
     if saved_groups != groups:  # the run built its optimizer as the newest checkpoint's manifest says

@@ -279,9 +279,9 @@ def run(cfg: Config) -> dict:
     for warning in said:
         if dims.rank == 0 and warning is not None:
             logger.warning(warning)
-    ckpt_dir = run_dir / "checkpoints"
+    ckpt_dir, identity = run_dir / "checkpoints", checkpoint_identity(cfg)
     if cfg.checkpoint.resume:  # a resume of another model or layout, refused before any model loads
-        check_resume_early(ckpt_dir, checkpoint_identity(cfg), dims)
+        check_resume_early(ckpt_dir, identity, dims)
     tokenizer = load_tokenizer(cfg.model)
     check_stop_ids(cfg.model, cfg.rollout.stop_token_ids)
     check_packing(cfg)
@@ -352,7 +352,7 @@ def run(cfg: Config) -> dict:
         reward_fn = reward_fn_from_config(cfg.rollout.reward, tokenizer) if cfg.scores_generations else None
 
     # decay_groups: norm gains and biases in an optimizer group of their own (parallelize)
-    identity, start_step = {**checkpoint_identity(cfg), "decay_groups": decay_groups}, 0
+    identity, start_step = {**identity, "decay_groups": decay_groups}, 0
     abandoned: list[str] = []  # checkpoints the resume skipped as unusable: removed by the first save
     if cfg.checkpoint.resume:
         state = load_checkpoint({k: e.engine for k, e in trained.items()}, ckpt_dir, dims=dims, identity=identity)
