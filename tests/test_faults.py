@@ -364,6 +364,45 @@ def test_a_zero2_run_resumes_exactly(model, task_dir, tmp_path):
     assert_same_run(run_dir, straight)
 
 
+def cut_back_to(run_dir, source, step):
+    """A copy of the run in `source` as a crash right after its checkpoint of `step` leaves it (later checkpoints,
+    the export and metrics.jsonl's later records are what the resume replaces or truncates)."""
+    shutil.copytree(source, run_dir)
+    for later in (run_dir / "checkpoints").glob("step_*"):
+        if int(later.name.removeprefix("step_")) > step:
+            shutil.rmtree(later)
+    (run_dir / "checkpoints" / "latest").write_text(f"step_{step}")
+    shutil.rmtree(run_dir / "hf")
+
+
+def test_a_one_step_off_run_resumes_exactly_on_the_batch_it_had_in_flight(model, task_dir, tmp_path):
+    """A one-step-off checkpoint holds the batch generated ahead (by the weights before its step's update): the
+    resumed run trains on it, as the uninterrupted run did, not on one generated again with the saved weights.
+    A resume with another rollout setting cannot use it: said, and that batch is generated again."""
+    common = ("rollout.one_step_off=true", "algo.tis.level=token", "checkpoint.interval=1", "checkpoint.keep=4",
+              "train.num_steps=4")
+    straight = tmp_path / "straight"
+    proc = launch(model, task_dir, straight, *common)
+    assert "saving the checkpoint of step 2 and the batch generated ahead" in proc.stdout + proc.stderr
+    assert "saving the checkpoint of step 4 and" not in proc.stdout + proc.stderr  # nothing is in flight at the end
+    assert {p.name for p in (straight / "checkpoints/step_2").glob("ahead_rank*.pt")} == {"ahead_rank0.pt",
+                                                                                          "ahead_rank1.pt"}
+    lags = [r["rollout/policy_lag"] for r in read_metrics(straight)]
+    assert lags == [0.0, 1.0, 1.0, 1.0]
+    run_dir = tmp_path / "run"
+    cut_back_to(run_dir, straight, 2)
+    launch(model, task_dir, run_dir, *common)
+    assert_same_run(run_dir, straight)  # step 3 trained on the batch the weights of step 1 generated (lag 1)
+
+    changed = tmp_path / "changed"
+    cut_back_to(changed, straight, 2)
+    proc = launch(model, task_dir, changed, *common, "rollout.temperature=0.9")
+    assert "holds the batch generated ahead for step 3, not used: this run's rollout differs (rollout.temperature " \
+           "1.0 -> 0.9)" in proc.stdout + proc.stderr
+    rows = read_metrics(changed)
+    assert [r["rollout/policy_lag"] for r in rows] == [0.0, 1.0, 0.0, 1.0]  # step 3's batch made again, on-policy
+
+
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_resumable(model, task_dir, straight, tmp_path):
     """What a kill between DeepSpeed's files and the loop state leaves behind: a staging folder without a
     manifest; `latest` still names the previous, whole checkpoint."""

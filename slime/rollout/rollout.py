@@ -10,11 +10,15 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import io
+import json
 import logging
 import math
 import numbers
 import threading
 import time
+
+import torch
 
 from slime.config import RolloutConfig
 from slime.data.prompts import Prompt, PromptSource
@@ -238,8 +242,8 @@ class RolloutAhead:
         """The prompt source's skips when drawn as the batch taken last was drawn: the next batch, drawn while
         that one trains, must not count in its step's data/skipped_*."""
         self.data_state = data.state_dict()
-        """The prompt source's position before the batch in flight: what a checkpoint must record, so that a
-        resumed run generates that batch again."""
+        """The prompt source's position before the batch in flight: what a checkpoint records for a resumed run
+        that cannot use the batch `finish` saved (it generates that batch again)."""
 
     def start(self, step: int) -> None:
         assert self._future is None, "a rollout is already in flight"
@@ -265,6 +269,37 @@ class RolloutAhead:
     def in_flight(self) -> bool:
         return self._future is not None
 
+    def finish(self) -> bytes | None:
+        """Wait for the batch in flight and return it serialized (this rank's samples, their generation time and
+        skip counts), for a checkpoint: a resumed run trains on it (`restore`) as this run will, instead of
+        generating it again with newer weights. The batch stays in flight for `take`. None when its generation
+        failed (`take` raises that) or it cannot be pickled (a generate function's metadata: a lock, a client)."""
+        try:
+            samples, seconds, _ = self._future.result()
+        except BaseException:  # noqa: BLE001 -- take() raises it where the run would have met it
+            return None
+        buffer = io.BytesIO()
+        try:
+            torch.save({"samples": samples, "generate_s": seconds}, buffer)
+        except Exception as e:  # noqa: BLE001 -- pickling runs user objects' __reduce__
+            logger.warning("the batch generated ahead cannot be saved with the checkpoint (%s: %s): a resumed run "
+                           "generates it again, with the saved weights", type(e).__name__, e)
+            return None
+        return buffer.getvalue()
+
+    @staticmethod
+    def load(blob: bytes) -> dict:
+        """What `finish` returned, read back (for `restore`); raises what unpickling raises."""
+        return torch.load(io.BytesIO(blob), weights_only=False)
+
+    def restore(self, saved: dict) -> None:
+        """Put a batch `finish` saved (read by `load`) in flight, the prompt source at the position after it, as
+        when it was saved; `take` returns it."""
+        assert self._future is None, "a rollout is already in flight"
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result((saved["samples"], saved["generate_s"], collections.Counter(self.data.skipped_when_drawn)))
+        self._future = future
+
     def take(self, trainer_version: int) -> tuple[list[Sample], dict]:
         """Wait for the batch in flight; its samples and metrics (a collective: every rank calls it)."""
         future, self._future = self._future, None
@@ -278,8 +313,8 @@ class RolloutAhead:
         return samples, metrics
 
     def close(self) -> None:
-        """Discard a batch in flight (a stop or an error: the checkpoint records the prompt position before it,
-        so a resumed run generates it again). Its engine requests are aborted; it gets STOP_WAIT_S to finish
+        """Discard a batch in flight (an error; or a stop, whose checkpoint saved it with `finish` unless its
+        generation failed). Its engine requests are aborted; it gets STOP_WAIT_S to finish
         before the engine goes away, and an error it ends with is logged, not raised over the stop's own."""
         future, self._future = self._future, None
         if future is None:
@@ -299,6 +334,17 @@ class RolloutAhead:
             except BaseException as e:  # noqa: BLE001
                 logger.warning("the discarded batch generated ahead failed: %s: %s", type(e).__name__, e)
             return
+
+
+# Settings of a rollout that do not change its samples: a batch generated ahead and saved with a checkpoint
+# serves a resumed run whose rollout differs in these alone.
+_NOT_IN_A_BATCH = ("engine", "gen_batch_size", "hf_packed_weights", "hf_compile", "generate_fn_timeout",
+                   "one_step_off", "sync_bucket_mb", "sglang", "max_sampling_attempts", "over_sample_factor")
+
+
+def batch_settings(cfg: RolloutConfig) -> dict:
+    """The rollout settings a batch's samples follow from (JSON, as a checkpoint's manifest records them)."""
+    return json.loads(json.dumps({k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_IN_A_BATCH}))
 
 
 def _cut_to_batch_size(kept: list[Sample], batch_size: int, dims: ParallelDims) -> list[Sample]:

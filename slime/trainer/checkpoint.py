@@ -13,8 +13,9 @@ older one that verifies is used. A checkpoint of another model is refused; chang
 settings are applied to the restored optimizer and scheduler and said so.
 
 Layout: step_N/<role>/ (DeepSpeed's files for the actor and, with PPO, the critic), step_N/rng_rank{r}.pt,
-step_N/manifest.json. Like DeepSpeed's own, checkpoints need a file system every rank sees; a save checks that
-every rank sees the same files and otherwise stops, on every rank, saying so.
+step_N/manifest.json, and with a one-step-off rollout the batch in flight, step_N/ahead_rank{r}.pt. Like
+DeepSpeed's own, checkpoints need a file system every rank sees; a save checks that every rank sees the same files
+and otherwise stops, on every rank, saying so.
 """
 from __future__ import annotations
 
@@ -82,11 +83,12 @@ def newer_than(ckpt_dir: Path, step: int) -> list[str]:
 
 
 def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dict, dims, identity: dict,
-                    keep: int = 2, abandoned: Iterable[str] = ()) -> Path:
+                    keep: int = 2, abandoned: Iterable[str] = (), rank_files: dict[str, bytes] | None = None) -> Path:
     """Collective. `engines`: role -> PolicyEngine. `step` is the number of completed steps (resuming
     starts there); `identity` (model and optimisation settings) is recorded in the manifest. `abandoned`: step
     folders the resume skipped as unusable (`newer_than`), removed with this save (give them to the first save
-    after the resume only: a later one may be this run's own of the same step)."""
+    after the resume only: a later one may be this run's own of the same step). `rank_files`: name -> bytes this
+    rank writes as well (every rank the same names: `rank_file_name`), verified with the rest."""
     if not all(e.parameters_finite() for e in engines.values()):
         raise RuntimeError(f"not saving step {step}: parameters are not finite (a checkpoint must never hold them)")
     tag = f"step_{step}"
@@ -102,6 +104,8 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
             engine.engine.save_checkpoint(str(staging), tag=role, client_state={"step": step, **loop_state},
                                           save_latest=False)
         torch.save(_rng_state(), staging / f"rng_rank{dims.rank}.pt")
+        for name, blob in (rank_files or {}).items():
+            (staging / rank_file_name(name, dims.rank)).write_bytes(blob)
     except (OSError, RuntimeError) as e:  # a full disk reads "unexpected pos N vs M" from torch's zip writer
         free = shutil.disk_usage(staging).free if staging.exists() else None
         latest = ckpt_dir / "latest"
@@ -148,6 +152,11 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
         logger.info("saved checkpoint %s (%d files)", final, len(files))
     dims.barrier()
     return final
+
+
+def rank_file_name(name: str, rank: int) -> str:
+    """The file of `save_checkpoint(rank_files={name: ...})` that `rank` wrote."""
+    return f"{name}_rank{rank}.pt"
 
 
 def _check_same_files(staging: Path, names: list[str], dims) -> None:
@@ -353,4 +362,4 @@ def load_checkpoint(engines: dict, ckpt_dir: Path, *, dims, identity: dict) -> d
     changed = {k: (manifest["optim"].get(k), v) for k, v in identity["optim"].items()
                if manifest.get("optim", {}).get(k) != v}
     logger.info("resumed from %s at step %d", path, manifest["step"])
-    return {"step": manifest["step"], **manifest["loop_state"], "changed_optim": changed}
+    return {"step": manifest["step"], **manifest["loop_state"], "changed_optim": changed, "path": path}
