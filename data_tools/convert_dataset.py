@@ -37,7 +37,7 @@ from typing import Callable, Iterable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from slime.multimodal.images import ImageError, _source as image_source  # noqa: E402
+from slime.multimodal.images import ImageError, image_bytes_source as image_source  # noqa: E402
 
 GSM8K_INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
 

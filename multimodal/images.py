@@ -51,7 +51,7 @@ def describe(ref: Any) -> str:
     return type(ref).__name__
 
 
-def _source(ref: Any, base_dir: Path, timeout: float, max_bytes: int):
+def image_bytes_source(ref: Any, base_dir: Path, timeout: float, max_bytes: int):
     """A file path or a bytes buffer Pillow can open."""
     if isinstance(ref, dict):
         data = ref.get("bytes")
@@ -135,7 +135,7 @@ def read_image(ref: Any, base_dir: str | Path, *, max_pixels: int, timeout: floa
     if isinstance(ref, Image.Image):
         img = ref
     else:
-        source = _source(ref, Path(base_dir), timeout, _max_bytes(max_pixels))  # its own ImageErrors pass
+        source = image_bytes_source(ref, Path(base_dir), timeout, _max_bytes(max_pixels))  # its own ImageErrors pass
         try:
             img = Image.open(source)
         except Image.DecompressionBombError as e:
