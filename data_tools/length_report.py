@@ -106,7 +106,7 @@ def shares_no_prompts(cfg) -> str | None:
                             attention=resolve_attn_implementation(cfg.model.attn_implementation))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from slime.config import load_config
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, help="rollout.n_samples_per_prompt")
     ap.add_argument("--micro-batch-size", type=int, default=8, help="for the padded comparison (default 8)")
     ap.add_argument("overrides", nargs="*", help="section.key=value settings over --config, as run.py takes them")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     flags = {"data.path": args.data, "model.path": args.model, "train.max_tokens_per_gpu": args.max_tokens_per_gpu,
              "rollout.max_response_len": args.response_len, "rollout.batch_size": args.batch,
              "rollout.n_samples_per_prompt": args.n}

@@ -153,18 +153,31 @@ def test_length_report_plans_each_mini_batch_and_shares_prompts_as_the_run(tmp_p
         report(str(data), str(tiny_model), num_mini_batches=32, **kw)
 
 
-def test_length_report_errors_name_its_own_flags(tmp_path, tiny_model):
+def length_report(capsys, *argv):
+    """data_tools/length_report.py run in this process (each run of the script as a process imports torch and
+    transformers again): its exit code, stdout and stderr."""
+    from data_tools.length_report import main
+
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_length_report_errors_name_its_own_flags(tmp_path, tiny_model, capsys):
     """The trainer's messages name trainer settings; this tool's say its flags, and come without a traceback."""
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "one two three four five six seven"}\n')
-    tool = [sys.executable, str(ROOT / "data_tools" / "length_report.py"), "--dp", "1", "--batch", "2", "--n", "2"]
-    short = subprocess.run(tool + ["--data", str(data), "--model", str(tiny_model), "--max-tokens-per-gpu", "4"],
-                           capture_output=True, text=True)
-    assert short.returncode == 2 and "Traceback" not in short.stderr, short.stderr
-    assert "Raise --max-tokens-per-gpu to at least" in short.stderr and "--response-len" in short.stderr
-    missing = subprocess.run(tool + ["--data", str(data), "--model", str(tmp_path / "nope")],
-                             capture_output=True, text=True)
-    assert missing.returncode == 2 and f"--model={tmp_path / 'nope'} is not a directory" in missing.stderr
+    tool = ["--dp", "1", "--batch", "2", "--n", "2"]
+    code, _, err = length_report(capsys, *tool, "--data", str(data), "--model", str(tiny_model),
+                                 "--max-tokens-per-gpu", "4")
+    assert code == 2 and "Traceback" not in err, err
+    assert "Raise --max-tokens-per-gpu to at least" in err and "--response-len" in err
+    code, _, err = length_report(capsys, *tool, "--data", str(data), "--model", str(tmp_path / "nope"))
+    assert code == 2 and f"--model={tmp_path / 'nope'} is not a directory" in err
 
 
 def test_converters_skip_rows_without_a_usable_answer(tmp_path):
@@ -277,7 +290,7 @@ def test_null_answers_are_skipped_images_given_by_path_are_copied_and_cli_mistak
         assert len(lines) == 1 and re.search(words, lines[0]), done.stderr[-2000:]
 
 
-def test_length_report_reads_a_runs_config_and_names_every_data_error(tmp_path, tiny_model):
+def test_length_report_reads_a_runs_config_and_names_every_data_error(tmp_path, tiny_model, capsys):
     """The report had no way to the run's data.* and model.* settings: a file keyed `problem` (the geometry3k
     recipe's) could not be reported at all, and a system prompt or the run's image pixels were not counted. The
     run's config (and section.key=value overrides) is read as run.py reads it, the flags over it; the loader's
@@ -289,23 +302,22 @@ def test_length_report_reads_a_runs_config_and_names_every_data_error(tmp_path, 
     config.write_text(f"model: {{path: {tiny_model}}}\ndata: {{path: {data}, prompt_key: problem, label_key: answer}}\n"
                       "train: {max_tokens_per_gpu: 512}\nrollout: {max_response_len: 32, batch_size: 4, "
                       "n_samples_per_prompt: 2}\n")
-    tool = [sys.executable, str(ROOT / "data_tools" / "length_report.py"), "--dp", "1"]
 
     def median(*extra):
-        done = subprocess.run(tool + list(extra), capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert f"{data}: 8 prompts" in done.stdout
-        return int(re.search(r"median (\d+)", done.stdout).group(1))
+        code, out, err = length_report(capsys, "--dp", "1", *extra)
+        assert code == 0, err[-2000:]
+        assert f"{data}: 8 prompts" in out
+        return int(re.search(r"median (\d+)", out).group(1))
 
     plain = median("--config", str(config))
     assert median("--config", str(config), "data.system_prompt=You add numbers carefully.") > plain
     assert median("--config", str(config), "--max-tokens-per-gpu", "64") == plain  # a flag over the config
-    no_config = subprocess.run(tool + ["--data", str(data), "--model", str(tiny_model)], capture_output=True, text=True)
-    assert no_config.returncode == 2 and "neither 'prompt' nor 'messages' is present" in no_config.stderr
+    code, _, err = length_report(capsys, "--dp", "1", "--data", str(data), "--model", str(tiny_model))
+    assert code == 2 and "neither 'prompt' nor 'messages' is present" in err
     data.write_text('{"prompt": "1+1?", "label": "2"}\n{"prompt": 5, "label": "4"}\n')
-    typed = subprocess.run(tool + ["--config", str(config), "data.prompt_key=prompt"], capture_output=True, text=True)
-    assert typed.returncode == 2 and "Traceback" not in typed.stderr and \
-        "p.jsonl:2: field 'prompt' must be a string, got int" in typed.stderr, typed.stderr[-2000:]
+    code, _, err = length_report(capsys, "--dp", "1", "--config", str(config), "data.prompt_key=prompt")
+    assert code == 2 and "Traceback" not in err and "p.jsonl:2: field 'prompt' must be a string, got int" in err, \
+        err[-2000:]
 
 
 def test_rows_that_repeat_one_written_are_left_out_and_counted(tmp_path):
