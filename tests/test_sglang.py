@@ -297,6 +297,52 @@ def test_servers_given_by_url_are_waited_for_and_an_address_that_never_answers_i
         silent.close()
 
 
+def test_a_server_given_by_url_that_serves_another_size_of_the_family_is_refused(tmp_path):
+    """Two sizes of one family passed the family check: where the served model's config.json can be read here,
+    its sizes must be the trained model's (a VL model's text_config's too); a hub id or a path on another machine
+    is not checked, nor a server of the trainer's own path."""
+    from slime.rollout.sglang_server import check_served_family
+
+    def model(name, **sizes):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"model_type": "qwen3", **sizes}))
+        return str(tmp_path / name)
+
+    small = model("small", hidden_size=1024, num_hidden_layers=28, vocab_size=151936)
+    large = model("large", hidden_size=2560, num_hidden_layers=36, vocab_size=151936)
+    same = model("copy", hidden_size=1024, num_hidden_layers=28, vocab_size=151936)
+    vl = model("vl", text_config={"hidden_size": 1024, "num_hidden_layers": 24}, vocab_size=151936)
+    served = {"path": small}
+
+    class ModelInfo(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"model_type": "qwen3", "model_path": served["path"]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ModelInfo)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        with pytest.raises(SGLangServerError, match=rf"rollout.sglang.urls\[0\] = {url} serves {small}, a model of "
+                                                    r"another size than model.path=.*large \(hidden_size 1024 "
+                                                    r"against 2560, num_hidden_layers 28 against 36\).*--model-path"):
+            check_served_family(url, "rollout.sglang.urls[0]", large, "qwen3")
+        with pytest.raises(SGLangServerError, match=r"num_hidden_layers 28 against 24"):
+            check_served_family(url, "rollout.sglang.urls[0]", vl, "qwen3")
+        for trained in (small, same):  # its own path, another copy of the same model
+            check_served_family(url, "rollout.sglang.urls[0]", trained, "qwen3")
+        served["path"] = "Qwen/Qwen3-0.6B"  # a hub id: nothing here to read
+        check_served_family(url, "rollout.sglang.urls[0]", large, "qwen3")
+    finally:
+        httpd.shutdown()
+
+
 def test_a_colocated_engine_on_another_machine_is_warned_naming_the_mode(caplog):
     """Colocated weight pushes go by shared memory (CUDA IPC on GPUs), which a server on another host cannot
     open: a url that is no address of this machine (192.0.2.1 is one for documentation) is warned at start, not

@@ -16,6 +16,7 @@ answering); a dead or hung server is reported with the tail of its log.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import signal
@@ -175,18 +176,49 @@ def wait_for_url(url: str, timeout: float, name: str) -> None:
         time.sleep(1.0)
 
 
+# The sizes that tell two models of one family apart (Qwen3-0.6B from Qwen3-4B): a push of the one into the other
+# fails on a shape deep in the server, or, with fewer layers served, loads the layers both have without a word.
+_SIZE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "vocab_size", "num_experts", "moe_intermediate_size")
+
+
+def _sizes(model_dir: str) -> dict | None:
+    """The size settings of the config.json in `model_dir` (a VL model's text_config's too), or None where there is
+    no such file here (a hub id, a path on another machine)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return {k: text.get(k, config.get(k)) for k in _SIZE_KEYS if text.get(k, config.get(k)) is not None}
+
+
 def check_served_family(url: str, name: str, model_path: str, family: str) -> None:
-    """A server given by url must serve the family the trainer trains: SGLang loads a push of another model's
-    tensors, where their names match, without a word. What /model_info does not answer is not checked."""
+    """A server given by url must serve the family the trainer trains, and the same size where its model's
+    config.json can be read here: SGLang loads a push of another model's tensors, where their names match,
+    without a word. What /model_info does not answer is not checked."""
     try:
         info = requests.get(url + "/model_info", timeout=30).json()
         served = info.get("model_type")
     except (requests.RequestException, ValueError, AttributeError):
         return
+    fix = f"weight pushes would load into another model. Start that server with --model-path {model_path}"
     if served and served != family:
         raise SGLangServerError(f"{name} = {url} serves a {served!r} model ({info.get('model_path')}), but the "
-                                f"trainer trains model.path={model_path} ({family!r}): weight pushes would load into "
-                                f"another model. Start that server with --model-path {model_path}")
+                                f"trainer trains model.path={model_path} ({family!r}): {fix}")
+    served_path = info.get("model_path")
+    if not isinstance(served_path, str) or served_path == model_path:
+        return
+    theirs, ours = _sizes(served_path), _sizes(model_path)
+    if theirs is None or ours is None:
+        return
+    differ = [f"{k} {theirs[k]} against {ours[k]}" for k in _SIZE_KEYS if k in theirs and k in ours
+              and theirs[k] != ours[k]]
+    if differ:
+        raise SGLangServerError(f"{name} = {url} serves {served_path}, a model of another size than model.path="
+                                f"{model_path} ({', '.join(differ)}): {fix}")
 
 
 def _signal_group(pgid: int, sig: int) -> None:
