@@ -21,3 +21,6 @@ class OneRank:
 
     def barrier(self):
         pass
+
+    def on_main(self, what, fn):
+        fn()

@@ -68,6 +68,21 @@ def test_a_nan_loss_on_one_rank_skips_the_step_everywhere_and_repeated_skips_sto
     assert "outside the actor's vocabulary" in r["vocab_error"], r["vocab_error"]
 
 
+def test_work_of_rank_0_alone_may_outlast_the_collective_timeout_and_its_error_reaches_every_rank(tmp_path):
+    """Rank 0 writes an HF export (or publishes a checkpoint) alone: a 60 GB model's outlasted the default 10
+    minutes of train.dist_timeout_minutes, so the other ranks' barrier failed a finished run. They wait outside
+    it now, saying so; rank 0's error (a full disk) is raised on them too, not a timeout."""
+    proc = run_ranks([str(REPO / "tests/dist/on_main_checks.py"), str(tmp_path)], check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["waited"] and r1["waited"]
+    assert "rank 1: waiting for rank 0 writing a slow file (0 min so far)" in proc.stdout
+    assert r0["error"] == "OSError: [Errno 28] No space left on device"
+    assert r1["error"] == "RuntimeError: rank 0 failed writing the HF export to /x: OSError: [Errno 28] No space " \
+                          "left on device"
+    assert r1["barrier"] != "passed"  # the barrier it replaces: rank 1 timed out
+
+
 def job_overrides(model, task_dir, run_dir) -> list[str]:
     """The tiny GRPO job of these tests, over examples/cpu_tiny_grpo.yaml (no plot: ~1 s of each launch)."""
     return [f"model.path={model}", f"data.path={task_dir / 'train.jsonl'}", f"log.run_dir={run_dir}", "eval.path=null",

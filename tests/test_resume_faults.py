@@ -34,6 +34,9 @@ class OneRank:
     def barrier(self):
         pass
 
+    def on_main(self, what, fn):
+        fn()
+
     def all_gather_objects(self, obj, group=None):
         return [obj]
 

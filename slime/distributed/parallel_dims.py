@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import pickle
+import time
 from typing import Any, Callable
 
 import torch
@@ -164,6 +165,35 @@ class ParallelDims:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def on_main(self, what: str, fn: Callable[[], Any], *, poll_s: float = 0.5, say_every_s: float = 300.0) -> None:
+        """Collective: `fn` runs on the main rank while the others wait for it outside the collectives' timeout
+        (train.dist_timeout_minutes), which rank 0 writing a large model's files alone (an HF export of 60 GB)
+        outlasts: they poll the launcher's store, saying every `say_every_s` what they wait for. An exception `fn`
+        raises is raised on every rank, its message included (not a collective timeout on the others)."""
+        if self.world_size == 1:
+            fn()
+            return
+        store = dist.distributed_c10d._get_default_store()
+        self._on_main_calls = getattr(self, "_on_main_calls", 0) + 1
+        key = f"slime/on_main/{self._on_main_calls}"
+        if self.is_main:
+            try:
+                fn()
+            except BaseException as e:
+                store.set(key, f"{type(e).__name__}: {e}")
+                raise
+            store.set(key, "")
+            return
+        start = said = time.monotonic()
+        while not store.check([key]):
+            time.sleep(poll_s)
+            if time.monotonic() - said >= say_every_s:
+                said = time.monotonic()
+                logger.info("rank %d: waiting for rank 0 %s (%.0f min so far)", self.rank, what, (said - start) / 60)
+        error = store.get(key).decode()
+        if error:
+            raise RuntimeError(f"rank 0 failed {what}: {error}")
 
     # -- groups shared with processes outside the world --------------------------------------
 

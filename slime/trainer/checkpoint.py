@@ -93,12 +93,13 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
         raise RuntimeError(f"not saving step {step}: parameters are not finite (a checkpoint must never hold them)")
     tag = f"step_{step}"
     staging = ckpt_dir / PARTIAL / tag
-    if dims.is_main:
+    def clear() -> None:
         # What killed saves left behind, of any step (a stop saves at whatever step the signal came): one
         # save runs at a time, so nothing in there is in use, and each would hold a model's worth of disk.
         shutil.rmtree(ckpt_dir / PARTIAL, ignore_errors=True)
         staging.mkdir(parents=True)
-    dims.barrier()
+
+    dims.on_main(f"clearing {ckpt_dir / PARTIAL}", clear)
     try:
         for role, engine in engines.items():
             engine.engine.save_checkpoint(str(staging), tag=role, client_state={"step": step, **loop_state},
@@ -126,7 +127,8 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
     mine = {str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": _sha256(p, sync=True)}
             for p in everything[dims.rank::dims.world_size]}
     shares = dims.all_gather_objects(mine, group=dims.world_group) if dims.world_size > 1 else [mine]
-    if dims.is_main:
+
+    def publish() -> None:  # rank 0 alone: the others wait outside the collectives' timeout (dims.on_main)
         files = dict(sorted((name, meta) for share in shares for name, meta in share.items()))
         manifest = {"step": step, "loop_state": loop_state, "world_size": dims.world_size, **identity,
                     "files": files}
@@ -142,15 +144,17 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
         # Folders the resume fell back past (unusable: torn, corrupt) are of an abandoned timeline: left in place
         # they would count among the newest kept and push out a good one, or the one just written. Those above
         # `step` are of one as well, whoever left them.
-        abandoned = set(abandoned)
-        stale = [p for p in saved if _step_of(p.name) > step or (p.name in abandoned and p != final)]
+        skipped = set(abandoned)
+        stale = [p for p in saved if _step_of(p.name) > step or (p.name in skipped and p != final)]
         if stale:
             logger.warning("removing checkpoints a run skipped as unusable when it resumed from an older one: %s",
                            ", ".join(p.name for p in stale))
         for old in stale + [p for p in saved if p not in stale][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
         logger.info("saved checkpoint %s (%d files)", final, len(files))
-    dims.barrier()
+
+    # the manifest, the renames and the pruning of old checkpoints (a large model's, on a network file system)
+    dims.on_main(f"publishing checkpoint {tag}", publish)
     return final
 
 

@@ -457,8 +457,7 @@ class PolicyEngine:
         for bucket in self.gathered_weight_buckets(bucket_mb):
             if self.dims.is_main:
                 state.update((name, t.cpu()) for name, t in bucket)
-        if self.dims.is_main:
-            save_hf_dir(out_dir, state, model=self.engine.module.hf, extra_savers=savers,
-                        marker=None if step is None else {"step": step},
-                        config_updates={"use_cache": self._use_cache}, stop_ids=stop_ids)
-        self.dims.barrier()
+        # rank 0 writes the whole model alone: the others wait outside the collectives' timeout
+        self.dims.on_main(f"writing the HF export to {out_dir}", lambda: save_hf_dir(
+            out_dir, state, model=self.engine.module.hf, extra_savers=savers, marker=None if step is None else
+            {"step": step}, config_updates={"use_cache": self._use_cache}, stop_ids=stop_ids))
