@@ -601,6 +601,21 @@ def test_a_batch_ahead_saved_for_a_checkpoint_is_taken_as_it_was(hf_engine, toke
     assert len(ahead.take(trainer_version=3)[0]) == 4
 
 
+def test_a_stop_does_not_wait_for_a_batch_ahead_still_generating(monkeypatch):
+    """A stop's checkpoint takes the batch in flight only where it has finished (finish(wait=False)): a launcher
+    kills the ranks 30 s after its SIGTERM, and a checkpoint waiting on a long generation would be lost."""
+    import slime.rollout.rollout as rollout_mod
+    from slime.rollout.rollout import RolloutAhead
+
+    release = threading.Event()
+    monkeypatch.setattr(rollout_mod, "_draw_and_generate", lambda *a, **k: [] if release.wait(30) else None)
+    ahead = RolloutAhead(None, types.SimpleNamespace(state_dict=dict), None, None, None, OneRank())
+    ahead.start(0)
+    assert ahead.finish(wait=False) is None and ahead.in_flight  # still generating: not waited for
+    release.set()
+    assert RolloutAhead.load(ahead.finish())["samples"] == [] and ahead.in_flight  # a checkpoint between steps waits
+
+
 def test_a_stop_aborts_a_batch_ahead_whose_generate_call_starts_after_the_first_abort(monkeypatch):
     """close() came while the thread was still drawing prompts: its one abort found no generate() call running,
     the call that started after it generated its whole batch, and close() waited for it (up to 60 s, past a

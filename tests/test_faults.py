@@ -69,8 +69,8 @@ def test_a_nan_loss_on_one_rank_skips_the_step_everywhere_and_repeated_skips_sto
 
 
 def test_work_of_rank_0_alone_may_outlast_the_collective_timeout_and_its_error_reaches_every_rank(tmp_path):
-    """Rank 0 writes an HF export (or publishes a checkpoint) alone: a 60 GB model's outlasted the default 10
-    minutes of train.dist_timeout_minutes, so the other ranks' barrier failed a finished run. They wait outside
+    """Rank 0 writes an HF export (or publishes a checkpoint) alone: a 60 GB model's can outlast the default 10
+    minutes of train.dist_timeout_minutes, where the other ranks' barrier failed a finished run. They wait outside
     it now, saying so; rank 0's error (a full disk) is raised on them too, not a timeout."""
     proc = run_ranks([str(REPO / "tests/dist/on_main_checks.py"), str(tmp_path)], check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -269,11 +269,14 @@ class RolloutAhead:
     def in_flight(self) -> bool:
         return self._future is not None
 
-    def finish(self) -> bytes | None:
-        """Wait for the batch in flight and return it serialized (this rank's samples, their generation time and
-        skip counts), for a checkpoint: a resumed run trains on it (`restore`) as this run will, instead of
-        generating it again with newer weights. The batch stays in flight for `take`. None when its generation
-        failed (`take` raises that) or it cannot be pickled (a generate function's metadata: a lock, a client)."""
+    def finish(self, wait: bool = True) -> bytes | None:
+        """Wait for the batch in flight and return it serialized (this rank's samples and their generation time),
+        for a checkpoint: a resumed run trains on it (`restore`) as this run will, instead of generating it again
+        with newer weights. The batch stays in flight for `take`. None when its generation failed (`take` raises
+        that), it cannot be pickled (a generate function's metadata: a lock, a client), or, without `wait`, it is
+        still generating."""
+        if not wait and not self._future.done():
+            return None
         try:
             samples, seconds, _ = self._future.result()
         except BaseException:  # noqa: BLE001 -- take() raises it where the run would have met it
