@@ -878,6 +878,26 @@ def test_rows_without_a_needed_label_or_with_an_empty_prompt_are_counted_at_load
     assert len(prompts) == 42  # a user reward may not need labels
 
 
+def test_a_role_the_chat_template_does_not_render_skips_its_row(tmp_path):
+    """ShareGPT's "human" (or "User"): the template rendered nothing for the message, and the row was trained on as
+    the bare generation prompt, with one warning. It is skipped and counted now, and a file of them stops the run."""
+    from slime.data.prompts import load_prompts
+    from slime.models.loading import load_tokenizer
+    from slime.config import ModelConfig
+
+    tok = load_tokenizer(ModelConfig(path=str(REPO / "assets/tiny-arith")))
+    path = tmp_path / "d.jsonl"
+    rows = [{"messages": [{"role": role, "content": f"{i}+1="}], "label": str(i + 1)}
+            for i, role in enumerate(["human"] + ["user"] * 19)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts, report = load_prompts(DataConfig(path=str(path)), tok, label_required=True)
+    assert len(prompts) == 19 and dict(report.skipped) == {"unrendered_role": 1}
+    assert all("+1=" in p.prompt_text for p in prompts)
+    path.write_text("".join(json.dumps({**r, "messages": [{"role": "User", "content": "1+1="}]}) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"20 of 20 rows are bad \({'unrendered_role': 20}\)"):
+        load_prompts(DataConfig(path=str(path)), tok, label_required=True)
+
+
 def test_the_epoch_tail_is_carried_into_the_next_epoch(tmp_path, tok):
     from slime.data.prompts import PromptSource
 

@@ -215,16 +215,23 @@ def load_rows(path: str) -> list[tuple[int, dict]]:
     return list(enumerate(ds.to_list(), 1))
 
 
-def _texts_left_out(messages, text: str) -> int | None:
+def _texts_left_out(messages, text: str, unknown_roles: bool = False) -> int | None:
     """The first chat message whose text (a string content, or a text part's) is not in the rendered prompt: a
-    template that does not know a role renders nothing for it. None where every text is there (or no messages)."""
+    template that does not know a role renders nothing for it. None where every text is there (or no messages).
+    `unknown_roles`: only a message whose role is none of KNOWN_ROLES (a known one's text may be left out on
+    purpose: Qwen3's template drops the reasoning of earlier assistant turns)."""
     for i, m in enumerate(messages if isinstance(messages, list) else []):
+        if unknown_roles and m.get("role") in KNOWN_ROLES:
+            continue
         content = m.get("content")
         parts = [content] if isinstance(content, str) else \
             [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
         if any(part.strip() and part.strip() not in text for part in parts):
             return i
     return None
+
+
+KNOWN_ROLES = ("system", "user", "assistant", "tool")
 
 
 class TemplateRefused(ValueError):
@@ -384,7 +391,7 @@ class SkippedRow(ValueError):
         self.reason = reason
 
 
-SKIP_REASONS = REASONS + ("missing_label", "empty_prompt", "label_too_long",
+SKIP_REASONS = REASONS + ("missing_label", "empty_prompt", "label_too_long", "unrendered_role",
                           "not_on_every_rank")  # the last: see keep_only
 
 
@@ -459,7 +466,13 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
             else:
                 text, ids, refs = encode_image_prompt(*parsed, cfg, processor, base_dir)
             messages = row.get(cfg.messages_key)  # as parsed: a placeholder in a turn's text is an image part there
-            lost = _texts_left_out(parsed[0] if parsed is not None and messages is not None else messages, text)
+            messages = parsed[0] if parsed is not None and messages is not None else messages
+            if (unknown := _texts_left_out(messages, text, unknown_roles=True)) is not None:
+                raise SkippedRow("unrendered_role", f"message {unknown} has the role {messages[unknown]['role']!r}, "
+                                 "which model.path's chat template does not render (its text is not in the prompt, "
+                                 f"which would be trained on without it); use one of {', '.join(KNOWN_ROLES)} "
+                                 "(ShareGPT's human and gpt are user and assistant)")
+            lost = _texts_left_out(messages, text)
             if lost is not None and len(left_out) < 5:
                 left_out.append(f"{line} (message {lost}, role {row[cfg.messages_key][lost]['role']!r})")
             left_out_rows += lost is not None
