@@ -76,6 +76,11 @@ class VLProcessor:
         self.merge = ip.merge_size
         self.factor = ip.patch_size * ip.merge_size
         self.min_pixels, self.max_pixels = ip.size["shortest_edge"], ip.size["longest_edge"]
+        tile = self.factor ** 2  # the pixels of one image token
+        if self.max_pixels < tile or self.min_pixels > self.max_pixels:
+            raise ValueError(f"model.max_pixels={self.max_pixels} (model.min_pixels={self.min_pixels}; null: the image "
+                             f"processor's) leaves every image one {self.factor}x{self.factor} tile, one image token: "
+                             f"give max_pixels at least {tile} and min_pixels no more than max_pixels")
 
     def processed_size(self, width: int, height: int) -> tuple[int, int]:
         """(width, height) the image processor resizes an image to."""

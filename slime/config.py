@@ -48,6 +48,16 @@ class ModelConfig:
     max_pixels: int | None = field(None, "Image-text models: images are resized to at most this many pixels "
                                          "(None = the model's image processor default).")
 
+    def __post_init__(self):
+        for key in ("min_pixels", "max_pixels"):
+            value = getattr(self, key)
+            if value is not None and value < 1:  # 0: transformers' processor fails after the models load
+                raise ValueError(f"model.{key}={value}: give a positive number of pixels, or null for the image "
+                                 "processor's default")
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ValueError(f"model.min_pixels={self.min_pixels} is above model.max_pixels={self.max_pixels}: every "
+                             "image would be resized to the smallest size the processor makes; swap or fix them")
+
 
 @dataclasses.dataclass
 class DataConfig:

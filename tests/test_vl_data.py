@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
+from conftest import REPO
 from data_tools.make_tiny_model import make_tiny_model
 from slime.config import DataConfig
 from slime.data.prompts import PromptSource, load_prompts
@@ -443,3 +444,30 @@ def test_an_sft_label_holding_the_image_token_is_skipped_and_counted(tmp_path, v
     kept, _ = load_prompts(DataConfig(path=str(rows_file(tmp_path, rows)), max_skipped_frac=1.0), tok,
                            processor=proc, label_required=True)  # a reward's label: text it compares, not learned
     assert len(kept) == 3
+
+
+def test_pixel_limits_that_leave_an_image_one_token_are_refused(vl, caplog):
+    """model.min_pixels above max_pixels, or max_pixels below one tile, made every image one image token in silence
+    (the run exited 0); 0 failed in transformers after the models loaded, naming no key. On a text model the keys
+    were dropped without a word."""
+    from slime.config import ModelConfig
+    from slime.models.loading import load_processor
+
+    path, tok, default = vl
+    for bad, message in (({"min_pixels": 0}, r"model.min_pixels=0: give a positive number"),
+                         ({"max_pixels": -5}, r"model.max_pixels=-5: give a positive number"),
+                         ({"min_pixels": 10**6, "max_pixels": 100}, r"model.min_pixels=1000000 is above "
+                                                                      r"model.max_pixels=100")):
+        with pytest.raises(ValueError, match=message):
+            ModelConfig(path=str(path), **bad)
+    tile = default.factor ** 2
+    with pytest.raises(ValueError, match=rf"model.max_pixels=10 .* one {default.factor}x{default.factor} tile.*at "
+                                         rf"least {tile}"):
+        VLProcessor(str(path), tok, max_pixels=10)
+    with pytest.raises(ValueError, match=r"model.max_pixels=\d+ \(model.min_pixels=99999999;"):
+        VLProcessor(str(path), tok, min_pixels=99_999_999)  # above the processor's own max_pixels
+    assert VLProcessor(str(path), tok, max_pixels=tile).image_tokens(56, 56) == 1  # one tile, as asked
+    assert default.image_tokens(56, 56) == 4
+    with caplog.at_level(logging.WARNING):
+        assert load_processor(ModelConfig(path=str(REPO / "assets/tiny-arith"), max_pixels=4096), tok) is None
+    assert "model.max_pixels=4096 ignored: model.path=" in caplog.text

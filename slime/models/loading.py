@@ -193,6 +193,10 @@ def load_model(cfg: ModelConfig, *, attn_implementation: str, dtype: torch.dtype
 def load_processor(cfg: ModelConfig, tokenizer):
     """The image-text processor of a multimodal model (None for a text model)."""
     if not adapter_for(cfg).multimodal:
+        given = [f"model.{k}={getattr(cfg, k)}" for k in ("min_pixels", "max_pixels") if getattr(cfg, k) is not None]
+        if given:
+            logging.getLogger(__name__).warning("%s ignored: model.path=%s is a text model (they size images)",
+                                                ", ".join(given), cfg.path)
         return None
     from slime.multimodal.processor import VLProcessor
 
