@@ -693,6 +693,22 @@ class Config:
                 f"train.max_tokens_per_gpu = {budget}): a step that draws one stops. Raise train.max_tokens_per_gpu "
                 f"to {-(-longest // self.parallel.sp)}, or lower data.max_prompt_len / rollout.max_response_len")
 
+    def warmup_warning(self) -> str | None:
+        """A warmup as long as the actor's schedule: its lr never reaches train.lr (the schedule counts optimizer
+        updates: steps past a critic's warmup, times train.num_mini_batches)."""
+        if self.algo.policy_loss != "sft" and self.trains_critic:
+            steps = self.train.num_steps - self.algo.critic.warmup_steps
+        else:
+            steps = self.train.num_steps
+        updates = steps * self.train.num_mini_batches
+        if self.train.warmup_steps < updates:
+            return None
+        less = ", less algo.critic.warmup_steps" if steps != self.train.num_steps else ""
+        return (f"train.warmup_steps={self.train.warmup_steps} is not shorter than the {updates} optimizer updates "
+                f"of the run (train.num_steps x train.num_mini_batches{less}): the learning rate never reaches "
+                f"train.lr={self.train.lr:g} (at most {updates / (self.train.warmup_steps + 1):.0%} of it); lower "
+                "train.warmup_steps")
+
     def off_policy_warning(self) -> str | None:
         """One-step-off batches come from the weights one update older than pi_old; nothing corrects for that
         unless algo.tis weighs it or the ratio is taken against the engine's own logprobs."""

@@ -727,3 +727,17 @@ def test_a_resume_with_a_longer_critic_warmup_after_the_actor_started_is_refused
     with caplog.at_level(logging.WARNING, logger="slime.trainer.loop"):
         check_critic_warmup(changed, step)
     assert ("resumed with algo.critic.warmup_steps" in caplog.text) == (old is not None)
+
+
+def test_a_warmup_as_long_as_the_run_is_warned():
+    """train.warmup_steps=100 on a 3-step run kept the lr at 3% of train.lr or less, without a word."""
+    base = ["model.path=m", "data.path=d.jsonl", "train.lr=3e-4"]
+    warning = load_config(None, base + ["train.num_steps=3", "train.warmup_steps=100"]).warmup_warning()
+    assert warning.startswith("train.warmup_steps=100 is not shorter than the 3 optimizer updates of the run") and \
+        "never reaches train.lr=0.0003 (at most 3% of it)" in warning
+    assert load_config(None, base + ["train.num_steps=3", "train.warmup_steps=2"]).warmup_warning() is None
+    assert load_config(None, base + ["train.num_steps=3", "train.warmup_steps=5",
+                                     "train.num_mini_batches=2"]).warmup_warning() is None  # 6 updates
+    critic = load_config(None, base + ["train.num_steps=6", "train.warmup_steps=4", "algo.advantage_estimator=gae",
+                                       "algo.critic.warmup_steps=2"]).warmup_warning()
+    assert "4 optimizer updates of the run (train.num_steps x train.num_mini_batches, less algo.critic." in critic
