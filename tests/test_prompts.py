@@ -659,7 +659,8 @@ def test_a_label_the_built_in_reward_cannot_compare_is_refused_at_load(tiny_mode
     path = tmp_path / "p.jsonl"
     write_jsonl(path, [{"prompt": "1+1=", "label": ["2", 2.0]}, {"prompt": "2+2=", "label": {"answer": "4"}}])
     with pytest.raises(ValueError, match=r"p.jsonl:2: 'label' is \{'answer': '4'\}: the built-in reward compares "
-                                         r"the answer with a string or a number, or a list of them, not a dict"):
+                                         r"the answer with a string or a \(finite\) number, or a list of them, "
+                                         r"not a dict"):
         load_prompts(DataConfig(path=str(path)), tok, label_required=True)
     assert len(load_prompts(DataConfig(path=str(path)), tok)[0]) == 2  # a function of the user's reads it
 
@@ -697,3 +698,20 @@ def test_a_json_object_wrapping_its_rows_or_holding_columns_is_refused_naming_th
                              {"prompt": "1+1=", "tools": [{"name": "calc"}], "label": "2"})):  # one row, as before
         (tmp_path / f"one{i}.json").write_text(json.dumps(row))
         assert len(load_prompts(DataConfig(path=str(tmp_path / f"one{i}.json")), tok)[0]) == 1
+
+
+def test_a_numeric_sft_label_is_learned_as_written_and_nan_labels_are_refused(tmp_path, tok):
+    """SFT learned str(0.00001) = '1e-05' where the built-in rewards compare answers with '0.00001'; JSON's NaN
+    passed as a label, and exact_match then gave a response "nan" the reward."""
+    from slime.data.prompts import sft_samples
+
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "tiny?", "label": 0.00001}, {"prompt": "big?", "label": 1e20},
+                                              {"prompt": "two?", "label": 2}])
+    prompts, _ = load_prompts(DataConfig(path=str(path)), tok, label_required=True, label_is_text=True)
+    samples = sft_samples(prompts, tok)
+    assert [s.response_text for s in samples] == ["0.00001", "100000000000000000000", "2"]
+    assert tok.decode(samples[0].response_ids[:-1]) == "0.00001"
+    path.write_text('{"prompt": "1+1=", "label": "2"}\n{"prompt": "what?", "label": NaN}\n')
+    for sft in (False, True):
+        with pytest.raises(ValueError, match=r"p.jsonl:2: .*'label' is .*NaN or an infinity"):
+            load_prompts(DataConfig(path=str(path)), tok, label_required=True, label_is_text=sft)

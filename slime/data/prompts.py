@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from slime.config import DataConfig
-from slime.data.sample import Sample, unscorable_answers
+from slime.data.sample import Sample, answer_kind, label_text, unscorable_answers
 from slime.multimodal.images import REASONS, ImageError, read_image
 from slime.multimodal.processor import MultimodalInputs, VLProcessor
 from slime.multimodal.schema import parse_row
@@ -368,7 +368,7 @@ def _reply_as_label(row: dict, cfg: DataConfig, path: str, line: int) -> dict:
         raise TypeError(f"{path}:{line}: the final assistant message's content must be text, got "
                         f"{type(content).__name__}")
     label = row.get(cfg.label_key)
-    if has_label(label) and str(label).strip() != content.strip():
+    if has_label(label) and label_text(label).strip() != content.strip():
         raise ValueError(f"{path}:{line}: the messages end with an assistant reply and '{cfg.label_key}' gives "
                          "another response; SFT learns one: drop the final message or the label")
     return {**row, cfg.messages_key: messages[:-1], cfg.label_key: content}
@@ -486,22 +486,22 @@ def load_prompts(cfg: DataConfig, tokenizer, path: str | None = None, processor:
             label = row.get(cfg.label_key)
             if label_required and not label_is_text and (bad := unscorable_answers(label)):
                 raise ValueError(f"{path}:{line}: '{cfg.label_key}' is {label!r:.60}: the built-in reward compares "
-                                 "the answer with a string or a number, or a list of them, not a "
-                                 f"{type(bad[0]).__name__}; fix the label, or score it with a reward function of "
-                                 "your own")
-            if label_is_text and label is not None and (isinstance(label, bool) or not isinstance(label, (str, int, float))):
+                                 "the answer with a string or a (finite) number, or a list of them, not "
+                                 f"{answer_kind(bad[0])}; fix the label, or score it with a reward function of your "
+                                 "own")
+            if label_is_text and label is not None and (isinstance(label, (list, tuple)) or unscorable_answers(label)):
                 raise ValueError(f"{path}:{line}: SFT learns the label's text as the response, but '{cfg.label_key}' is "
-                                 f"a {type(label).__name__} ({str(label)[:60]}); give one string")
+                                 f"{answer_kind(label)} ({str(label)[:60]}); give one string")
             target = learned = None  # SFT: the template's rendering of the reply, and what is learned
             if label_is_text and label is not None:
-                learned = tokenizer(str(label), add_special_tokens=False).input_ids + [end_id]
+                learned = tokenizer(label_text(label), add_special_tokens=False).input_ids + [end_id]
                 if use_template:
                     chat = (parsed[0] if parsed is not None  # as the prompt was rendered: encode_(image_)prompt
                             else [{"role": "user", "content": row[cfg.prompt_key]}]
                             if row.get(cfg.prompt_key) is not None
                             else row[cfg.messages_key] if processor is not None
                             else _joined_text_parts(row[cfg.messages_key]))
-                    target = sft_target(chat, str(label), text, ids, cfg, tokenizer, end_id)
+                    target = sft_target(chat, label_text(label), text, ids, cfg, tokenizer, end_id)
                     if target is None:
                         unrendered += 1
                     elif target != learned and shown is None:
@@ -772,9 +772,9 @@ def sft_samples(prompts: list[Prompt], tokenizer, turn_end: tuple[int, ...] = ()
         if p.label is None:
             raise ValueError(f"SFT needs a label for every prompt; {p.where} has none (data.label_key)")
         target = list(p.target_ids) if p.target_ids is not None else \
-            tokenizer(str(p.label), add_special_tokens=False).input_ids + [end_id]
+            tokenizer(label_text(p.label), add_special_tokens=False).input_ids + [end_id]
         samples.append(Sample(prompt_ids=list(p.prompt_ids), response_ids=target, prompt_text=p.prompt_text,
-                              response_text=str(p.label), label=p.label, metadata=dict(p.metadata),
+                              response_text=label_text(p.label), label=p.label, metadata=dict(p.metadata),
                               group_id=p.index, finish_reason="stop",
                               mm=None if p.mm is None else p.mm.without_images()))
     return samples

@@ -8,6 +8,8 @@ are its largest part.
 from __future__ import annotations
 
 import dataclasses
+import decimal
+import math
 from typing import Any
 
 import torch
@@ -90,6 +92,21 @@ def as_token_tensor(values) -> torch.Tensor:
 
 def unscorable_answers(label) -> list:
     """The answers of `label` the built-in rewards cannot compare with a response (a dict, a nested list, a bool,
-    None: str() of one would be compared as its Python repr, and never match)."""
+    None: str() of one would be compared as its Python repr, and never match; a NaN or an infinity: JSON's NaN would
+    give a response "nan" the reward)."""
     answers = list(label) if isinstance(label, (list, tuple)) else [label]
-    return [x for x in answers if isinstance(x, bool) or not isinstance(x, (str, int, float))]
+    return [x for x in answers if isinstance(x, bool) or not isinstance(x, (str, int, float))
+            or (isinstance(x, float) and not math.isfinite(x))]
+
+
+def answer_kind(x) -> str:
+    """What an answer is, for a message: "a dict", "NaN or an infinity"."""
+    return "NaN or an infinity" if isinstance(x, float) and not math.isfinite(x) else f"a {type(x).__name__}"
+
+
+def label_text(label) -> str:
+    """A label as text, a float as its digits: str(0.00001) is '1e-05' (what SFT would teach, and what a reward
+    would compare the answer "0.00001" with)."""
+    if isinstance(label, float) and math.isfinite(label):
+        return format(decimal.Decimal(repr(label)), "f")
+    return str(label)

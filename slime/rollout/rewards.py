@@ -22,7 +22,6 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextvars
-import decimal
 import difflib
 import importlib
 import importlib.util
@@ -41,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slime.data.sample import Sample, unscorable_answers
+from slime.data.sample import Sample, answer_kind, label_text, unscorable_answers
 from slime.config import is_remote
 from slime.rollout.reward_models import MODEL_PREFIX, RemoteReward, RewardModel, is_reward_model
 
@@ -119,18 +118,11 @@ def _labels(sample: Sample, reward: str) -> list[str]:
         )
     if bad := unscorable_answers(label):  # (a label from a generate_fn: not checked at load)
         raise TypeError(f"sample index={sample.index} has the label {label!r}: the {reward!r} reward compares the "
-                        f"answer with a string or a number, or a list of them, not a {type(bad[0]).__name__}; fix "
-                        "the prompt file's 'label' field (data.label_key), or score it with a reward function of "
-                        "your own")
+                        f"answer with a string or a (finite) number, or a list of them, not {answer_kind(bad[0])}; "
+                        "fix the prompt file's 'label' field (data.label_key), or score it with a reward function "
+                        "of your own")
     answers = list(label) if isinstance(label, (list, tuple)) else [label]
-    return [_positional(x) if isinstance(x, float) else str(x) for x in answers]
-
-
-def _positional(x: float) -> str:
-    """A float label as its digits: str(0.00001) is '1e-05' (and math-verify reads 1e+20 as 1 times e+20)."""
-    if not math.isfinite(x):
-        return str(x)
-    return format(decimal.Decimal(repr(x)), "f")
+    return [label_text(x) for x in answers]  # a float as its digits (math-verify reads 1e+20 as 1 times e+20)
 
 
 # ----------------------------------------------------------------------------- built-ins
