@@ -152,6 +152,9 @@ def read_image(ref: Any, base_dir: str | Path, *, max_pixels: int, timeout: floa
     if img.mode not in SUPPORTED_MODES:
         raise ImageError("unsupported_mode", f"{describe(ref)} has mode {img.mode!r}; supported: "
                                              f"{', '.join(sorted(SUPPORTED_MODES))}")
+    if getattr(img, "n_frames", 1) > 1:  # a GIF, APNG or WebP animation: the model would see its first frame only
+        raise ImageError("unsupported_mode", f"{describe(ref)} is animated ({img.n_frames} frames); the model takes "
+                                             "one image: give the frame it should see")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)

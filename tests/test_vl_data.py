@@ -304,6 +304,13 @@ def test_transparent_pixels_are_white_and_extreme_aspect_ratios_are_named(tmp_pa
             as e:
         read_image("strip.png", tmp_path, max_pixels=10**6)
     assert e.value.reason == "bad_aspect"
+    frames = [Image.new("RGB", (30, 30), c) for c in ((255, 0, 0), (0, 255, 0), (0, 0, 255))]
+    frames[0].save(tmp_path / "anim.gif", save_all=True, append_images=frames[1:])  # the model saw frame 0 only
+    with pytest.raises(ImageError, match=r"anim.gif is animated \(3 frames\); the model takes one image") as e:
+        read_image("anim.gif", tmp_path, max_pixels=10**6)
+    assert e.value.reason == "unsupported_mode"
+    frames[0].save(tmp_path / "still.gif")
+    assert read_image("still.gif", tmp_path, max_pixels=10**6).getpixel((3, 3)) == (255, 0, 0)
 
 
 def test_image_bytes_as_base64_text_a_quoted_image_token_and_an_unknown_part_type(tmp_path, vl, caplog):
