@@ -164,6 +164,10 @@ class SGLangConfig:
                                 "timed-out one is not retried.")
 
     def __post_init__(self):
+        for i, url in enumerate(self.urls):
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                hint = f": http://{url}" if isinstance(url, str) and url else ""
+                raise ValueError(f"rollout.sglang.urls[{i}]={url!r} is not an http(s) address; give the scheme{hint}")
         if self.tp_size < 1 or self.ranks_per_engine < 0 or self.num_engines < 1:
             raise ValueError("rollout.sglang.tp_size and num_engines must be >= 1 and ranks_per_engine >= 0")
         if self.ranks_per_engine and self.ranks_per_engine % self.tp_size:
@@ -230,6 +234,10 @@ class RolloutConfig:
     overlong_penalty: OverlongPenaltyConfig = dataclasses.field(default_factory=OverlongPenaltyConfig)
 
     def __post_init__(self):
+        if self.max_response_len < 1 or self.gen_batch_size < 1 or self.max_sampling_attempts < 1:
+            raise ValueError(f"rollout.max_response_len={self.max_response_len}, rollout.gen_batch_size="
+                             f"{self.gen_batch_size} and rollout.max_sampling_attempts={self.max_sampling_attempts} "
+                             "must be >= 1")
         if self.over_sample_factor < 1:
             raise ValueError("rollout.over_sample_factor must be >= 1")
         if self.dynamic_sampling and self.n_samples_per_prompt == 1:
@@ -260,10 +268,6 @@ class RolloutConfig:
         if not 0 <= self.generate_fn_timeout < math.inf:
             raise ValueError(f"rollout.generate_fn_timeout={self.generate_fn_timeout} must be a finite number of "
                              "seconds >= 0 (0 = no limit)")
-        if self.max_response_len < 1 or self.gen_batch_size < 1 or self.max_sampling_attempts < 1:
-            raise ValueError(f"rollout.max_response_len={self.max_response_len}, rollout.gen_batch_size="
-                             f"{self.gen_batch_size} and rollout.max_sampling_attempts={self.max_sampling_attempts} "
-                             "must be >= 1")
         bad = [t for t in self.stop_token_ids if isinstance(t, bool) or not isinstance(t, int) or t < 0]
         if bad:
             raise ValueError(f"rollout.stop_token_ids={self.stop_token_ids}: {bad} are not token ids; give the ids "
@@ -944,6 +948,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     raw: dict = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise IsADirectoryError(f"config file {path} is a directory; give the YAML file in it")
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
         try:
@@ -951,6 +957,15 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
                 raw = _load_yaml(f) or {}
         except yaml.YAMLError as e:
             raise ValueError(f"{path} is not valid YAML: {e}") from None
+        except UnicodeDecodeError as e:  # its position is in the chunk the reader decoded: found in the whole file
+            data, where = path.read_bytes(), e
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError as whole:
+                where = whole
+            line = data.count(b"\n", 0, where.start) + 1
+            raise ValueError(f"{path}:{line}: byte 0x{data[where.start]:02x} is not UTF-8 (file offset "
+                             f"{where.start}); save the file as UTF-8") from None
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
         # A top-level `x-NAME:` holds YAML anchors for the sections to merge (`<<: *NAME`), as in docker compose

@@ -143,6 +143,10 @@ def test_a_model_directory_without_config_or_tokenizer_says_what_is_missing(tmp_
         load_tokenizer(ModelConfig(path=str(no_tok)))
     with pytest.raises(FileNotFoundError, match=r"no_conf has no config.json"):
         load_model(ModelConfig(path=str(no_conf)), attn_implementation="sdpa")
+    # not transformers' "Checkout 'https://huggingface.co/...'" of a hub id
+    with pytest.raises(FileNotFoundError, match=r"model.gguf_file=nope.gguf is not a file in model.path=.*no_conf "
+                                                r"\(GGUF files there: none\)"):
+        load_tokenizer(ModelConfig(path=str(no_conf), gguf_file="nope.gguf"))
     config = json.loads((src / "tokenizer_config.json").read_text())
     for key in ("pad_token", "eos_token"):
         config.pop(key, None)

@@ -741,3 +741,23 @@ def test_a_warmup_as_long_as_the_run_is_warned():
     critic = load_config(None, base + ["train.num_steps=6", "train.warmup_steps=4", "algo.advantage_estimator=gae",
                                        "algo.critic.warmup_steps=2"]).warmup_warning()
     assert "4 optimizer updates of the run (train.num_steps x train.num_mini_batches, less algo.critic." in critic
+
+
+def test_a_config_not_in_utf8_a_directory_an_url_without_scheme_and_a_negative_length_are_named(tmp_path):
+    """A latin-1 config said only "'utf-8' codec can't decode byte 0xe9 in position 5"; a directory "does not
+    exist"; urls=[localhost:3000] was polled for startup_timeout (900 s); max_response_len=-1 was reported as an
+    overlong penalty's problem."""
+    path = tmp_path / "run.yaml"
+    path.write_bytes((("# " + "x" * 100 + "\n") * 100).encode() + "model:\n  path: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"run.yaml:102: byte 0xe9 is not UTF-8 \(file offset 10318\); save the "
+                                         r"file as UTF-8"):
+        load_config(path)
+    with pytest.raises(IsADirectoryError, match=r"is a directory; give the YAML file in it"):
+        load_config(tmp_path)
+    base = ["model.path=m", "data.path=d.jsonl"]
+    with pytest.raises(ValueError, match=r"rollout.sglang.urls\[1\]='localhost:3000' is not an http\(s\) address; "
+                                         r"give the scheme: http://localhost:3000"):
+        load_config(None, base + ["rollout.sglang.urls=[http://10.0.0.2:30000, localhost:3000]"])
+    assert load_config(None, base + ["rollout.sglang.urls=[https://h:1]"]).rollout.sglang.urls == ["https://h:1"]
+    with pytest.raises(ValueError, match=r"rollout.max_response_len=-1, .* must be >= 1"):
+        load_config(None, base + ["rollout.max_response_len=-1"])

@@ -30,6 +30,10 @@ def check_model_path(cfg: ModelConfig, key: str = "model.path") -> None:
         where = "" if path.is_absolute() else f" ({path.resolve()}: relative paths are read from {Path.cwd()})"
         raise FileNotFoundError(f"{key}={cfg.path} is not a directory{where}; point it at an HF model "
                                 "directory (config.json + weights + tokenizer)")
+    if cfg.gguf_file is not None and not (path / cfg.gguf_file).is_file():
+        found = sorted(p.name for p in path.glob("*.gguf"))
+        raise FileNotFoundError(f"model.gguf_file={cfg.gguf_file} is not a file in {key}={cfg.path} (GGUF files "
+                                f"there: {', '.join(found) or 'none'})")
     if cfg.gguf_file is None and not (path / "config.json").is_file():
         raise FileNotFoundError(f"{key}={cfg.path} has no config.json; an HF model directory holds config.json, "
                                 "the weights and the tokenizer (or set model.gguf_file for a GGUF model)")
