@@ -124,6 +124,8 @@ def last_boxed(text: str) -> str | None:
 
 
 def gsm8k(row: dict, i: int) -> dict | None:
+    if not row["question"].strip():  # the instruction alone would be the prompt
+        raise Skip("with an empty question")
     if not isinstance(row["answer"], str) or "####" not in row["answer"]:  # null: no usable answer
         return None
     label = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")
@@ -134,6 +136,8 @@ def gsm8k(row: dict, i: int) -> dict | None:
 
 
 def math(row: dict, i: int) -> dict | None:
+    if not row["problem"].strip():
+        raise Skip("with an empty problem")
     label = last_boxed(row["solution"]) if isinstance(row["solution"], str) else None
     if not label:
         return None
@@ -229,6 +233,7 @@ def convert(kind: str, rows: Iterable[dict], out: Path) -> tuple[int, collection
         fn = lambda row, i: geometry3k(row, i, prefix=out.stem)  # noqa: E731
     written = duplicates = 0
     skipped: collections.Counter = collections.Counter()
+    examples: dict[str, list[int]] = collections.defaultdict(list)  # the first rows (1-based) of each reason
     seen: set[bytes] = set()  # digests of the rows written (without their metadata, which names the source row)
     partial = out.with_name(f".{out.name}.partial")  # renamed into place once whole: no half file left behind
     try:
@@ -238,6 +243,8 @@ def convert(kind: str, rows: Iterable[dict], out: Path) -> tuple[int, collection
                     converted = fn(row, i)
                 except Skip as e:
                     skipped[e.reason] += 1
+                    if len(examples[e.reason]) < 10:
+                        examples[e.reason].append(i + 1)
                     continue
                 except KeyError as e:
                     raise ValueError(f"row {i + 1} has no column {e}, which the {kind} converter reads; its columns: "
@@ -248,6 +255,8 @@ def convert(kind: str, rows: Iterable[dict], out: Path) -> tuple[int, collection
                                      f"its columns' types: {types}") from None
                 if converted is None:
                     skipped["without a usable answer"] += 1
+                    if len(examples["without a usable answer"]) < 10:
+                        examples["without a usable answer"].append(i + 1)
                     continue
                 files = converted.pop("_files", [])
                 content = {k: v for k, v in converted.items() if k not in ("metadata", "images")}
@@ -268,6 +277,9 @@ def convert(kind: str, rows: Iterable[dict], out: Path) -> tuple[int, collection
         os.replace(partial, out)
     finally:
         partial.unlink(missing_ok=True)
+    for reason, where in sorted(examples.items()):
+        print(f"skipped {skipped[reason]} row(s) {reason}: row{'s' if len(where) > 1 else ''} "
+              f"{', '.join(map(str, where))}{', ...' if skipped[reason] > len(where) else ''}")
     return written, skipped, duplicates
 
 
