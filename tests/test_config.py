@@ -285,7 +285,17 @@ def test_ds_config_auto_fields_filled(tmp_path):
                            ('{"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam"}, "fp16": {"enabled": '
                             'true}}', "enables fp16: model.dtype sets the precision"),
                            ('{"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam"}, "fp16": true}',
-                            "enables fp16: model.dtype sets the precision")):
+                            "enables fp16: model.dtype sets the precision"),
+                           # after every model loaded: "'<=' not supported between instances of 'float' and 'str'"
+                           ('{"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"eps": '
+                            '"1e-8"}}}', "optimizer.params.eps='1e-8' must be a number (JSON without quotes"),
+                           # AdamW's "unexpected keyword argument 'lrr'"
+                           ('{"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lrr": 1}}}',
+                            "optimizer.params.lrr is not a setting of DeepSpeed's Adam (did you mean 'lr'?)"),
+                           # pydantic's error, which named the key but not the file
+                           ('{"zero_optimization": {"stage": 3, "stage3_param_persistance_threshold": 10}, '
+                            '"optimizer": {"type": "AdamW"}}', "its zero_optimization section is refused by DeepSpeed: "
+                            "1 validation error for DeepSpeedZeroConfig\nstage3_param_persistance_threshold")):
         bad.write_text(content)
         with pytest.raises(ValueError) as e:
             build_ds_config(cfg.train, bad, bf16=False)

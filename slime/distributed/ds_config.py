@@ -70,6 +70,7 @@ def build_ds_config(train: TrainConfig, path: str | Path | None = None, *, bf16:
                          "offload_states for colocated rollout, and in fp32 reports no gradient norm for the "
                          "skipped-step guard). ds_configs/zero2.json is the fast choice when a full copy of the "
                          "model fits on every rank")
+    _check_zero_section(ds, path)
     # We set accumulation boundaries by hand (micro-batch counts vary per step), so DeepSpeed
     # must neither scale the loss by 1/gas nor step on its own schedule.
     ds["gradient_accumulation_steps"] = 1
@@ -144,6 +145,10 @@ def _refuse_second_settings(ds: dict, auto: dict, source: str) -> None:
 
 
 ADAM_TYPES = ("adam", "adamw")  # what train.betas, train.weight_decay and torch_adam are settings of
+# optimizer.params DeepSpeed takes for them: its own (torch_adam, adam_w_mode), and those of the optimizer it builds
+# (torch's AdamW on CPU, FusedAdam on GPUs, DeepSpeedCPUAdam with an offloaded optimizer)
+ADAM_PARAMS = {"lr", "betas", "eps", "weight_decay", "amsgrad", "torch_adam", "adam_w_mode", "bias_correction",
+               "set_grad_none", "fp32_optimizer_states", "foreach", "maximize", "capturable", "differentiable", "fused"}
 
 
 def _check_optimizer_and_precision(ds: dict, path: Path) -> None:
@@ -154,11 +159,37 @@ def _check_optimizer_and_precision(ds: dict, path: Path) -> None:
     if optimizer["type"].lower() not in ADAM_TYPES:
         raise ValueError(f"train.ds_config: {path}: optimizer type {optimizer['type']!r} is not supported: the run "
                          "config's train.betas and train.weight_decay are Adam's; use \"Adam\" or \"AdamW\"")
+    params = optimizer.get("params", {})
+    if not isinstance(params, dict):
+        raise ValueError(f"train.ds_config: {path}: optimizer.params must be an object, got {type(params).__name__}")
+    unknown = sorted(set(params) - ADAM_PARAMS)
+    if unknown:  # AdamW's own "unexpected keyword argument", after every model loaded
+        near = difflib.get_close_matches(unknown[0], ADAM_PARAMS, n=1)
+        raise ValueError(f"train.ds_config: {path}: optimizer.params.{unknown[0]} is not a setting of DeepSpeed's "
+                         f"Adam{f' (did you mean {near[0]!r}?)' if near else ''}; its settings: "
+                         f"{', '.join(sorted(ADAM_PARAMS))}")
+    for key in ("lr", "eps", "weight_decay"):
+        value = params.get(key, "auto")
+        if value != "auto" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"train.ds_config: {path}: optimizer.params.{key}={value!r} must be a number (JSON "
+                             "without quotes: 1e-8) or \"auto\"")
     fp16 = ds.get("fp16")
     if (fp16.get("enabled") if isinstance(fp16, dict) else fp16) not in (None, False, "auto"):
         raise ValueError(f"train.ds_config: {path} enables fp16: model.dtype sets the precision (bfloat16 or "
                          "float32), and the rollout engines would run another dtype than the trainer; remove the "
                          "'fp16' section")
+
+
+def _check_zero_section(ds: dict, path: Path) -> None:
+    """DeepSpeed's own check of zero_optimization (pydantic's: a misspelt key, a negative size, an unknown offload
+    device), which named the key, not the file, after every model loaded."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    try:
+        DeepSpeedZeroConfig(**ds.get("zero_optimization", {}))
+    except Exception as e:  # noqa: BLE001 -- pydantic's ValidationError, or a TypeError of a value
+        raise ValueError(f"train.ds_config: {path}: its zero_optimization section is refused by DeepSpeed: {e}") \
+            from None
 
 
 def _own_missing(ds: dict) -> None:
