@@ -233,7 +233,7 @@ def report(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> str:
     check_packing(cfg)  # a model whose packed samples would not compute as each alone, refused as at launch
     if cfg.trains_critic and cfg.algo.critic.path and Path(cfg.algo.critic.path).is_dir():
         check_packing(cfg, critic_model(cfg), "algo.critic.path")
-    check_reward_spec(cfg.rollout.reward.fn)
+    check_reward_spec(cfg.rollout.reward.fn, granularity=cfg.rollout.reward.granularity)
     p = plan(cfg, num_gpus, gpu_gib)
     def g(b: float) -> str:  # MiB below a GiB: the CPU examples' figures read 0.0 GiB
         return f"{b / GIB:.1f} GiB" if b >= GIB else f"{b / 2**20:.1f} MiB"

@@ -478,3 +478,23 @@ def test_a_run_that_ends_while_its_math_child_scores_does_not_wait_for_it(tmp_pa
     assert proc.returncode == 0, proc.stderr
     assert "main thread done" in proc.stdout and started.exists()
     assert "counted as math/error" not in proc.stderr  # the kill at exit is no failure of a sample
+
+
+def test_a_bad_spec_is_refused_before_the_models_load_and_a_wrong_signature_when_it_loads(tmp_path, monkeypatch):
+    """Weights that are no numbers and a group granularity of a built-in were refused only once every model had
+    loaded; a function of two parameters failed at its first call, after a whole rollout."""
+    from slime.rollout.rewards import check_reward_spec, make_reward_fn
+
+    for spec, granularity, message in (({"exact_match": "high"}, "sample", r"'high' must map a name to a number"),
+                                       ({"exact_match": float("nan")}, "sample", r"the weight of 'exact_match' is nan"),
+                                       ({}, "sample", r"bad reward spec \{\}"),
+                                       ("exact_match", "group", r"with granularity 'group' must be one user function")):
+        with pytest.raises(ValueError, match=r"rollout.reward.fn: .*" + message):
+            check_reward_spec(spec, granularity=granularity)
+    (tmp_path / "two_args.py").write_text("def reward(sample, extra):\n    return 1.0\n\n"
+                                          "def flexible(sample, scale=1.0, **kw):\n    return scale\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"reward spec 'two_args:reward': reward\(sample, extra\) cannot be called "
+                                         r"with one sample \(missing a required argument: 'extra'\)"):
+        make_reward_fn("two_args:reward")
+    make_reward_fn("two_args:flexible")

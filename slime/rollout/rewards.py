@@ -304,6 +304,41 @@ _SPEC_HELP = (f"use a built-in name {sorted(BUILTIN_REWARDS)}, a user function a
               "'model:PATH', or a dict of weights such as {'math': 1.0, 'format': 0.1}")
 
 
+def spec_weights(spec, granularity: str = "sample") -> dict:
+    """name -> weight of a reward spec, or ValueError saying what is wrong with it (no module is imported)."""
+    weights = {spec: 1.0} if isinstance(spec, str) else spec
+    if not isinstance(weights, dict) or not weights:
+        raise ValueError(f"bad reward spec {spec!r}: {_SPEC_HELP}")
+    for name, w in weights.items():
+        if not isinstance(name, str) or isinstance(w, bool) or not isinstance(w, numbers.Real):
+            raise ValueError(f"bad reward spec {spec!r}: entry {name!r}: {w!r} must map a "
+                             f"name to a number; {_SPEC_HELP}")
+        if not math.isfinite(w) or abs(w) > 1e6:
+            raise ValueError(f"bad reward spec {spec!r}: the weight of {name!r} is {w!r}; weights must be finite "
+                             "numbers of moderate size (|w| <= 1e6)")
+    if granularity == "group":
+        name = next(iter(weights))
+        if len(weights) != 1 or name in BUILTIN_REWARDS or is_remote(name) or is_reward_model(name):
+            raise ValueError(f"reward spec {spec!r} with granularity 'group' must be one user "
+                             "function 'package.module:function' taking a group's samples")
+    return weights
+
+
+def _check_call(fn: Callable, path: str, granularity: str) -> None:
+    """A user function that cannot be called as the rollout calls it (with one argument: a sample, or a group's
+    list of samples) failed at its first call, after a whole rollout: said when it loads."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to read
+        return
+    try:
+        signature.bind(None)
+    except TypeError as e:
+        raise ValueError(f"reward spec {path!r}: {path.partition(':')[2]}{signature} cannot be called with one "
+                         f"{'list of samples (granularity group)' if granularity == 'group' else 'sample'} ({e}); "
+                         f"{_SPEC_HELP}") from None
+
+
 def _load_user_fn(path: str) -> Callable:
     module_name, _, attr = path.partition(":")
     if not module_name or not attr:
@@ -403,27 +438,16 @@ class RewardFn:
             raise ValueError(f"reward granularity {granularity!r} is not one of {GRANULARITIES}")
         if max_concurrency < 1:
             raise ValueError(f"reward max_concurrency must be >= 1, got {max_concurrency}")
-        weights = {spec: 1.0} if isinstance(spec, str) else spec
-        if not isinstance(weights, dict) or not weights:
-            raise ValueError(f"bad reward spec {spec!r}: {_SPEC_HELP}")
-        for name, w in weights.items():
-            if not isinstance(name, str) or isinstance(w, bool) or not isinstance(w, numbers.Real):
-                raise ValueError(f"bad reward spec {spec!r}: entry {name!r}: {w!r} must map a "
-                                 f"name to a number; {_SPEC_HELP}")
-            if not math.isfinite(w) or abs(w) > 1e6:
-                raise ValueError(f"bad reward spec {spec!r}: the weight of {name!r} is {w!r}; weights must be finite "
-                                 "numbers of moderate size (|w| <= 1e6)")
-        if granularity == "group":
-            name = next(iter(weights))
-            if len(weights) != 1 or name in BUILTIN_REWARDS or is_remote(name) or is_reward_model(name):
-                raise ValueError(f"reward spec {spec!r} with granularity 'group' must be one user "
-                                 "function 'package.module:function' taking a group's samples")
+        weights = spec_weights(spec, granularity)
         self.spec = spec
         self.granularity = granularity
         self.weights = {name: float(w) for name, w in weights.items()}
         batched = dict(batch_size=batch_size, timeout=60.0 if timeout is None else timeout,
                        max_retries=max_retries, retry_backoff=retry_backoff, max_concurrency=max_concurrency)
         self.fns = {name: _resolve(name, batched, tokenizer) for name in weights}
+        for name, fn in self.fns.items():
+            if _kind(name) == "user":
+                _check_call(fn, name, granularity)
         self._max_concurrency = max_concurrency
         self.timeout = timeout
 
@@ -663,10 +687,15 @@ def make_reward_fn(spec: str | dict[str, float], *, granularity: str = "sample",
     return RewardFn(spec, granularity=granularity, max_concurrency=max_concurrency, timeout=timeout, **batched)
 
 
-def check_reward_spec(spec: str | dict, key: str = "rollout.reward.fn") -> None:
-    """Refuse a spec that cannot load, before anything slow runs (models load before the reward function): an
-    unknown name (with the built-in it is closest to), or a user function whose module is not importable. Imports
-    no user module (a module's own import errors show when the run loads it) and loads no model."""
+def check_reward_spec(spec: str | dict, key: str = "rollout.reward.fn", granularity: str = "sample") -> None:
+    """Refuse a spec that cannot load, before anything slow runs (models load before the reward function): weights
+    that are no numbers, a group granularity of anything but one function of the user's, an unknown name (with the
+    built-in it is closest to), or a user function whose module is not importable. Imports no user module (a
+    module's own import errors show when the run loads it) and loads no model."""
+    try:
+        spec_weights(spec, granularity)
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from None
     for name in ([spec] if isinstance(spec, str) else list(spec) if isinstance(spec, dict) else []):
         if isinstance(name, str) and _kind(name) == "model":
             _check_reward_model(name, key)

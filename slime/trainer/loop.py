@@ -270,7 +270,8 @@ def run(cfg: Config) -> dict:
     if dims.is_main:
         lock_run_dir(run_dir)
     if cfg.scores_generations:
-        check_reward_spec(cfg.rollout.reward.fn)  # before the models load: a typo found in seconds, not minutes
+        # before the models load: a typo found in seconds, not minutes
+        check_reward_spec(cfg.rollout.reward.fn, granularity=cfg.rollout.reward.granularity)
     if cfg.rollout.generate_fn and cfg.scores_generations:  # likewise (loaded at the first rollout or evaluation)
         load_generate_fn(cfg.rollout.generate_fn)
     stop = StopRequest.install()
