@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from conftest import REPO
 from slime.config import DataConfig
 from slime.data.prompts import SKIP_REASONS, PromptSource, load_prompts
 
@@ -715,3 +716,19 @@ def test_a_numeric_sft_label_is_learned_as_written_and_nan_labels_are_refused(tm
     for sft in (False, True):
         with pytest.raises(ValueError, match=r"p.jsonl:2: .*'label' is .*NaN or an infinity"):
             load_prompts(DataConfig(path=str(path)), tok, label_required=True, label_is_text=sft)
+
+
+def test_a_prompt_of_tokens_past_the_models_vocabulary_is_named_at_load(tmp_path):
+    """The tiny arithmetic model's tokenizer has a token (<|endoftext|>, id 261) past its 261 embeddings: a prompt
+    holding it failed at the first generate call, naming no row."""
+    from slime.config import ModelConfig
+    from slime.models.loading import check_prompt_vocab, load_tokenizer
+
+    model = ModelConfig(path=str(REPO / "assets/tiny-arith"))
+    tok = load_tokenizer(model)
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1="}, {"prompt": "2+2=<|endoftext|>"}])
+    prompts, _ = load_prompts(DataConfig(path=str(path)), tok)
+    check_prompt_vocab(prompts[:1], model, tok)
+    with pytest.raises(ValueError, match=r"the prompt at .*p.jsonl:2 \(data.path\) holds token ids \[261\] "
+                                         r"\(\['<\|endoftext\|>'\]\) outside model.path's vocabulary \[0, 261\)"):
+        check_prompt_vocab(prompts, model, tok)

@@ -104,6 +104,21 @@ def text_config_value(cfg: ModelConfig, key: str) -> int | None:
     return int(value) if value else None
 
 
+def check_prompt_vocab(prompts, cfg: ModelConfig, tokenizer, key: str = "data.path") -> None:
+    """A prompt whose token ids fall outside the model's vocabulary (a tokenizer with added tokens the model has
+    no embedding for: a special token in the text) failed at the first generate call, naming no row."""
+    vocab = text_config_value(cfg, "vocab_size")
+    if vocab is None:
+        return
+    for p in prompts:
+        if p.prompt_ids and max(p.prompt_ids) >= vocab:
+            bad = sorted({t for t in p.prompt_ids if t >= vocab})
+            tokens = tokenizer.convert_ids_to_tokens(bad[:3])
+            raise ValueError(f"{p.where} ({key}) holds token ids {bad[:5]} ({tokens}) "
+                             f"outside model.path's vocabulary [0, {vocab}): the tokenizer has tokens the model has no "
+                             "embedding for. Remove them from the text, or give the model's own tokenizer")
+
+
 def context_length(cfg: ModelConfig) -> int | None:
     """The model's `max_position_embeddings`; None if not stated."""
     return text_config_value(cfg, "max_position_embeddings")

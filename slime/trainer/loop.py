@@ -26,8 +26,8 @@ from slime.data.prompts import PromptSource, rows_on_every_rank, sft_samples
 from slime.distributed.ds_config import build_ds_config, read_ds_json, zero_stage
 from slime.distributed.parallel_dims import ParallelDims
 from slime.models.export import exported_step
-from slime.models.loading import (check_critic, check_packing, check_stop_ids, check_turn_end, critic_model,
-                                  load_processor, load_tokenizer, resolve_dtype, warn_past_context)
+from slime.models.loading import (check_critic, check_packing, check_prompt_vocab, check_stop_ids, check_turn_end,
+                                  critic_model, load_processor, load_tokenizer, resolve_dtype, warn_past_context)
 from slime.rollout.custom import load_generate_fn
 from slime.rollout.engine import make_engine
 from slime.rollout.rewards import check_reward_spec, needs_label, reward_fn_from_config
@@ -314,6 +314,9 @@ def run(cfg: Config) -> dict:
                              f"rollout.over_sample_factor={cfg.rollout.over_sample_factor:g}, rounded up to a multiple "
                              f"of dp={dims.dp}): lower one of them")
     evalset = load_eval_prompts(cfg, tokenizer, dims, processor) if cfg.eval.path else None
+    check_prompt_vocab(data.prompts, cfg.model, tokenizer)
+    if evalset is not None:
+        check_prompt_vocab(evalset.prompts, cfg.model, tokenizer, key="eval.path")
     if dims.is_main:
         longest = max((len(p.prompt_ids) for p in data.prompts), default=0)
         warn_past_context(cfg.model, longest, cfg.rollout.max_response_len, logger)
