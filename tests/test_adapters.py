@@ -143,6 +143,13 @@ def test_a_model_directory_without_config_or_tokenizer_says_what_is_missing(tmp_
         load_tokenizer(ModelConfig(path=str(no_tok)))
     with pytest.raises(FileNotFoundError, match=r"no_conf has no config.json"):
         load_model(ModelConfig(path=str(no_conf)), attn_implementation="sdpa")
+    # transformers' "You set `ignore_mismatched_sizes` to `False`", which the user did not, naming no path
+    wide = tmp_path / "wide"
+    shutil.copytree(src, wide)
+    (wide / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()), "hidden_size": 96}))
+    with pytest.raises(ValueError, match=r"model.path=.*wide: the weights do not have the shapes its config.json "
+                                         r"gives"):
+        load_model(ModelConfig(path=str(wide)), attn_implementation="sdpa")
     # not transformers' "Checkout 'https://huggingface.co/...'" of a hub id
     with pytest.raises(FileNotFoundError, match=r"model.gguf_file=nope.gguf is not a file in model.path=.*no_conf "
                                                 r"\(GGUF files there: none\)"):

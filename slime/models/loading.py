@@ -200,6 +200,12 @@ def load_model(cfg: ModelConfig, *, attn_implementation: str, dtype: torch.dtype
     try:
         model = adapter.load(cfg, attn_implementation=attn_implementation, dtype=dtype or resolve_dtype(cfg.dtype),
                              backbone_only=backbone_only)
+    except RuntimeError as e:
+        if "ignore_mismatched_sizes" not in str(e):  # transformers' words for it, whose cause is config.json's
+            raise
+        raise ValueError(f"model.path={cfg.path}: the weights do not have the shapes its config.json gives "
+                         "(transformers' load report above lists them: hidden_size, intermediate_size, head counts?); "
+                         "give the config.json the weights were saved with") from None
     except (KeyError, ValueError) as e:  # transformers' own words name its sdpa or a dict's missing key
         if not any(k in str(e) for k in (attn_implementation, "scaled_dot_product_attention")):
             raise
