@@ -588,7 +588,7 @@ class Config:
         if not self.model.path:
             raise ValueError("model.path is required: an HF model directory (e.g. model.path=assets/tiny-arith)")
         if not self.data.path:
-            raise ValueError("data.path is required: a .jsonl or .parquet prompt file")
+            raise ValueError("data.path is required: a .jsonl, .json or .parquet prompt file")
         if self.parallel.sp > 1 and not self.train.packing:
             raise ValueError("parallel.sp > 1 cuts packed rows into shards: it needs train.packing=true")
         sft = self.algo.policy_loss == "sft"

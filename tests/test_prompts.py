@@ -732,3 +732,13 @@ def test_a_prompt_of_tokens_past_the_models_vocabulary_is_named_at_load(tmp_path
     with pytest.raises(ValueError, match=r"the prompt at .*p.jsonl:2 \(data.path\) holds token ids \[261\] "
                                          r"\(\['<\|endoftext\|>'\]\) outside model.path's vocabulary \[0, 261\)"):
         check_prompt_vocab(prompts, model, tok)
+
+
+def test_a_jsonl_file_with_a_byte_order_mark_reads_as_a_json_file_does(tmp_path, tok):
+    """Saved by an editor with a UTF-8 BOM: the .json file read, the .jsonl one failed on line 1 ("Unexpected UTF-8
+    BOM")."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "1+1="}\n{"prompt": "2+2="}\n')
+    prompts, _ = load_prompts(DataConfig(path=str(path)), tok)
+    assert [p.prompt_text for p in prompts] == [p.prompt_text for p in load_prompts(
+        DataConfig(path=str(write_jsonl(tmp_path / "q.jsonl", [{"prompt": "1+1="}, {"prompt": "2+2="}]))), tok)[0]]

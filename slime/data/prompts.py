@@ -73,7 +73,7 @@ def read_jsonl(path: Path) -> list[tuple[int, dict]]:
     if not raw.strip():
         raise ValueError(f"{path} is empty: a JSON-lines file needs one JSON object per line")
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark some editors write (.json reads past it)
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         column = e.start - (raw.rfind(b"\n", 0, e.start) + 1) + 1
