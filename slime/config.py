@@ -431,6 +431,8 @@ class EvalConfig:
                              f"and eval.max_response_len={self.max_response_len} >= 0 (0 = all / the rollout's)")
         if self.n_samples_per_prompt < 1:
             raise ValueError(f"eval.n_samples_per_prompt={self.n_samples_per_prompt} must be >= 1")
+        if not math.isfinite(self.accuracy_threshold):  # inf: nothing correct; -inf: everything
+            raise ValueError(f"eval.accuracy_threshold={self.accuracy_threshold} must be a finite reward")
         if not 0 <= self.temperature < math.inf:
             raise ValueError(f"eval.temperature={self.temperature} must be >= 0 and finite (0 = greedy)")
         if not 0 < self.top_p <= 1:
@@ -712,6 +714,21 @@ class Config:
                 f"of the run (train.num_steps x train.num_mini_batches{less}): the learning rate never reaches "
                 f"train.lr={self.train.lr:g} (at most {updates / (self.train.warmup_steps + 1):.0%} of it); lower "
                 "train.warmup_steps")
+
+    def accuracy_warning(self) -> str | None:
+        """An eval.accuracy_threshold above the most the built-in rewards can give (each at most 1): eval/accuracy
+        would be 0 whatever the model answers."""
+        from slime.rollout.rewards import BUILTIN_REWARDS
+
+        spec = self.rollout.reward.fn
+        weights = {spec: 1.0} if isinstance(spec, str) else spec if isinstance(spec, dict) else {}
+        if not self.eval.path or not weights or any(name not in BUILTIN_REWARDS for name in weights):
+            return None
+        most = sum(max(float(w), 0.0) for w in weights.values())
+        if self.eval.accuracy_threshold <= most:
+            return None
+        return (f"eval.accuracy_threshold={self.eval.accuracy_threshold:g} is above the most rollout.reward.fn="
+                f"{spec!r} gives ({most:g}): eval/accuracy is 0 whatever the model answers; lower the threshold")
 
     def off_policy_warning(self) -> str | None:
         """One-step-off batches come from the weights one update older than pi_old; nothing corrects for that

@@ -771,3 +771,16 @@ def test_a_config_not_in_utf8_a_directory_an_url_without_scheme_and_a_negative_l
     assert load_config(None, base + ["rollout.sglang.urls=[https://h:1]"]).rollout.sglang.urls == ["https://h:1"]
     with pytest.raises(ValueError, match=r"rollout.max_response_len=-1, .* must be >= 1"):
         load_config(None, base + ["rollout.max_response_len=-1"])
+
+
+def test_an_accuracy_threshold_no_reward_reaches_is_warned_and_an_infinite_one_refused():
+    base = ["model.path=m", "data.path=d.jsonl", "eval.path=e.jsonl"]
+    warning = load_config(None, base + ["eval.accuracy_threshold=2", "rollout.reward.fn=exact_match"]).accuracy_warning()
+    assert warning.startswith("eval.accuracy_threshold=2 is above the most rollout.reward.fn='exact_match' gives (1)")
+    weighted = ["rollout.reward.fn={math: 1.0, format: 0.5}"]
+    assert load_config(None, base + weighted + ["eval.accuracy_threshold=1.5"]).accuracy_warning() is None
+    assert "gives (1.5)" in load_config(None, base + weighted + ["eval.accuracy_threshold=1.6"]).accuracy_warning()
+    user = ["rollout.reward.fn=my.module:score", "eval.accuracy_threshold=5"]  # its range is unknown
+    assert load_config(None, base + user).accuracy_warning() is None
+    with pytest.raises(ValueError, match=r"eval.accuracy_threshold=inf must be a finite reward"):
+        load_config(None, base + ["eval.accuracy_threshold=.inf"])

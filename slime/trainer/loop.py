@@ -277,7 +277,7 @@ def run(cfg: Config) -> dict:
     stop = StopRequest.install()
     exit_with_launcher()  # under run.sh: a kill -9 of it must not leave the ranks training
     said = cfg.longest_sample_warning(), cfg.user_timeout_warning(dims.world_size), cfg.off_policy_warning(), \
-        cfg.warmup_warning()
+        cfg.warmup_warning(), cfg.accuracy_warning()
     for warning in said:
         if dims.rank == 0 and warning is not None:
             logger.warning(warning)
