@@ -614,6 +614,52 @@ def test_a_stop_does_not_wait_for_a_batch_ahead_still_generating(monkeypatch):
     assert ahead.finish(wait=False) is None and ahead.in_flight  # still generating: not waited for
     release.set()
     assert RolloutAhead.load(ahead.finish())["samples"] == [] and ahead.in_flight  # a checkpoint between steps waits
+    assert ahead.waited_s > 0  # counted as the next step's wait for its batch (time/rollout), which take() skips
+
+
+def test_a_batch_ahead_that_timed_out_is_said_at_a_stop_not_waited_for(monkeypatch, caplog):
+    """A generate function's or a reward's TimeoutError is concurrent.futures.TimeoutError (Python 3.11): close()
+    took it for its own wait running out, spun 60 s aborting (686,000 calls in 5 s) and said the batch did not
+    finish, never what timed out."""
+    import concurrent.futures
+    import logging
+
+    import slime.rollout.rollout as rollout_mod
+    from slime.rollout.rollout import RolloutAhead
+
+    def timed_out(*a, **k):
+        raise TimeoutError("reward function grader:score timed out after 10 s")
+
+    class Engine:
+        aborts = 0
+
+        def abort(self):
+            Engine.aborts += 1
+
+    monkeypatch.setattr(rollout_mod, "_draw_and_generate", timed_out)
+    ahead = RolloutAhead(Engine(), types.SimpleNamespace(state_dict=dict), None, None, None, OneRank())
+    ahead.start(0)
+    concurrent.futures.wait([ahead._future])
+    with caplog.at_level(logging.WARNING):
+        ahead.close()
+    assert "the discarded batch generated ahead failed: TimeoutError: reward function grader:score timed out" \
+        in caplog.text and "did not finish" not in caplog.text
+    assert Engine.aborts == 1
+
+
+def test_a_saved_batch_ahead_serves_a_resume_that_changed_only_how_rewards_are_fetched():
+    """batch_settings compared the reward section whole: raising rollout.reward.timeout after a run died of it
+    threw the saved batch away. Settings that shape the samples still count, each by its dotted name."""
+    from slime.config import RewardConfig, RolloutConfig
+    from slime.rollout.rollout import batch_settings
+
+    base = batch_settings(RolloutConfig())
+    patient = RolloutConfig(reward=RewardConfig(timeout=120.0, max_retries=9, max_concurrency=4))
+    assert batch_settings(patient) == base
+    other = batch_settings(RolloutConfig(reward=RewardConfig(fn={"math": 1.0, "format": 0.1})))
+    assert other != base and other["reward.fn"] == {"math": 1.0, "format": 0.1}
+    assert batch_settings(RolloutConfig(temperature=0.9))["temperature"] == 0.9
+    assert "overlong_penalty.max_len" in base and not any(k.startswith("sglang") for k in base)
 
 
 def test_a_stop_aborts_a_batch_ahead_whose_generate_call_starts_after_the_first_abort(monkeypatch):

@@ -241,6 +241,9 @@ class RolloutAhead:
         self.skipped_when_drawn: collections.Counter = collections.Counter()
         """The prompt source's skips when drawn as the batch taken last was drawn: the next batch, drawn while
         that one trains, must not count in its step's data/skipped_*."""
+        self.waited_s = 0.0
+        """How long checkpoints waited for the batch in flight (finish): the step that takes it counts that as
+        its wait for the batch (time/rollout), which take() found over."""
         self.data_state = data.state_dict()
         """The prompt source's position before the batch in flight: what a checkpoint records for a resumed run
         that cannot use the batch `finish` saved (it generates that batch again)."""
@@ -277,10 +280,13 @@ class RolloutAhead:
         still generating."""
         if not wait and not self._future.done():
             return None
+        start = time.perf_counter()
         try:
             samples, seconds, _ = self._future.result()
         except BaseException:  # noqa: BLE001 -- take() raises it where the run would have met it
             return None
+        finally:
+            self.waited_s += time.perf_counter() - start
         buffer = io.BytesIO()
         try:
             torch.save({"samples": samples, "generate_s": seconds}, buffer)
@@ -304,7 +310,8 @@ class RolloutAhead:
         self._future = future
 
     def take(self, trainer_version: int) -> tuple[list[Sample], dict]:
-        """Wait for the batch in flight; its samples and metrics (a collective: every rank calls it)."""
+        """Wait for the batch in flight; its samples and metrics (a collective: every rank calls it). A checkpoint's
+        wait for it (`waited_s`) is the caller's to count, and to reset."""
         future, self._future = self._future, None
         samples, seconds, self.skipped_when_drawn = future.result()
         metrics = rollout_metrics(samples, self.dims)
@@ -327,14 +334,15 @@ class RolloutAhead:
             # again every ABORT_EVERY_S: an abort cuts the generate() calls running when it comes, and the thread
             # may still be drawing prompts, or start another call (a multi-turn generate function)
             self.engine.abort()
-            try:
-                future.result(timeout=max(0.0, min(self.ABORT_EVERY_S, deadline - time.monotonic())))
-            except concurrent.futures.TimeoutError:
+            # done or not, not by the exception result() raises: since Python 3.11 the TimeoutError of a
+            # generate function or a reward that timed out is concurrent.futures.TimeoutError too
+            concurrent.futures.wait([future], timeout=max(0.0, min(self.ABORT_EVERY_S, deadline - time.monotonic())))
+            if not future.done():
                 if time.monotonic() < deadline:
                     continue
                 logger.warning("the batch generated ahead did not finish within %.0f s of the stop; abandoned",
                                self.STOP_WAIT_S)
-            except BaseException as e:  # noqa: BLE001
+            elif (e := future.exception()) is not None:
                 logger.warning("the discarded batch generated ahead failed: %s: %s", type(e).__name__, e)
             return
 
@@ -342,12 +350,23 @@ class RolloutAhead:
 # Settings of a rollout that do not change its samples: a batch generated ahead and saved with a checkpoint
 # serves a resumed run whose rollout differs in these alone.
 _NOT_IN_A_BATCH = ("engine", "gen_batch_size", "hf_packed_weights", "hf_compile", "generate_fn_timeout",
-                   "one_step_off", "sync_bucket_mb", "sglang", "max_sampling_attempts", "over_sample_factor")
+                   "one_step_off", "sync_bucket_mb", "sglang", "max_sampling_attempts", "over_sample_factor",
+                   "reward.timeout", "reward.max_concurrency", "reward.max_retries", "reward.retry_backoff",
+                   "reward.batch_size")
 
 
 def batch_settings(cfg: RolloutConfig) -> dict:
-    """The rollout settings a batch's samples follow from (JSON, as a checkpoint's manifest records them)."""
-    return json.loads(json.dumps({k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_IN_A_BATCH}))
+    """The rollout settings a batch's samples follow from, by dotted name (JSON, as a checkpoint's manifest
+    records them)."""
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) and k != "fn" else {f"{prefix}{k}": v})
+        return out
+
+    settings = {k: v for k, v in flat(dataclasses.asdict(cfg)).items()
+                if k not in _NOT_IN_A_BATCH and not k.startswith("sglang.")}
+    return json.loads(json.dumps(settings))
 
 
 def _cut_to_batch_size(kept: list[Sample], batch_size: int, dims: ParallelDims) -> list[Sample]:

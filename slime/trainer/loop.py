@@ -458,6 +458,8 @@ def run(cfg: Config) -> dict:
                     if not ahead.in_flight:
                         ahead.start(step)
                     local, metrics = ahead.take(trainer_version=step)
+                    t0 -= ahead.waited_s  # what the last checkpoint waited for it is this step's wait (and time)
+                    ahead.waited_s = 0.0
                     metrics["time/rollout"] = time.time() - t0  # the wait for the batch generated during the last step
                     if step > start_step:  # the previous update, now that nothing generates
                         phase.now = "weight sync (the previous step's update)"
