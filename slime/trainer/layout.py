@@ -16,6 +16,7 @@ import array
 import dataclasses
 import functools
 import hashlib
+import pickle
 from typing import Sequence
 
 from slime.config import TrainConfig
@@ -201,7 +202,12 @@ def distribute(local: list[Sample], dims: ParallelDims, layout: Layout, *, num_m
     for s in local:
         if dest[s.index] != me:
             outgoing.setdefault(dest[s.index], []).append(s)
-    received = dims.exchange_objects(outgoing)
+    try:
+        received = dims.exchange_objects(outgoing)
+    except (TypeError, AttributeError, pickle.PicklingError) as e:  # before the collective: the others see it end
+        raise TypeError(f"a sample cannot be pickled to move to the rank that trains it ({type(e).__name__}: {e}): "
+                        "what a generate function or a reward puts in Sample.metadata must be plain data (numbers, "
+                        "strings, lists, dicts), not a lock, a client or an open file") from e
     mine = sorted([s for s in local if dest[s.index] == me] + [s for part in received.values() for s in part],
                   key=lambda s: s.index)
     position = {s.index: k for k, s in enumerate(mine)}
