@@ -124,8 +124,8 @@ def last_boxed(text: str) -> str | None:
 
 
 def gsm8k(row: dict, i: int) -> dict | None:
-    if not row["question"].strip():  # the instruction alone would be the prompt
-        raise Skip("with an empty question")
+    if row["question"] is None or (isinstance(row["question"], str) and not row["question"].strip()):
+        raise Skip("with an empty question")  # the instruction alone would be the prompt
     if not isinstance(row["answer"], str) or "####" not in row["answer"]:  # null: no usable answer
         return None
     label = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")
@@ -136,7 +136,7 @@ def gsm8k(row: dict, i: int) -> dict | None:
 
 
 def math(row: dict, i: int) -> dict | None:
-    if not row["problem"].strip():
+    if row["problem"] is None or (isinstance(row["problem"], str) and not row["problem"].strip()):
         raise Skip("with an empty problem")
     label = last_boxed(row["solution"]) if isinstance(row["solution"], str) else None
     if not label:

@@ -152,7 +152,9 @@ def read_image(ref: Any, base_dir: str | Path, *, max_pixels: int, timeout: floa
     if img.mode not in SUPPORTED_MODES:
         raise ImageError("unsupported_mode", f"{describe(ref)} has mode {img.mode!r}; supported: "
                                              f"{', '.join(sorted(SUPPORTED_MODES))}")
-    if getattr(img, "n_frames", 1) > 1:  # a GIF, APNG or WebP animation: the model would see its first frame only
+    # a GIF, APNG or WebP animation: the model would see its first frame only (a camera's JPEG with an embedded
+    # preview opens as a 2-frame MPO: a still photo)
+    if img.format in ("GIF", "PNG", "WEBP") and getattr(img, "is_animated", False):
         raise ImageError("unsupported_mode", f"{describe(ref)} is animated ({img.n_frames} frames); the model takes "
                                              "one image: give the frame it should see")
     try:

@@ -742,3 +742,23 @@ def test_a_jsonl_file_with_a_byte_order_mark_reads_as_a_json_file_does(tmp_path,
     prompts, _ = load_prompts(DataConfig(path=str(path)), tok)
     assert [p.prompt_text for p in prompts] == [p.prompt_text for p in load_prompts(
         DataConfig(path=str(write_jsonl(tmp_path / "q.jsonl", [{"prompt": "1+1="}, {"prompt": "2+2="}]))), tok)[0]]
+
+
+def test_a_message_a_template_renders_as_json_counts_as_rendered():
+    """Llama 3.1's template renders an ipython (tool) turn with tojson: its quotes and newlines escaped, the text
+    was taken for left out, and the row skipped as unrendered_role."""
+    from slime.data.prompts import _texts_left_out
+
+    output = 'result: "4"\nok'
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "ipython", "content": output}]
+    rendered = "<user>2+2?<ipython>" + json.dumps(output) + "<assistant>"
+    assert _texts_left_out(messages, rendered, unknown_roles=True) is None
+    assert _texts_left_out(messages, "<user>2+2?<assistant>", unknown_roles=True) == 1
+
+
+def test_an_sft_reply_written_as_the_float_labels_repr_is_not_a_conflict(tmp_path, tok):
+    """A converter that wrote both the label and the final reply from one float: label 1e-05, reply "1e-05"."""
+    path = write_jsonl(tmp_path / "s.jsonl", [{"messages": [{"role": "user", "content": "tiny?"},
+                                                            {"role": "assistant", "content": "1e-05"}], "label": 1e-05}])
+    prompts, _ = load_prompts(DataConfig(path=str(path)), tok, label_required=True, label_is_text=True)
+    assert len(prompts) == 1

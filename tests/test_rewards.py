@@ -491,10 +491,16 @@ def test_a_bad_spec_is_refused_before_the_models_load_and_a_wrong_signature_when
                                        ("exact_match", "group", r"with granularity 'group' must be one user function")):
         with pytest.raises(ValueError, match=r"rollout.reward.fn: .*" + message):
             check_reward_spec(spec, granularity=granularity)
-    (tmp_path / "two_args.py").write_text("def reward(sample, extra):\n    return 1.0\n\n"
-                                          "def flexible(sample, scale=1.0, **kw):\n    return scale\n")
+    (tmp_path / "two_args.py").write_text("import functools\n\n"
+                                          "def reward(sample, extra):\n    return 1.0\n\n"
+                                          "def flexible(sample, scale=1.0, **kw):\n    return scale\n\n"
+                                          "def logged(fn):\n    @functools.wraps(fn)\n"
+                                          "    def wrapper(*args, **kw):\n        return fn(args[0], 1.0)\n"
+                                          "    return wrapper\n\n"
+                                          "@logged\ndef decorated(sample, scale):\n    return scale\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ValueError, match=r"reward spec 'two_args:reward': reward\(sample, extra\) cannot be called "
                                          r"with one sample \(missing a required argument: 'extra'\)"):
         make_reward_fn("two_args:reward")
     make_reward_fn("two_args:flexible")
+    make_reward_fn("two_args:decorated")  # the rollout calls the wrapper (*args, **kw), not the function it wraps

@@ -311,6 +311,10 @@ def test_transparent_pixels_are_white_and_extreme_aspect_ratios_are_named(tmp_pa
     assert e.value.reason == "unsupported_mode"
     frames[0].save(tmp_path / "still.gif")
     assert read_image("still.gif", tmp_path, max_pixels=10**6).getpixel((3, 3)) == (255, 0, 0)
+    # a camera's JPEG with an embedded preview opens as a 2-frame MPO: a still photo, not an animation
+    frames[0].save(tmp_path / "photo.jpg", "MPO", save_all=True, append_images=[Image.new("RGB", (8, 8))])
+    assert Image.open(tmp_path / "photo.jpg").n_frames == 2
+    assert read_image("photo.jpg", tmp_path, max_pixels=10**6).size == (30, 30)
 
 
 def test_image_bytes_as_base64_text_a_quoted_image_token_and_an_unknown_part_type(tmp_path, vl, caplog):

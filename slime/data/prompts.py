@@ -226,7 +226,9 @@ def _texts_left_out(messages, text: str, unknown_roles: bool = False) -> int | N
         content = m.get("content")
         parts = [content] if isinstance(content, str) else \
             [p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
-        if any(part.strip() and part.strip() not in text for part in parts):
+        # a template may render a message as JSON (Llama 3.1's ipython turns: tojson), its quotes and newlines escaped
+        if any(part.strip() and part.strip() not in text and json.dumps(part.strip())[1:-1] not in text
+               for part in parts):
             return i
     return None
 
@@ -368,7 +370,7 @@ def _reply_as_label(row: dict, cfg: DataConfig, path: str, line: int) -> dict:
         raise TypeError(f"{path}:{line}: the final assistant message's content must be text, got "
                         f"{type(content).__name__}")
     label = row.get(cfg.label_key)
-    if has_label(label) and label_text(label).strip() != content.strip():
+    if has_label(label) and content.strip() not in (label_text(label).strip(), str(label).strip()):
         raise ValueError(f"{path}:{line}: the messages end with an assistant reply and '{cfg.label_key}' gives "
                          "another response; SFT learns one: drop the final message or the label")
     return {**row, cfg.messages_key: messages[:-1], cfg.label_key: content}

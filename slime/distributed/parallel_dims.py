@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import gc
+import itertools
 import logging
 import os
 import pickle
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from slime.utils.net import free_port
 
 logger = logging.getLogger(__name__)
+_ON_MAIN_CALLS = itertools.count(1)  # ParallelDims.on_main's keys: every rank calls it as often, in one order
 
 
 @dataclasses.dataclass
@@ -175,8 +177,9 @@ class ParallelDims:
             fn()
             return
         store = dist.distributed_c10d._get_default_store()
-        self._on_main_calls = getattr(self, "_on_main_calls", 0) + 1
-        key = f"slime/on_main/{self._on_main_calls}"
+        # per process, not per object: a process may build its dims again (run() called twice) on the same store,
+        # whose keys of the earlier calls would answer at once
+        key = f"slime/on_main/{next(_ON_MAIN_CALLS)}"
         if self.is_main:
             try:
                 fn()

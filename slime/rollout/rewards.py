@@ -327,8 +327,8 @@ def spec_weights(spec, granularity: str = "sample") -> dict:
 def _check_call(fn: Callable, path: str, granularity: str) -> None:
     """A user function that cannot be called as the rollout calls it (with one argument: a sample, or a group's
     list of samples) failed at its first call, after a whole rollout: said when it loads."""
-    try:
-        signature = inspect.signature(fn)
+    try:  # the callable itself: a functools.wraps decorator's (*args, **kwargs) wrapper is what the rollout calls
+        signature = inspect.signature(fn, follow_wrapped=False)
     except (TypeError, ValueError):  # a builtin or C callable: nothing to read
         return
     try:

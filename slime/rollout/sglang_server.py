@@ -209,8 +209,8 @@ def check_served_family(url: str, name: str, model_path: str, family: str) -> No
         raise SGLangServerError(f"{name} = {url} serves a {served!r} model ({info.get('model_path')}), but the "
                                 f"trainer trains model.path={model_path} ({family!r}): {fix}")
     served_path = info.get("model_path")
-    if not isinstance(served_path, str) or served_path == model_path:
-        return
+    if not isinstance(served_path, str) or served_path == model_path or not Path(served_path).is_absolute():
+        return  # relative: to the server's working directory, not known here
     theirs, ours = _sizes(served_path), _sizes(model_path)
     if theirs is None or ours is None:
         return

@@ -314,9 +314,15 @@ def run(cfg: Config) -> dict:
                              f"rollout.over_sample_factor={cfg.rollout.over_sample_factor:g}, rounded up to a multiple "
                              f"of dp={dims.dp}): lower one of them")
     evalset = load_eval_prompts(cfg, tokenizer, dims, processor) if cfg.eval.path else None
-    check_prompt_vocab(data.prompts, cfg.model, tokenizer)
-    if evalset is not None:
-        check_prompt_vocab(evalset.prompts, cfg.model, tokenizer, key="eval.path")
+    problem = None  # every rank raises it: each holds only its slice of the eval file
+    try:
+        check_prompt_vocab(data.prompts, cfg.model, tokenizer)
+        if evalset is not None:
+            check_prompt_vocab(evalset.prompts, cfg.model, tokenizer, key="eval.path")
+    except ValueError as e:
+        problem = str(e)
+    if found := [p for p in dims.all_gather_objects(problem, group=dims.world_group) if p]:
+        raise ValueError(found[0])
     if dims.is_main:
         longest = max((len(p.prompt_ids) for p in data.prompts), default=0)
         warn_past_context(cfg.model, longest, cfg.rollout.max_response_len, logger)

@@ -38,6 +38,17 @@ def main() -> None:
         result["error"] = f"{type(e).__name__}: {e}"
     dims.barrier()
 
+    # dims built again in the same process (run() called twice): its calls must not meet the keys of the first
+    again, marker = ParallelDims.build(), out / "written"
+
+    def slow_write():
+        time.sleep(1)
+        marker.write_text("done")
+
+    again.on_main("writing again", slow_write)
+    result["waited_again"] = marker.is_file()
+    again.barrier()
+
     if dims.is_main:  # such a wait in a barrier of a 1 s timeout: the other rank's gives up
         time.sleep(3)
     try:
