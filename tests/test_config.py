@@ -775,7 +775,8 @@ def test_a_config_not_in_utf8_a_directory_an_url_without_scheme_and_a_negative_l
 
 def test_an_accuracy_threshold_no_reward_reaches_is_warned_and_an_infinite_one_refused():
     base = ["model.path=m", "data.path=d.jsonl", "eval.path=e.jsonl"]
-    warning = load_config(None, base + ["eval.accuracy_threshold=2", "rollout.reward.fn=exact_match"]).accuracy_warning()
+    warning = load_config(None, base + ["eval.accuracy_threshold=2",
+                                        "rollout.reward.fn=exact_match"]).accuracy_warning()
     assert warning.startswith("eval.accuracy_threshold=2 is above the most rollout.reward.fn='exact_match' gives (1)")
     weighted = ["rollout.reward.fn={math: 1.0, format: 0.5}"]
     assert load_config(None, base + weighted + ["eval.accuracy_threshold=1.5"]).accuracy_warning() is None

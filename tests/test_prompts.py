@@ -758,7 +758,7 @@ def test_a_message_a_template_renders_as_json_counts_as_rendered():
 
 def test_an_sft_reply_written_as_the_float_labels_repr_is_not_a_conflict(tmp_path, tok):
     """A converter that wrote both the label and the final reply from one float: label 1e-05, reply "1e-05"."""
-    path = write_jsonl(tmp_path / "s.jsonl", [{"messages": [{"role": "user", "content": "tiny?"},
-                                                            {"role": "assistant", "content": "1e-05"}], "label": 1e-05}])
+    chat = [{"role": "user", "content": "tiny?"}, {"role": "assistant", "content": "1e-05"}]
+    path = write_jsonl(tmp_path / "s.jsonl", [{"messages": chat, "label": 1e-05}])
     prompts, _ = load_prompts(DataConfig(path=str(path)), tok, label_required=True, label_is_text=True)
     assert len(prompts) == 1
