@@ -124,23 +124,23 @@ def last_boxed(text: str) -> str | None:
 
 
 def gsm8k(row: dict, i: int) -> dict | None:
-    if row["question"] is None or (isinstance(row["question"], str) and not row["question"].strip()):
-        raise Skip("with an empty question")  # the instruction alone would be the prompt
     if not isinstance(row["answer"], str) or "####" not in row["answer"]:  # null: no usable answer
         return None
     label = row["answer"].rsplit("####", 1)[1].strip().replace(",", "")
     if not label:
         return None
+    if isinstance(row["question"], str) and not row["question"].strip():  # (a null one is an error naming the row)
+        raise Skip("with an empty question")  # the instruction alone would be the prompt
     return {"prompt": row["question"].strip() + GSM8K_INSTRUCTION, "label": label,
             "metadata": {"source": "gsm8k", "row": i}}
 
 
 def math(row: dict, i: int) -> dict | None:
-    if row["problem"] is None or (isinstance(row["problem"], str) and not row["problem"].strip()):
-        raise Skip("with an empty problem")
     label = last_boxed(row["solution"]) if isinstance(row["solution"], str) else None
     if not label:
         return None
+    if isinstance(row["problem"], str) and not row["problem"].strip():
+        raise Skip("with an empty problem")
     return {"prompt": row["problem"].strip() + " Put the final answer in \\boxed{}.", "label": label,
             "metadata": {"source": "math", "row": i, "level": row.get("level"), "type": row.get("type")}}
 

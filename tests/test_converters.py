@@ -182,14 +182,15 @@ def test_length_report_errors_name_its_own_flags(tmp_path, tiny_model, capsys):
 
 def test_converters_skip_rows_without_a_usable_answer(tmp_path, capsys):
     """Also those whose question is empty (the instruction alone was written as the prompt), and the rows skipped
-    are named (only counted before)."""
+    are named (only counted before). A row of nulls has no usable answer (a null question beside an answer is an
+    error naming the row: the next test)."""
     rows = [{"question": "1+1?", "answer": "so #### 2"}, {"question": "?", "answer": "nothing after ####"},
             {"question": "?", "answer": "no marker"}, {"question": " ", "answer": "#### 5"},
             {"question": None, "answer": None}]
-    assert convert("gsm8k", rows, tmp_path / "g.jsonl") == (1, {"without a usable answer": 2,
-                                                                "with an empty question": 2}, 0)
+    assert convert("gsm8k", rows, tmp_path / "g.jsonl") == (1, {"without a usable answer": 3,
+                                                                "with an empty question": 1}, 0)
     out = capsys.readouterr().out
-    assert "skipped 2 row(s) without a usable answer: rows 2, 3" in out and "with an empty question: rows 4, 5" in out
+    assert "skipped 3 row(s) without a usable answer: rows 2, 3, 5" in out and "with an empty question: row 4" in out
     assert convert("math", [{"problem": "", "solution": "\\boxed{1}"}, {"problem": "x?", "solution": "\\boxed{2}"}],
                    tmp_path / "m.jsonl") == (1, {"with an empty problem": 1}, 0)
     dapo = [{"prompt": [{"content": "no role"}], "reward_model": {"ground_truth": "1"}},
