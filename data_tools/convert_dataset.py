@@ -234,6 +234,12 @@ def convert(kind: str, rows: Iterable[dict], out: Path) -> tuple[int, collection
     written = duplicates = 0
     skipped: collections.Counter = collections.Counter()
     examples: dict[str, list[int]] = collections.defaultdict(list)  # the first rows (1-based) of each reason
+
+    def skip(reason: str, i: int) -> None:
+        skipped[reason] += 1
+        if len(examples[reason]) < 10:
+            examples[reason].append(i + 1)
+
     seen: set[bytes] = set()  # digests of the rows written (without their metadata, which names the source row)
     partial = out.with_name(f".{out.name}.partial")  # renamed into place once whole: no half file left behind
     try:
@@ -242,9 +248,7 @@ def convert(kind: str, rows: Iterable[dict], out: Path) -> tuple[int, collection
                 try:
                     converted = fn(row, i)
                 except Skip as e:
-                    skipped[e.reason] += 1
-                    if len(examples[e.reason]) < 10:
-                        examples[e.reason].append(i + 1)
+                    skip(e.reason, i)
                     continue
                 except KeyError as e:
                     raise ValueError(f"row {i + 1} has no column {e}, which the {kind} converter reads; its columns: "
@@ -254,9 +258,7 @@ def convert(kind: str, rows: Iterable[dict], out: Path) -> tuple[int, collection
                     raise ValueError(f"row {i + 1}: the {kind} converter cannot read it ({type(e).__name__}: {e}); "
                                      f"its columns' types: {types}") from None
                 if converted is None:
-                    skipped["without a usable answer"] += 1
-                    if len(examples["without a usable answer"]) < 10:
-                        examples["without a usable answer"].append(i + 1)
+                    skip("without a usable answer", i)
                     continue
                 files = converted.pop("_files", [])
                 content = {k: v for k, v in converted.items() if k not in ("metadata", "images")}

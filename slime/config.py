@@ -718,11 +718,14 @@ class Config:
     def accuracy_warning(self) -> str | None:
         """An eval.accuracy_threshold above the most the built-in rewards can give (each at most 1): eval/accuracy
         would be 0 whatever the model answers."""
-        from slime.rollout.rewards import BUILTIN_REWARDS
+        from slime.rollout.rewards import BUILTIN_REWARDS, spec_weights
 
         spec = self.rollout.reward.fn
-        weights = {spec: 1.0} if isinstance(spec, str) else spec if isinstance(spec, dict) else {}
-        if not self.eval.path or not weights or any(name not in BUILTIN_REWARDS for name in weights):
+        try:
+            weights = spec_weights(spec)
+        except ValueError:  # refused, saying why, by check_reward_spec
+            return None
+        if not self.eval.path or any(name not in BUILTIN_REWARDS for name in weights):
             return None
         most = sum(max(float(w), 0.0) for w in weights.values())
         if self.eval.accuracy_threshold <= most:

@@ -16,7 +16,6 @@ answering); a dead or hung server is reported with the tail of its log.
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import signal
@@ -183,16 +182,16 @@ _SIZE_KEYS = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_atte
 
 
 def _sizes(model_dir: str) -> dict | None:
-    """The size settings of the config.json in `model_dir` (a VL model's text_config's too), or None where there is
-    no such file here (a hub id, a path on another machine)."""
+    """The size settings of the config.json in `model_dir` (a VL model's text_config's too), as the trainer reads
+    them; none where there is no such file here (a hub id, a path on another machine), None where it is unreadable."""
+    from slime.config import ModelConfig
+    from slime.models.loading import text_config_value
+
     try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
+        sizes = {k: text_config_value(ModelConfig(path=model_dir), k) for k in _SIZE_KEYS}
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
-    if not isinstance(config, dict):
-        return None
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    return {k: text.get(k, config.get(k)) for k in _SIZE_KEYS if text.get(k, config.get(k)) is not None}
+    return {k: v for k, v in sizes.items() if v is not None}
 
 
 def check_served_family(url: str, name: str, model_path: str, family: str) -> None:

@@ -590,10 +590,10 @@ def saved_batch_ahead(state: dict, cfg: Config, dims: ParallelDims) -> dict | No
     if saved is None:  # none was in flight (the run's last step, a synchronous run), or a checkpoint of before
         return None
     problem, batch = None, None
+    was, now = saved.get("rollout") or {}, batch_settings(cfg.rollout)
     if not cfg.rollout.one_step_off or cfg.algo.policy_loss == "sft":
         problem = "this run is not one-step-off (rollout.one_step_off)"
-    elif saved.get("rollout") != batch_settings(cfg.rollout):
-        was, now = saved.get("rollout") or {}, batch_settings(cfg.rollout)
+    elif was != now:
         changed = [f"rollout.{k} {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(was) | set(now))
                    if was.get(k) != now.get(k)]
         problem = f"this run's rollout differs ({', '.join(changed)})"
