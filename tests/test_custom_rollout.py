@@ -649,17 +649,24 @@ def test_a_batch_ahead_that_timed_out_is_said_at_a_stop_not_waited_for(monkeypat
 
 def test_a_saved_batch_ahead_serves_a_resume_that_changed_only_how_rewards_are_fetched():
     """batch_settings compared the reward section whole: raising rollout.reward.timeout after a run died of it
-    threw the saved batch away. Settings that shape the samples still count, each by its dotted name."""
-    from slime.config import RewardConfig, RolloutConfig
+    threw the saved batch away. Settings that shape the samples still count, each by its dotted name: the
+    rollout's, and (they were left out at first) the prompt data's, the image sizes and the sampling seed."""
+    from slime.config import load_config
     from slime.rollout.rollout import batch_settings
 
-    base = batch_settings(RolloutConfig())
-    patient = RolloutConfig(reward=RewardConfig(timeout=120.0, max_retries=9, max_concurrency=4))
-    assert batch_settings(patient) == base
-    other = batch_settings(RolloutConfig(reward=RewardConfig(fn={"math": 1.0, "format": 0.1})))
-    assert other != base and other["reward.fn"] == {"math": 1.0, "format": 0.1}
-    assert batch_settings(RolloutConfig(temperature=0.9))["temperature"] == 0.9
-    assert "overlong_penalty.max_len" in base and not any(k.startswith("sglang") for k in base)
+    def settings(*overrides):
+        return batch_settings(load_config(None, ["model.path=m", "data.path=d.jsonl", *overrides]))
+
+    base = settings()
+    assert settings("rollout.reward.timeout=120", "rollout.reward.max_retries=9",
+                    "rollout.reward.max_concurrency=4", "data.image_fetch_timeout=60") == base
+    other = settings('rollout.reward.fn={"math": 1.0, "format": 0.1}')
+    assert other != base and other["rollout.reward.fn"] == {"math": 1.0, "format": 0.1}
+    for key, value in [("rollout.temperature", 0.9), ("data.path", "other.jsonl"), ("data.system_prompt", "Be brief."),
+                       ("train.seed", 7), ("model.max_pixels", 200_704)]:
+        now = settings(f"{key}={value}")
+        assert now[key] == value and now != base
+    assert "rollout.overlong_penalty.max_len" in base and not any(k.startswith("rollout.sglang") for k in base)
 
 
 def test_a_stop_aborts_a_batch_ahead_whose_generate_call_starts_after_the_first_abort(monkeypatch):

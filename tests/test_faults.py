@@ -412,7 +412,7 @@ def test_a_one_step_off_run_resumes_exactly_on_the_batch_it_had_in_flight(model,
     changed = tmp_path / "changed"
     cut_back_to(changed, straight, 2)
     proc = launch(model, task_dir, changed, *common, "rollout.temperature=0.9")
-    assert "holds the batch generated ahead for step 3, not used: this run's rollout differs (rollout.temperature " \
+    assert "holds the batch generated ahead for step 3, not used: this run's settings differ (rollout.temperature " \
            "1.0 -> 0.9)" in proc.stdout + proc.stderr
     rows = read_metrics(changed)
     assert [r["rollout/policy_lag"] for r in rows] == [0.0, 1.0, 0.0, 1.0]  # step 3's batch made again, on-policy

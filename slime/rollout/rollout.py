@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from slime.config import RolloutConfig
+from slime.config import Config, RolloutConfig
 from slime.data.prompts import Prompt, PromptSource
 from slime.data.sample import Sample, as_token_tensor
 from slime.distributed.parallel_dims import ParallelDims
@@ -353,19 +353,25 @@ _NOT_IN_A_BATCH = ("engine", "gen_batch_size", "hf_packed_weights", "hf_compile"
                    "one_step_off", "sync_bucket_mb", "sglang", "max_sampling_attempts", "over_sample_factor",
                    "reward.timeout", "reward.max_concurrency", "reward.max_retries", "reward.retry_backoff",
                    "reward.batch_size")
+# ... and the settings outside `rollout` that do: which prompts a batch holds and how they read, its sampling seed
+_DATA_NOT_IN_A_BATCH = ("image_fetch_timeout", "max_skipped_frac")
+_MODEL_IN_A_BATCH = ("min_pixels", "max_pixels")
 
 
-def batch_settings(cfg: RolloutConfig) -> dict:
-    """The rollout settings a batch's samples follow from, by dotted name (JSON, as a checkpoint's manifest
-    records them)."""
+def batch_settings(cfg: Config) -> dict:
+    """The settings a rollout batch's samples follow from, by dotted name (JSON, as a checkpoint's manifest
+    records them): the rollout's, the prompt data's, the image sizes and the seed."""
     def flat(d: dict, prefix: str = "") -> dict:
         out = {}
         for k, v in d.items():
             out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) and k != "fn" else {f"{prefix}{k}": v})
         return out
 
-    settings = {k: v for k, v in flat(dataclasses.asdict(cfg)).items()
-                if k not in _NOT_IN_A_BATCH and not k.startswith("sglang.")}
+    rollout = {f"rollout.{k}": v for k, v in flat(dataclasses.asdict(cfg.rollout), "").items()
+               if k not in _NOT_IN_A_BATCH and not k.startswith("sglang.")}
+    data = {f"data.{k}": v for k, v in dataclasses.asdict(cfg.data).items() if k not in _DATA_NOT_IN_A_BATCH}
+    settings = {**rollout, **data, "train.seed": cfg.train.seed,
+                **{f"model.{k}": getattr(cfg.model, k) for k in _MODEL_IN_A_BATCH}}
     return json.loads(json.dumps(settings))
 
 

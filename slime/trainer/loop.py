@@ -430,7 +430,7 @@ def run(cfg: Config) -> dict:
             if dims.all_reduce_sum([float(blob is None)], group=dims.world_group)[0] == 0:
                 files["ahead"] = blob
                 loop_state["ahead"] = {"data": data.with_skips_of_all_ranks(data.state_dict(), dims.all_reduce_sum),
-                                       "rollout": batch_settings(cfg.rollout)}
+                                       "settings": batch_settings(cfg)}
             elif stopping:
                 logger.info("the batch for step %d is still generating (or failed): not saved with the checkpoint; a "
                             "resumed run generates it again", done + 1)
@@ -590,13 +590,15 @@ def saved_batch_ahead(state: dict, cfg: Config, dims: ParallelDims) -> dict | No
     if saved is None:  # none was in flight (the run's last step, a synchronous run), or a checkpoint of before
         return None
     problem, batch = None, None
-    was, now = saved.get("rollout") or {}, batch_settings(cfg.rollout)
+    was, now = saved.get("settings"), batch_settings(cfg)
     if not cfg.rollout.one_step_off or cfg.algo.policy_loss == "sft":
         problem = "this run is not one-step-off (rollout.one_step_off)"
+    elif was is None:
+        problem = "the checkpoint does not record the settings it was generated with (an older version saved it)"
     elif was != now:
-        changed = [f"rollout.{k} {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(was) | set(now))
+        changed = [f"{k} {was.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(was) | set(now))
                    if was.get(k) != now.get(k)]
-        problem = f"this run's rollout differs ({', '.join(changed)})"
+        problem = f"this run's settings differ ({', '.join(changed)})"
     else:
         try:  # verified against the manifest with the rest of the checkpoint
             batch = RolloutAhead.load((state["path"] / rank_file_name("ahead", dims.rank)).read_bytes())
