@@ -193,6 +193,21 @@ def test_dynamic_sampling_that_would_draw_more_prompts_than_the_file_has_is_refu
     assert proc.returncode != 0 and "Traceback" in proc.stderr and "start-up error" not in proc.stderr
 
 
+def test_an_eval_prompt_past_the_vocabulary_in_one_ranks_slice_stops_every_rank_with_its_message(task_dir, tmp_path):
+    """Each rank holds its slice of the eval file: the row with a token past the tiny arithmetic model's 261
+    embeddings (<|endoftext|>, id 261) is rank 1's alone. Every rank raises its message, rank 0 included (not only
+    rank 1, with rank 0 left waiting in the next collective)."""
+    evals = tmp_path / "eval.jsonl"
+    evals.write_text(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n" +
+                     json.dumps({"prompt": "2+2=<|endoftext|>", "label": "4"}) + "\n")
+    proc = launch(REPO / "assets/tiny-arith", task_dir, tmp_path / "run", f"eval.path={evals}", "train.num_steps=1",
+                  check=False)
+    assert proc.returncode != 0
+    message = f"the prompt at {evals}:2 (eval.path) holds token ids [261]"
+    assert f"[rank0] start-up error: ValueError: {message}" in proc.stderr, proc.stderr[-3000:]
+    assert "RL for 1 steps" not in proc.stdout + proc.stderr
+
+
 def test_a_prompt_longer_than_a_micro_batch_is_refused_at_start(model, tmp_path):
     """A prompt past parallel.sp x train.max_tokens_per_gpu can never train: this failed only at the step that drew
     it, after its rollout, suggesting a budget sized to that one sample."""

@@ -508,3 +508,32 @@ def test_real_token_fraction_counts_the_padding_sequence_parallel_adds():
     assert packing_stats(lengths, plan, pad_to=4)["real_token_fraction"] == 12 / 16
     assert packing_stats(lengths, plan)["real_token_fraction"] == 1.0
     assert packing_stats(lengths, plan, pad_to=4, padded=True)["real_token_fraction"] == 12 / 13  # 2 x 4 + 5
+
+
+def test_a_sample_that_cannot_be_pickled_to_another_rank_is_named_with_what_to_put_in_metadata():
+    """Rank 0 of two holds every sample, so distribute moves some to rank 1: one whose metadata holds a lock
+    (a generate function's client) fails to pickle, and the error says what Sample.metadata may hold."""
+    import pickle
+    import threading
+
+    from one_rank import OneRank
+    from slime.data.sample import Sample
+    from slime.trainer.layout import Layout, distribute
+
+    class RankZeroOfTwo(OneRank):
+        dp, world_size = 2, 2
+
+        def all_gather_objects(self, obj, group=None):
+            return [obj, []]  # rank 1 generated nothing
+
+        def exchange_objects(self, outgoing, group=None):  # pickled as ParallelDims does, before sending
+            return {r: pickle.loads(pickle.dumps(v)) for r, v in outgoing.items()} and {}
+
+    layout = Layout(packing=True, max_tokens=64, micro_batch_size=1, budget_key="train.max_tokens_per_gpu")
+    plain = [Sample(prompt_ids=[1, 2, 3], response_ids=[4, 5, 6]) for _ in range(4)]
+    assert distribute(plain, RankZeroOfTwo(), layout).moved == 2
+    locked = [Sample(prompt_ids=[1, 2, 3], response_ids=[4, 5, 6], metadata={"client": threading.Lock()})
+              for _ in range(4)]
+    with pytest.raises(TypeError, match=r"a sample cannot be pickled to move to the rank that trains it "
+                                        r"\(TypeError: cannot pickle '_thread.lock' object\): .* plain data"):
+        distribute(locked, RankZeroOfTwo(), layout)
