@@ -825,6 +825,16 @@ def test_a_reward_function_that_calls_sys_exit_0_fails_the_run(model, task_dir, 
     assert f"{where}: user code called sys.exit(0)" in proc.stdout + proc.stderr
 
 
+def test_a_generate_function_module_that_calls_sys_exit_0_on_import_fails_the_run(model, task_dir, tmp_path):
+    """Imported before the models load (a typo found in seconds), outside the loop's guard: the run ended there
+    with exit code 0, no step trained."""
+    proc = launch(model, task_dir, tmp_path / "run", "rollout.generate_fn=exits_on_import:generate",
+                  "train.num_steps=1", nproc=1, check=False)
+    assert proc.returncode != 0
+    assert ("step 0, importing rollout.generate_fn=exits_on_import:generate: user code called sys.exit(0)"
+            in proc.stdout + proc.stderr)
+
+
 def test_a_run_whose_processes_end_early_with_exit_code_0_fails_under_run_sh(model, task_dir, tmp_path):
     """os._exit(0) in a reward function ends every rank with code 0 and no step: run.sh sees no completion mark."""
     common = ("train.num_steps=1", "checkpoint.export_hf=false")

@@ -273,7 +273,10 @@ def run(cfg: Config) -> dict:
         # before the models load: a typo found in seconds, not minutes
         check_reward_spec(cfg.rollout.reward.fn, granularity=cfg.rollout.reward.granularity)
     if cfg.rollout.generate_fn and cfg.scores_generations:  # likewise (loaded at the first rollout or evaluation)
-        load_generate_fn(cfg.rollout.generate_fn)
+        importing = Phase()
+        importing.now = f"importing rollout.generate_fn={cfg.rollout.generate_fn}"
+        with importing.guard(0, cfg.train.dist_timeout_minutes):  # a sys.exit(0) at its top level ended the run, rc 0
+            load_generate_fn(cfg.rollout.generate_fn)
     stop = StopRequest.install()
     exit_with_launcher()  # under run.sh: a kill -9 of it must not leave the ranks training
     said = cfg.longest_sample_warning(), cfg.user_timeout_warning(dims.world_size), cfg.off_policy_warning(), \
