@@ -50,6 +50,9 @@ class ParallelDims:
         if "RANK" not in os.environ:  # plain `python run.py`: a world of one
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():  # before the first collective: NCCL runs each on the current device
+            torch.cuda.set_device(local_rank)
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not dist.is_initialized():
@@ -57,14 +60,11 @@ class ParallelDims:
         if agree is not None:
             agree()
         world, rank = dist.get_world_size(), dist.get_rank()
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if world % sp:
             raise ValueError(f"parallel.sp={sp} must divide the world size {world}")
         dp = world // sp
         if world % ep:  # DeepSpeed's ep groups: blocks of ep consecutive ranks (sp peers included)
             raise ValueError(f"parallel.ep={ep} must divide the world size {world} (ranks)")
-        if torch.cuda.is_available():
-            torch.cuda.set_device(local_rank)
         dims = cls(world_size=world, rank=rank, local_rank=local_rank, dp=dp, sp=sp, ep=ep)
         # Ranks r*sp .. r*sp+sp-1 form one sp group; ranks with equal sp-rank form a dp group.
         # new_group is collective: every rank creates every group in the same order.
