@@ -36,7 +36,8 @@ class ModelConfig:
     gguf_file: str | None = field(None, "GGUF file inside `path` to load instead of safetensors.")
     dtype: Literal["auto", "float32", "bfloat16"] = field("auto", "Training dtype; auto = bf16 on GPU, fp32 on CPU.")
     attn_implementation: Literal["auto", "packed_sdpa", "flash_attention_2"] = field(
-        "auto", "Attention kernel for packed micro-batches; auto = flash-attn varlen on GPU when installed, else packed sdpa.")
+        "auto", "Attention kernel for packed micro-batches; auto = flash-attn varlen on GPU when installed and the "
+                "model runs in bf16, else packed sdpa.")
     cpu_linear: Literal["auto", "onednn", "torch"] = field(
         "auto", "fp32 linear layers on CPU (trainer and hf engine): oneDNN's kernels or torch's own F.linear (MKL); "
                 "auto = oneDNN on AMD CPUs (where MKL takes its AVX2 path: oneDNN 2-2.4x faster there) and torch's "

@@ -96,13 +96,20 @@ def test_attention_choice(monkeypatch, cuda, flash, requested, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" and flash
                         else (None if name == "flash_attn" else real(name, *a)))
-    assert resolve_attn_implementation(requested) == expected
+    assert resolve_attn_implementation(requested, torch.bfloat16) == expected
+    # flash-attn has no fp32 kernels: auto picked it for model.dtype=float32 on a GPU, and the first step failed
+    if requested == "auto":
+        assert resolve_attn_implementation(requested, torch.float32) == PACKED_SDPA
+    elif requested == "flash_attention_2":
+        with pytest.raises(ValueError, match=r"runs in bf16 or fp16 only, and the model runs in float32 "
+                                             r"\(model.dtype\): set model.dtype=bfloat16"):
+            resolve_attn_implementation(requested, torch.float32)
 
 
 def test_flash_requested_without_the_package_says_how_to_get_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(ValueError, match="flash-attn package"):
-        resolve_attn_implementation("flash_attention_2")
+        resolve_attn_implementation("flash_attention_2", torch.bfloat16)
 
 
 # 5. MicroBatch.to moves everything ----------------------------------------------------------------------

@@ -328,14 +328,20 @@ AttentionInterface.register(GQA_SDPA, gqa_sdpa_forward)
 AttentionMaskInterface.register(GQA_SDPA, sdpa_mask)  # the same boolean masks as sdpa
 
 
-def resolve_attn_implementation(requested: str) -> str:
-    """'auto' -> flash-attn varlen on GPU when installed, else packed sdpa."""
+def resolve_attn_implementation(requested: str, dtype: torch.dtype) -> str:
+    """'auto' -> flash-attn varlen on GPU when installed and the model runs in 16 bits (flash-attn has no fp32
+    kernels), else packed sdpa."""
+    half = dtype in (torch.bfloat16, torch.float16)
     if requested != "auto":
         if requested == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
             raise ValueError("model.attn_implementation=flash_attention_2 needs the flash-attn package "
                              "(pip install -e '.[gpu]'), or use packed_sdpa")
+        if requested == "flash_attention_2" and not half:
+            raise ValueError(f"model.attn_implementation=flash_attention_2 runs in bf16 or fp16 only, and the model "
+                             f"runs in {str(dtype).removeprefix('torch.')} (model.dtype): set model.dtype=bfloat16, "
+                             "or attn_implementation=packed_sdpa")
         return requested
-    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+    if half and torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return PACKED_SDPA
 

@@ -133,7 +133,7 @@ class PolicyEngine:
         self.role, self.dims, self.train_cfg, self.temperature = role, dims, train, temperature
         self.model_path = model.path
         dtype = resolve_dtype(model.dtype)
-        attention = resolve_attn_implementation(model.attn_implementation)
+        attention = resolve_attn_implementation(model.attn_implementation, dtype)
         shard = None
         if dims.sp > 1:
             text = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code).get_text_config()
