@@ -171,3 +171,14 @@ def test_a_rank_with_no_sample_runs_dummies_and_the_step_equals_one_rank(tiny_mo
     assert ref["minis"] == got["minis"] == [[0]] and got["dummies"] == 1
     assert got["metrics"]["train/loss"] == pytest.approx(ref["metrics"]["train/loss"], rel=1e-5, abs=1e-7)
     assert_params_close(got["state"], ref["state"])
+
+
+def test_offload_before_a_colocated_rollout_moves_only_what_the_zero_config_keeps_on_the_device(tmp_path):
+    """ds_configs/zero3_offload.json under a colocated engine failed at the first rollout: DeepSpeed refuses to move
+    the states of offloaded parameters, and moves only FusedAdam's optimizer states (an offloaded optimizer is
+    DeepSpeedCPUAdam). The states offload() names are moved and reloaded by the real engines here (on CPU)."""
+    run_ranks([str(REPO / "tests/dist/offload_checks.py"), str(REPO / "assets/tiny-arith"), str(tmp_path)], nproc=1)
+    moved = json.loads((tmp_path / "offload.json").read_text())
+    assert moved["zero3_offload"] == {"True": [], "False": []}  # parameters and optimizer live on host already
+    assert moved["optimizer_offload"] == {"True": ["lp_params", "contiguous_grad_buffer"],
+                                          "False": ["contiguous_grad_buffer"]}

@@ -428,11 +428,25 @@ class PolicyEngine:
         """
         if self.dims.device.type != "cuda":
             return
-        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
-
-        include = [t for t in OffloadStateTypeEnum if params or t != OffloadStateTypeEnum.lp_params]
-        self.engine.offload_states(include=include)
+        if include := self.states_on_device(params=params):
+            self.engine.offload_states(include=include)
         torch.cuda.empty_cache()
+
+    def states_on_device(self, *, params: bool = True) -> list:
+        """The DeepSpeed states offload() moves to host: not those a ZeRO offload config keeps there already
+        (DeepSpeed refuses to move states of offloaded parameters, and moves an offloaded optimizer's gradient
+        partitions to the GPU when it reloads them)."""
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum as State
+
+        def on_host(offload) -> bool:
+            return offload is not None and offload.device != OffloadDeviceEnum.none
+
+        if on_host(self.engine.zero_offload_param()):  # parameters, gradients and optimizer live on host
+            return []
+        states = [s for s in State if params or s != State.lp_params]
+        if on_host(self.engine.zero_offload_optimizer()):  # fp32 weights, Adam's moments, gradient partitions
+            states = [s for s in states if s not in (State.optim_states, State.hp_params, State.lp_grads)]
+        return states
 
     def reload(self) -> None:
         if self.dims.device.type == "cuda":
