@@ -6,7 +6,8 @@ the rollout engines and their GPUs) and a memory estimate per GPU, in two phases
 engine and the trainer take turns on the GPU:
 
 - training: ZeRO-3 model states (DeepSpeed's own estimate: 18 bytes per parameter over the ranks plus
-  the largest layer gathered; ZeRO-1/2: 2 bytes per parameter plus 18 over the ranks), a frozen
+  the largest layer gathered; ZeRO-1/2: 2 bytes per parameter plus 18 over the ranks; 2 more over the ranks where
+  the gradients accumulate in fp32, `data_types.grad_accum_dtype`, as the shipped configs do), a frozen
   reference's bf16 partitions (whole under ZeRO-1/2), a critic's states, activations at
   `train.max_tokens_per_gpu` tokens (with and without gradient checkpointing), and one logits chunk;
 - rollout: the colocated SGLang engine at its static memory fraction (weights + KV cache), with the
@@ -164,11 +165,14 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
                           f"{num_gpus + engine_gpus} GPUs)")
     out["total_gpus"] = num_gpus + engine_gpus
     # training phase
-    stage = zero_stage(build_ds_config(cfg.train, bf16=cfg.model.dtype != "float32"))  # as on GPUs ("auto": bf16)
+    ds = build_ds_config(cfg.train, bf16=cfg.model.dtype != "float32")  # as on GPUs ("auto": bf16)
+    stage = zero_stage(ds)
     needs_ref = cfg.algo.needs_reference and not sft
     check_stage(stage, cfg.train, sp=sp, ep=ep, offload_params=needs_ref and cfg.algo.ref_offload)
     gathered = max(shape.largest_dense_layer, shape.largest_layer // ep) if shape.expert_params else shape.largest_layer
     actor = model_states_bytes(stage, shape.params, gathered, num_gpus)  # under ep, a rank gathers its experts only
+    if cfg.model.dtype != "float32" and str((ds.get("data_types") or {}).get("grad_accum_dtype")).lower() == "fp32":
+        actor += 2 * shape.params // num_gpus  # the gradient partitions summed in fp32, not bf16
     ref = 0
     if needs_ref:
         if stage < 3:  # a replicated reference
