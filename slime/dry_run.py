@@ -11,7 +11,8 @@ engine and the trainer take turns on the GPU:
   reference's bf16 partitions (whole under ZeRO-1/2), a critic's states, activations at
   `train.max_tokens_per_gpu` tokens (with and without gradient checkpointing), and one logits chunk;
 - rollout: the colocated SGLang engine at its static memory fraction (weights + KV cache), with the
-  actor's states offloaded (a reference's and a critic's stay on the GPU and are counted).
+  actor's states offloaded (a reference's and a critic's stay on the GPU and are counted);
+- both: a `model:PATH` reward model, whole on every rank in bf16.
 
 Activations: per token and layer, the tensors autograd keeps for an HF decoder layer (attention without a T^2
 term), as measured with saved-tensor hooks (`tests/test_dry_run.py` holds the formula to the measurement):
@@ -90,6 +91,24 @@ def model_shape(path: str, trust_remote_code: bool = False) -> ModelShape:
                       model_type=config.model_type, num_heads=text.num_attention_heads,
                       num_kv_heads=text.num_key_value_heads, num_experts=num_experts(config),
                       qk_norm=any(name.endswith((".q_norm", ".k_norm")) for name in sizes))
+
+
+def reward_model_params(cfg: Config) -> int:
+    """Parameters of the `model:PATH` reward models of rollout.reward.fn (every rank holds each whole, in bf16 on a
+    GPU, for the whole run), from their config.json on the meta device."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from slime.rollout.reward_models import MODEL_PREFIX
+
+    spec = cfg.rollout.reward.fn
+    names = [spec] if isinstance(spec, str) else list(spec) if isinstance(spec, dict) else []
+    total = 0
+    for name in names:
+        if isinstance(name, str) and name.startswith(MODEL_PREFIX):
+            config = AutoConfig.from_pretrained(Path(name[len(MODEL_PREFIX):]).expanduser())
+            with torch.device("meta"):
+                total += sum(p.numel() for p in AutoModelForSequenceClassification.from_config(config).parameters())
+    return total
 
 
 def model_states_bytes(stage: int, params: int, largest_layer: int, gpus: int) -> int:
@@ -186,8 +205,10 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
     act_full = activation_bytes(shape, tokens, False, element)
     acts = act_ckpt if cfg.model.gradient_checkpointing else act_full
     logits = 3 * 4 * min(cfg.train.logits_chunk_size, tokens) * shape.vocab
-    training = actor + ref + critic + acts + logits + CONTEXT_GIB * GIB
-    out.update(zero_stage=stage, actor_states=actor, reference=ref, critic_states=critic, activations=acts,
+    reward_model = 2 * reward_model_params(cfg) if cfg.scores_generations else 0  # bf16, whole on every rank
+    training = actor + ref + critic + reward_model + acts + logits + CONTEXT_GIB * GIB
+    out.update(zero_stage=stage, actor_states=actor, reference=ref, critic_states=critic, reward_model=reward_model,
+               activations=acts,
                activations_checkpointed=act_ckpt, activations_full=act_full, logits_chunk=logits,
                training_total=training)
     # rollout phase (colocated engine awake, trainer offloaded)
@@ -206,15 +227,16 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
         out.update(engine_weights=weights, engine_pool=pool, kv_cache=max(pool - weights, 0),
                    kv_tokens=int(max(pool - weights, 0) // kv_per_token))
         # only the actor's states leave the GPU while a colocated engine is awake; a reference and a critic stay
-        out["rollout_resident"] = ref + critic if s.mode == "colocated" else 0
+        out["rollout_resident"] = ref + critic + reward_model if s.mode == "colocated" else 0
         out["rollout_total"] = pool + (CONTEXT_GIB * GIB + out["rollout_resident"] if s.mode == "colocated" else 0)
     else:
         out["engine_weights"] = 2 * shape.params if cfg.model.dtype != "float32" else 4 * shape.params
-        out["rollout_total"] = out["engine_weights"] + CONTEXT_GIB * GIB
+        out["rollout_total"] = out["engine_weights"] + reward_model + CONTEXT_GIB * GIB
         out["training_total"] += out["engine_weights"]  # the hf engine's copy stays resident
     seqs = -(-cfg.rollout.batch_size * cfg.rollout.n_samples_per_prompt // max(num_engines, 1))  # per engine
     out["kv_tokens_needed"] = seqs * (cfg.data.max_prompt_len + cfg.rollout.max_response_len)
-    out["cpu_load_bytes_per_node"] = min(num_gpus, 8) * 2 * shape.params  # every rank loads the bf16 model once
+    # every rank loads the bf16 model once, and a reward model
+    out["cpu_load_bytes_per_node"] = min(num_gpus, 8) * (2 * shape.params + reward_model)
     out["gpu_bytes"] = gpu_gib * GIB
     out["warnings"] = [f"{phase} needs about {out[key] / GIB:.1f} GiB per GPU, over {MARGIN:.0%} of {gpu_gib:g} GiB"
                        for phase, key in (("training", "training_total"), ("rollout", "rollout_total"))
@@ -256,18 +278,21 @@ def report(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> str:
         f"per GPU, training: ZeRO-{p['zero_stage']} actor states {g(p['actor_states'])}"
         + (f" + reference {g(p['reference'])}" if p["reference"] else "")
         + (f" + critic {g(p['critic_states'])}" if p["critic_states"] else "")
+        + (f" + reward model {g(p['reward_model'])}" if p["reward_model"] else "")
         + f" + activations {g(p['activations'])} at {cfg.train.max_tokens_per_gpu} tokens "
           f"({'with' if cfg.model.gradient_checkpointing else 'without'} gradient checkpointing; "
           f"{g(p['activations_checkpointed'])} with, {g(p['activations_full'])} without)"
         + f" + logits chunk {g(p['logits_chunk'])} + context = {g(p['training_total'])}",
     ]
     if p["engine_weights"] and cfg.rollout.engine == "sglang":
-        resident = f" + reference/critic kept on the GPU {g(p['rollout_resident'])}" if p["rollout_resident"] else ""
+        resident = f" + reference/critic/reward model kept on the GPU {g(p['rollout_resident'])}" \
+            if p["rollout_resident"] else ""
         lines.append(f"per GPU, rollout: SGLang weights {g(p['engine_weights'])} + KV cache {g(p['kv_cache'])} "
                      f"(~{p['kv_tokens']} tokens){resident} = {g(p['rollout_total'])}; the actor's states are "
                      "offloaded")
     elif p["engine_weights"]:
-        lines.append(f"per GPU, rollout: hf engine weights {g(p['engine_weights'])}")
+        lines.append(f"per GPU, rollout: hf engine weights {g(p['engine_weights'])}"
+                     + (f" + reward model {g(p['reward_model'])}" if p["reward_model"] else ""))
     lines.append(f"CPU memory at load: about {g(p['cpu_load_bytes_per_node'])} per node (each rank reads the model)")
     lines += [f"note: {n}" for n in p["notes"]]
     for key, path in (("data.path", cfg.data.path), ("eval.path", cfg.eval.path)):  # a dry run may come before the data

@@ -61,7 +61,8 @@ def test_a_small_models_figures_are_in_units_that_show_them(capsys):
     run_py_main()(["--config", str(REPO / "examples/cpu_tiny_grpo.yaml"), "--dry-run", "--num-gpus", "2"])
     out = capsys.readouterr().out
     assert "model assets/tiny-arith: 107.7K parameters (largest layer 16.7K)" in out, out
-    assert " 0.0 GiB" not in out and "actor states 1.1 MiB" in out, out  # 18 + 2 (fp32 accumulation) bytes a parameter over 2 ranks
+    # 18 + 2 (gradients summed in fp32) bytes a parameter over 2 ranks
+    assert " 0.0 GiB" not in out and "actor states 1.1 MiB" in out, out
 
 
 def test_a_gpu_recipe_stops_after_its_dry_run_on_a_node_without_a_gpu(tmp_path):
@@ -76,6 +77,27 @@ def test_a_gpu_recipe_stops_after_its_dry_run_on_a_node_without_a_gpu(tmp_path):
     assert done.returncode == 2 and "fits in 80.0 GiB per GPU" in done.stdout, done.stderr[-2000:]
     assert "recipe: this node shows no GPU; the dry run above is what the recipe launches on 8 GPU(s)" in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_reward_model_is_counted_on_every_rank_in_both_phases(tmp_path):
+    """A `model:PATH` reward model stays whole on every rank's GPU in bf16 for the whole run: the dry run left it
+    out and said a plan fits that needed its 7.5 GiB more per GPU (a 4B reward model beside the 4B policy)."""
+    import json
+
+    rm = tmp_path / "rm-qwen3-4b"
+    rm.mkdir()
+    config = json.loads((REPO / "examples/model_configs/qwen3-4b/config.json").read_text())
+    config.update(architectures=["Qwen3ForSequenceClassification"], num_labels=1)
+    (rm / "config.json").write_text(json.dumps(config))
+    recipe = REPO / "examples/gpu_qwen3_4b_grpo_gsm8k.yaml"
+    policy = f"model.path={REPO / 'examples/model_configs/qwen3-4b'}"
+    without = plan(load_config(recipe, [policy]), 8)
+    with_rm = plan(load_config(recipe, [policy, f"rollout.reward.fn=model:{rm}"]), 8)
+    rm_bytes = 2 * (4_022_468_096 + 2560)  # the policy's parameters (its head tied) and a 2560 x 1 score head
+    assert without["reward_model"] == 0 and with_rm["reward_model"] == rm_bytes
+    assert with_rm["training_total"] - without["training_total"] == rm_bytes
+    assert with_rm["rollout_total"] - without["rollout_total"] == rm_bytes  # colocated: beside the engine
+    assert with_rm["cpu_load_bytes_per_node"] - without["cpu_load_bytes_per_node"] == 8 * rm_bytes
 
 
 def test_hand_computed_figures_for_qwen3_4b_on_8_gpus():
