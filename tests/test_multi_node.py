@@ -144,3 +144,12 @@ def test_each_rank_takes_its_gpu_before_the_first_collective():
     for r in found:
         rank = r["rank"]
         assert r["events"] == [f"set_device({rank})", f"init_distributed on cuda:{rank}", f"agree on cuda:{rank}"]
+
+
+def test_the_engines_weight_group_does_not_split_the_trainer_worlds_communicator():
+    """On GPUs the trainer world is bound to each rank's device, and torch made the external weight-update group
+    by splitting the world's NCCL communicator, which only rank 0 enters: the disaggregated weight push hung on
+    more than one GPU. The group is made with the world unbound (tests/dist/external_group_checks.py)."""
+    proc = run_ranks([str(REPO / "tests/dist/external_group_checks.py")], nproc=1)
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result == {"split_sources_consulted": 0, "bound": "cpu:0", "broadcast": [1.0, 1.0, 1.0]}

@@ -209,12 +209,21 @@ class ParallelDims:
         to the launcher's store (TORCHELASTIC_USE_AGENT_STORE) instead of serving the engines. torch has
         no public call for a group outside the default world, hence the c10d internals, kept here only.
         """
-        from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+        from torch.distributed.distributed_c10d import (Backend, PrefixStore, _get_default_group,
+                                                        _new_process_group_helper, _world)
 
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
-        pg, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), PrefixStore(group_name, store),
-                                          group_name=group_name, backend_options=None, timeout=timeout)
+        # DeepSpeed binds the trainer world to this rank's GPU; torch then makes a new NCCL group by splitting the
+        # world's communicator (ncclCommSplit), which every trainer rank must enter: this rank alone would wait
+        # there forever. Unbound while the group is made, it gets a communicator of its own.
+        default = _get_default_group()
+        bound, default.bound_device_id = default.bound_device_id, None
+        try:
+            pg, _ = _new_process_group_helper(world_size, 0, [], Backend(backend), PrefixStore(group_name, store),
+                                              group_name=group_name, backend_options=None, timeout=timeout)
+        finally:
+            default.bound_device_id = bound
         _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
         return pg
 
