@@ -237,6 +237,9 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
     out["kv_tokens_needed"] = seqs * (cfg.data.max_prompt_len + cfg.rollout.max_response_len)
     # every rank loads the bf16 model once, and a reward model
     out["cpu_load_bytes_per_node"] = min(num_gpus, 8) * (2 * shape.params + reward_model)
+    # a colocated engine's turn: every rank's actor states in pinned host buffers, which DeepSpeed keeps for the run
+    colocated = num_engines and cfg.rollout.engine == "sglang" and s.mode == "colocated"
+    out["cpu_offload_bytes_per_node"] = min(num_gpus, 8) * actor if colocated else 0
     out["gpu_bytes"] = gpu_gib * GIB
     out["warnings"] = [f"{phase} needs about {out[key] / GIB:.1f} GiB per GPU, over {MARGIN:.0%} of {gpu_gib:g} GiB"
                        for phase, key in (("training", "training_total"), ("rollout", "rollout_total"))
@@ -294,6 +297,9 @@ def report(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> str:
         lines.append(f"per GPU, rollout: hf engine weights {g(p['engine_weights'])}"
                      + (f" + reward model {g(p['reward_model'])}" if p["reward_model"] else ""))
     lines.append(f"CPU memory at load: about {g(p['cpu_load_bytes_per_node'])} per node (each rank reads the model)")
+    if p["cpu_offload_bytes_per_node"]:
+        lines.append(f"CPU memory from the first rollout on: about {g(p['cpu_offload_bytes_per_node'])} per node, "
+                     "pinned (the actor's states offloaded while the colocated engine generates)")
     lines += [f"note: {n}" for n in p["notes"]]
     for key, path in (("data.path", cfg.data.path), ("eval.path", cfg.eval.path)):  # a dry run may come before the data
         if path and not Path(path).is_file():
