@@ -81,6 +81,9 @@ def test_work_of_rank_0_alone_may_outlast_the_collective_timeout_and_its_error_r
     assert r1["error"] == "RuntimeError: rank 0 failed writing the HF export to /x: OSError: [Errno 28] No space " \
                           "left on device"
     assert r1["barrier"] != "passed"  # the barrier it replaces: rank 1 timed out
+    last = json.loads((tmp_path / "rank1_last.json").read_text())  # rank 0 ended right after its error
+    assert last["error"] == "RuntimeError: rank 0 failed publishing checkpoint step_2: OSError: [Errno 28] No " \
+                            "space left on device"
 
 
 def job_overrides(model, task_dir, run_dir) -> list[str]:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from slime.utils.net import free_port
 
 logger = logging.getLogger(__name__)
+ON_MAIN_READ_S = 10.0  # how long rank 0 gives the others to read its error before it raises it
 _ON_MAIN_CALLS = itertools.count(1)  # ParallelDims.on_main's keys: every rank calls it as often, in one order
 
 
@@ -185,16 +186,27 @@ class ParallelDims:
                 fn()
             except BaseException as e:
                 store.set(key, f"{type(e).__name__}: {e}")
+                # the store lives in this process: the others read the message before it ends with the error
+                deadline = time.monotonic() + ON_MAIN_READ_S
+                while store.add(f"{key}/read", 0) < self.world_size - 1 and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 raise
             store.set(key, "")
             return
         start = said = time.monotonic()
-        while not store.check([key]):
-            time.sleep(poll_s)
-            if time.monotonic() - said >= say_every_s:
-                said = time.monotonic()
-                logger.info("rank %d: waiting for rank 0 %s (%.0f min so far)", self.rank, what, (said - start) / 60)
-        error = store.get(key).decode()
+        try:
+            while not store.check([key]):
+                time.sleep(poll_s)
+                if time.monotonic() - said >= say_every_s:
+                    said = time.monotonic()
+                    logger.info("rank %d: waiting for rank 0 %s (%.0f min so far)", self.rank, what,
+                                (said - start) / 60)
+            error = store.get(key).decode()
+            if error:
+                store.add(f"{key}/read", 1)
+        except (dist.DistError, RuntimeError) as e:  # its store went with it (killed, out of memory)
+            raise RuntimeError(f"rank 0 ended while {what} (its store stopped answering: {type(e).__name__}); rank "
+                               "0's log has the cause") from e
         if error:
             raise RuntimeError(f"rank 0 failed {what}: {error}")
 
