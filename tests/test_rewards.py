@@ -480,6 +480,54 @@ def test_a_run_that_ends_while_its_math_child_scores_does_not_wait_for_it(tmp_pa
     assert "counted as math/error" not in proc.stderr  # the kill at exit is no failure of a sample
 
 
+KILLED_SCRIPT = EXIT_SCRIPT.replace('''    print("main thread done", flush=True)''', '''    child, = rewards._math_pool[0]._processes
+    Path(sys.argv[2]).write_text(str(child))
+    time.sleep(3600)  # killed here, by SIGKILL: no exit hook runs''')
+
+
+def test_the_math_child_of_a_process_killed_by_sigkill_exits(tmp_path):
+    """A rank killed by SIGKILL (or ended by os._exit, as the launcher's death ends it) runs no exit hook: its math
+    child stayed behind for good, 275 MB. The child watches for its parent and ends with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    started, pid_file = tmp_path / "started", tmp_path / "child.pid"
+    (tmp_path / "stuck_math.py").write_text(
+        "import time\nfrom pathlib import Path\n\n"
+        f"def stuck(*args):\n    Path({str(started)!r}).touch()\n    time.sleep(3600)\n")
+    (tmp_path / "script.py").write_text(KILLED_SCRIPT)
+    path = f"{tmp_path}:{Path(__file__).parents[1]}"
+    proc = subprocess.Popen([sys.executable, "script.py", str(started), str(pid_file)], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": path})
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pid_file.exists(), "the math child did not start"
+        time.sleep(0.2)  # the pid written fully
+        child = int(pid_file.read_text())
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+    def alive(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return False
+        return state != "Z"  # a zombie has exited (its parent, init here, reaps it)
+
+    deadline = time.monotonic() + 60
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if alive(child):
+        os.kill(child, signal.SIGKILL)
+        pytest.fail(f"the math child {child} outlived its killed parent")
+
+
 def test_a_bad_spec_is_refused_before_the_models_load_and_a_wrong_signature_when_it_loads(tmp_path, monkeypatch):
     """Weights that are no numbers and a group granularity of a built-in were refused only once every model had
     loaded; a function of two parameters failed at its first call, after a whole rollout."""

@@ -257,6 +257,21 @@ def _kill_at_exit(pool) -> None:
 _math_exiting = threading.Event()
 
 
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """The math child's initializer: it ends when the process that started it is gone. A rank killed by SIGKILL
+    (or ended by os._exit) runs no exit hook, and its child, with multiprocessing's resource tracker, stayed
+    behind for good (275 MB each). Polled, since the kernel's parent-death signal follows the thread that
+    started the child (a rollout thread), not its process."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _math_in_child(response_text: str, label: Any, index: int) -> dict[str, float]:
     return math_reward(Sample(prompt_ids=[], response_text=response_text, label=label, index=index))
 
@@ -272,7 +287,7 @@ def _math_off_main(sample: Sample) -> dict[str, float]:
     with _math_lock:  # one sample at a time: the child is one process
         if not _math_pool:
             _math_pool.append(concurrent.futures.ProcessPoolExecutor(
-                max_workers=1, mp_context=multiprocessing.get_context("spawn")))
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=_exit_with_parent))
             _kill_at_exit(_math_pool[0])
         pool = _math_pool[0]
         future = pool.submit(_math_in_child, sample.response_text, sample.label, sample.index)
