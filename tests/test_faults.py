@@ -166,6 +166,18 @@ def test_a_misspelled_generate_fn_is_said_before_the_models_load(model, task_dir
     assert "RL for 1 steps" not in out  # said before the models load
 
 
+def test_a_reward_function_missing_from_its_module_is_said_before_the_models_load(model, task_dir, tmp_path):
+    """The module exists, the function does not (a typo): said when the reward function loaded, after the actor,
+    reference and engine (minutes on a GPU)."""
+    proc = launch(model, task_dir, tmp_path / "run", "rollout.reward.fn=e2e_rewards:digit_fractio",
+                  "train.num_steps=1", nproc=1, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in out, out[-3000:]
+    assert ("start-up error: ValueError: reward spec 'e2e_rewards:digit_fractio': module 'e2e_rewards' has no "
+            "callable 'digit_fractio'") in out
+    assert "RL for 1 steps" not in out  # said before the models load
+
+
 def test_an_eval_budget_past_the_context_length_is_warned(model, task_dir, tmp_path):
     """The training prompts and rollout.max_response_len were checked against the model's context (512 here);
     the eval file and eval.max_response_len were not, and evaluation generated past it without a word."""
@@ -818,7 +830,7 @@ def test_the_loops_own_stop_exits_and_user_codes_sys_exit_is_an_error():
 
 
 @pytest.mark.parametrize("fn, where", [("e2e_rewards:exits", "step 1, rollout"),
-                                       ("exits_on_import:reward", "step 0, loading the reward function")])
+                                       ("exits_on_import:reward", "step 0, importing rollout.reward.fn=exits_on_import:reward")])
 def test_a_reward_function_that_calls_sys_exit_0_fails_the_run(model, task_dir, tmp_path, fn, where):
     """sys.exit(0) in a reward's thread reached the main thread as SystemExit(0): the run ended after one step with
     exit code 0 and no checkpoint, a success to any scheduler. Also at the reward module's import."""

@@ -321,6 +321,14 @@ def test_a_spec_that_may_load_passes_the_early_check(spec):
     rewards.check_reward_spec(spec)
 
 
+def test_the_user_functions_of_a_spec_load_at_start_and_a_missing_one_is_named():
+    """load_user_reward_fns runs before the models load: a function its module lacks is refused there
+    (check_reward_spec imports no module), as is one that cannot take one sample (make_reward_fn's test below)."""
+    rewards.load_user_reward_fns({"reward_fns_for_test:rank_in_group": 1.0, "math": 0.5})
+    with pytest.raises(ValueError, match=r"module 'reward_fns_for_test' has no callable 'missing'"):
+        rewards.load_user_reward_fns({"math": 1.0, "reward_fns_for_test:missing": 0.5})
+
+
 @pytest.mark.parametrize("fn_name,granularity,match", [
     ("returns_string", "sample", r"returns_string returned str \('1.0'\) for sample index=0"),
     ("dict_without_reward", "sample", r"dict_without_reward returned a dict without a 'reward' key for sample "

@@ -733,6 +733,14 @@ def check_reward_spec(spec: str | dict, key: str = "rollout.reward.fn", granular
                              + f"; {_SPEC_HELP}")
 
 
+def load_user_reward_fns(spec: str | dict, granularity: str = "sample") -> None:
+    """Import the user functions of a valid spec (check_reward_spec) and refuse one its module lacks or that cannot
+    take one sample (or group): at start, before the models load, so that such a typo is said in seconds."""
+    for name in spec_weights(spec, granularity):
+        if _kind(name) == "user":
+            _check_call(_load_user_fn(name), name, granularity)
+
+
 def _check_reward_model(name: str, key: str) -> None:
     """A `model:PATH` spec: a local folder whose config.json is a classifier's with one output (its config only is
     read: the weights load after the policy's, minutes later on a large model)."""

@@ -30,7 +30,7 @@ from slime.models.loading import (check_critic, check_packing, check_prompt_voca
                                   critic_model, load_processor, load_tokenizer, resolve_dtype, warn_past_context)
 from slime.rollout.custom import load_generate_fn
 from slime.rollout.engine import make_engine
-from slime.rollout.rewards import check_reward_spec, needs_label, reward_fn_from_config
+from slime.rollout.rewards import check_reward_spec, load_user_reward_fns, needs_label, reward_fn_from_config
 from slime.rollout.rollout import RolloutAhead, batch_settings, collect_rollout, over_sampled
 from slime.trainer.advantages import compute_advantages
 from slime.trainer.checkpoint import (check_resume_early, load_checkpoint, newer_than, rank_file_name,
@@ -272,11 +272,14 @@ def run(cfg: Config) -> dict:
     if cfg.scores_generations:
         # before the models load: a typo found in seconds, not minutes
         check_reward_spec(cfg.rollout.reward.fn, granularity=cfg.rollout.reward.granularity)
-    if cfg.rollout.generate_fn and cfg.scores_generations:  # likewise (loaded at the first rollout or evaluation)
-        importing = Phase()
-        importing.now = f"importing rollout.generate_fn={cfg.rollout.generate_fn}"
-        with importing.guard(0, cfg.train.dist_timeout_minutes):  # a sys.exit(0) at its top level ended the run, rc 0
-            load_generate_fn(cfg.rollout.generate_fn)
+        importing = Phase()  # user modules: a sys.exit(0) at a top level ended the run here with exit code 0
+        importing.now = f"importing rollout.reward.fn={cfg.rollout.reward.fn}"
+        with importing.guard(0, cfg.train.dist_timeout_minutes):
+            load_user_reward_fns(cfg.rollout.reward.fn, cfg.rollout.reward.granularity)
+        if cfg.rollout.generate_fn:  # likewise (loaded at the first rollout or evaluation)
+            importing.now = f"importing rollout.generate_fn={cfg.rollout.generate_fn}"
+            with importing.guard(0, cfg.train.dist_timeout_minutes):
+                load_generate_fn(cfg.rollout.generate_fn)
     stop = StopRequest.install()
     exit_with_launcher()  # under run.sh: a kill -9 of it must not leave the ranks training
     said = cfg.longest_sample_warning(), cfg.user_timeout_warning(dims.world_size), cfg.off_policy_warning(), \
