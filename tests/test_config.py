@@ -295,7 +295,11 @@ def test_ds_config_auto_fields_filled(tmp_path):
                            # pydantic's error, which named the key but not the file
                            ('{"zero_optimization": {"stage": 3, "stage3_param_persistance_threshold": 10}, '
                             '"optimizer": {"type": "AdamW"}}', "its zero_optimization section is refused by DeepSpeed: "
-                            "1 validation error for DeepSpeedZeroConfig\nstage3_param_persistance_threshold")):
+                            "1 validation error for DeepSpeedZeroConfig\nstage3_param_persistance_threshold"),
+                           # the other sections too (DeepSpeed's parse of the whole), also after every model loaded
+                           ('{"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"}, "bf16": {"enabled": '
+                            '"auto", "immediate_grad_update": 3}}', "refused by DeepSpeed: ValidationError: 1 "
+                            "validation error for DeepSpeedBF16Config\nimmediate_grad_update")):
         bad.write_text(content)
         with pytest.raises(ValueError) as e:
             build_ds_config(cfg.train, bad, bf16=False)

@@ -5,8 +5,10 @@ the JSON: `parallelize` derives them from `parallel.*`, so each is set in one pl
 """
 from __future__ import annotations
 
+import copy
 import difflib
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -71,6 +73,7 @@ def build_ds_config(train: TrainConfig, path: str | Path | None = None, *, bf16:
                          "skipped-step guard). ds_configs/zero2.json is the fast choice when a full copy of the "
                          "model fits on every rank")
     _check_zero_section(ds, path)
+    _check_with_deepspeed(ds, path)
     # We set accumulation boundaries by hand (micro-batch counts vary per step), so DeepSpeed
     # must neither scale the loss by 1/gas nor step on its own schedule.
     ds["gradient_accumulation_steps"] = 1
@@ -190,6 +193,23 @@ def _check_zero_section(ds: dict, path: Path) -> None:
     except Exception as e:  # noqa: BLE001 -- pydantic's ValidationError, or a TypeError of a value
         raise ValueError(f"train.ds_config: {path}: its zero_optimization section is refused by DeepSpeed: {e}") \
             from None
+
+
+def _check_with_deepspeed(ds: dict, path: Path) -> None:
+    """DeepSpeed's own parse of every section (bf16, data_types, activation_checkpointing, ...), whose errors came
+    after every model had loaded, naming the key but not the file. Without torch.distributed up it plans for one
+    rank: the per-rank batch keys are the trainer's anyway."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.utils import logger as ds_logger
+
+    level = ds_logger.level
+    ds_logger.setLevel(logging.WARNING)  # its INFO line of the world size it planned for
+    try:
+        DeepSpeedConfig(copy.deepcopy({**ds, "gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": 1}))
+    except Exception as e:  # noqa: BLE001 -- pydantic's ValidationError, DeepSpeed's asserts and ValueErrors
+        raise ValueError(f"train.ds_config: {path}: refused by DeepSpeed: {type(e).__name__}: {e}") from None
+    finally:
+        ds_logger.setLevel(level)
 
 
 def _own_missing(ds: dict) -> None:
