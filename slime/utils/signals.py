@@ -31,11 +31,14 @@ class Stopped(SystemExit):
 
 def exit_on_interrupt() -> None:
     """Until StopRequest.install: Ctrl-C exits (130) without the KeyboardInterrupt traceback every rank printed
-    from wherever its imports were."""
+    from wherever its imports were, and SIGTERM with 143 (it killed the process: 241 from run.sh, no word)."""
     def handle(signum, frame):
+        os.write(2, f"[rank{os.environ.get('RANK', '0')}] stopped by {signal.Signals(signum).name} during start-up "
+                    f"(exit code {128 + signum})\n".encode())
         raise Stopped(128 + signum)
 
-    signal.signal(signal.SIGINT, handle)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handle)
 
 
 class StopRequest:
