@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import logging
 from pathlib import Path
 
@@ -365,6 +366,12 @@ def test_a_save_that_fails_to_write_names_the_checkpoint_the_free_space_and_what
     with pytest.raises(RuntimeError, match=r"saving checkpoint step_4 into .*step_4 failed on rank 0: .*unexpected "
                                            r"pos .* GiB free on that file system \(a full disk, a quota\?\); the last "
                                            r"complete one \(step_3\) is untouched"):
+        save_checkpoint({"actor": actor}, tmp_path, step=4, loop_state={}, dims=OneRank(), identity={})
+    # the staging folder cannot be made (a file in its place; a full disk): the raw NotADirectoryError was all
+    shutil.rmtree(tmp_path / ".partial")
+    (tmp_path / ".partial").write_text("not a folder")
+    with pytest.raises(RuntimeError, match=r"saving checkpoint step_4 into .*step_4 failed on rank 0: \[Errno 20\] "
+                                           r"Not a directory: .* GiB free on that file system"):
         save_checkpoint({"actor": actor}, tmp_path, step=4, loop_state={}, dims=OneRank(), identity={})
 
 

@@ -93,11 +93,25 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
         raise RuntimeError(f"not saving step {step}: parameters are not finite (a checkpoint must never hold them)")
     tag = f"step_{step}"
     staging = ckpt_dir / PARTIAL / tag
+
+    def failed(e: BaseException) -> RuntimeError:
+        existing = next((p for p in (staging, *staging.parents) if p.exists()), None)
+        free = shutil.disk_usage(existing).free if existing is not None else None
+        latest = ckpt_dir / "latest"
+        kept = f"the last complete one ({latest.read_text().strip()}) is untouched" if latest.is_file() else \
+            "no earlier checkpoint exists"
+        return RuntimeError(f"saving checkpoint {tag} into {staging} failed on rank {dims.rank}: {e}. "
+                            f"{'?' if free is None else f'{free / 2**30:.2f} GiB'} free on that file system (a "
+                            f"full disk, a quota?); {kept}. Free space under log.run_dir, or lower checkpoint.keep")
+
     def clear() -> None:
         # What killed saves left behind, of any step (a stop saves at whatever step the signal came): one
         # save runs at a time, so nothing in there is in use, and each would hold a model's worth of disk.
         shutil.rmtree(ckpt_dir / PARTIAL, ignore_errors=True)
-        staging.mkdir(parents=True)
+        try:
+            staging.mkdir(parents=True)
+        except OSError as e:  # a full disk, or a file where the folder goes: said as the save's other failures
+            raise failed(e) from e
 
     dims.on_main(f"clearing {ckpt_dir / PARTIAL}", clear)
     try:
@@ -108,14 +122,7 @@ def save_checkpoint(engines: dict, ckpt_dir: Path, *, step: int, loop_state: dic
         for name, blob in (rank_files or {}).items():
             (staging / rank_file_name(name, dims.rank)).write_bytes(blob)
     except (OSError, RuntimeError) as e:  # a full disk reads "unexpected pos N vs M" from torch's zip writer
-        free = shutil.disk_usage(staging).free if staging.exists() else None
-        latest = ckpt_dir / "latest"
-        kept = f"the last complete one ({latest.read_text().strip()}) is untouched" if latest.is_file() else \
-            "no earlier checkpoint exists"
-        raise RuntimeError(f"saving checkpoint {tag} into {staging} failed on rank {dims.rank}: {e}. "
-                           f"{'?' if free is None else f'{free / 2**30:.2f} GiB'} free on that file system (a full "
-                           f"disk, a quota?); {kept}. Free space under log.run_dir, or lower checkpoint.keep") \
-            from e
+        raise failed(e) from e
     dims.barrier()  # every rank's files are complete
     final = ckpt_dir / tag
     # Every rank hashes its share of the files (a large model's checkpoint, hashed by one rank, outlasts the
