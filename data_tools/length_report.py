@@ -97,13 +97,14 @@ def shares_no_prompts(cfg) -> str | None:
     """Why the run would not share prompts on this machine (the trainer's reasons), or None: it would."""
     from slime.models.adapters import adapter_for
     from slime.models.attention import resolve_attn_implementation
-    from slime.models.loading import check_model_path
+    from slime.models.loading import check_model_path, resolve_dtype
     from slime.trainer.layout import prompts_unshared
 
     check_model_path(cfg.model)
     adapter = adapter_for(cfg.model)  # as the trainer reads the model (a GGUF file too)
     return prompts_unshared(cfg.train, sp=cfg.parallel.sp, multimodal=adapter.multimodal, moe=adapter.moe,
-                            attention=resolve_attn_implementation(cfg.model.attn_implementation))
+                            attention=resolve_attn_implementation(cfg.model.attn_implementation,
+                                                                  resolve_dtype(cfg.model.dtype)))
 
 
 def main(argv: list[str] | None = None) -> None:
