@@ -9,7 +9,8 @@ from pathlib import Path
 
 from slime.utils.signals import exit_on_interrupt
 
-exit_on_interrupt()  # before the imports that take seconds: Ctrl-C during them is an exit, not a traceback per rank
+if __name__ == "__main__":  # not in a child multiprocessing spawns, which imports this file as __mp_main__
+    exit_on_interrupt()  # before the imports that take seconds: Ctrl-C during them is an exit, not a traceback per rank
 from slime.config import describe, load_config  # noqa: E402
 from slime.utils.startup import long_lived_imports  # noqa: E402
 

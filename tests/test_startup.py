@@ -59,3 +59,17 @@ runpy.run_path({str(REPO / "run.py")!r}, run_name="__main__")
     assert out.returncode == code and "Traceback" not in out.stderr and "KeyboardInterrupt" not in out.stderr, \
         (out.returncode, out.stderr[-3000:])
     assert f"[rank0] stopped by {sig} during start-up (exit code {code})" in out.stderr
+
+
+def test_a_child_that_multiprocessing_spawns_keeps_the_default_signal_handlers():
+    """A spawned child (the math reward's) imports run.py as __mp_main__: it took start-up's handlers, and a
+    job-wide SIGTERM to it came back to its rank as Stopped(143) from the sample's result, not as the dead child
+    the reward handles."""
+    probe = f"""
+import runpy, signal
+runpy.run_path({str(REPO / "run.py")!r}, run_name="__mp_main__")
+print([signal.getsignal(s) is signal.SIG_DFL or signal.getsignal(s) is signal.default_int_handler
+       for s in (signal.SIGTERM, signal.SIGINT)])
+"""
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split("\n")[-2] == "[True, True]", (out.stdout[-2000:], out.stderr[-2000:])
