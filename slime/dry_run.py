@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from slime.config import Config
-from slime.distributed.ds_config import build_ds_config, check_stage, zero_stage
+from slime.distributed.ds_config import build_ds_config, check_offloadable, check_stage, zero_stage
 
 GIB = 2**30
 SGLANG_DEFAULT_MEM_FRACTION = 0.88  # roughly what SGLang picks on an 80 GB GPU when none is given
@@ -98,13 +98,12 @@ def reward_model_params(cfg: Config) -> int:
     GPU, for the whole run), from their config.json on the meta device."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from slime.rollout.reward_models import MODEL_PREFIX
+    from slime.rollout.reward_models import MODEL_PREFIX, is_reward_model
+    from slime.rollout.rewards import spec_weights
 
-    spec = cfg.rollout.reward.fn
-    names = [spec] if isinstance(spec, str) else list(spec) if isinstance(spec, dict) else []
     total = 0
-    for name in names:
-        if isinstance(name, str) and name.startswith(MODEL_PREFIX):
+    for name in spec_weights(cfg.rollout.reward.fn, cfg.rollout.reward.granularity):
+        if is_reward_model(name):
             config = AutoConfig.from_pretrained(Path(name[len(MODEL_PREFIX):]).expanduser())
             with torch.device("meta"):
                 total += sum(p.numel() for p in AutoModelForSequenceClassification.from_config(config).parameters())
@@ -186,6 +185,9 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
     # training phase
     ds = build_ds_config(cfg.train, bf16=cfg.model.dtype != "float32")  # as on GPUs ("auto": bf16)
     stage = zero_stage(ds)
+    colocated = bool(num_engines) and cfg.rollout.engine == "sglang" and s.mode == "colocated"
+    if colocated:  # as at launch
+        check_offloadable(ds, cfg.train.ds_config)
     needs_ref = cfg.algo.needs_reference and not sft
     check_stage(stage, cfg.train, sp=sp, ep=ep, offload_params=needs_ref and cfg.algo.ref_offload)
     gathered = max(shape.largest_dense_layer, shape.largest_layer // ep) if shape.expert_params else shape.largest_layer
@@ -238,8 +240,11 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
     # every rank loads the bf16 model once, and a reward model
     out["cpu_load_bytes_per_node"] = min(num_gpus, 8) * (2 * shape.params + reward_model)
     # a colocated engine's turn: every rank's actor states in pinned host buffers, which DeepSpeed keeps for the run
-    colocated = num_engines and cfg.rollout.engine == "sglang" and s.mode == "colocated"
-    out["cpu_offload_bytes_per_node"] = min(num_gpus, 8) * actor if colocated else 0
+    # (PolicyEngine.states_on_device: not what a ZeRO offload config keeps on the host already)
+    zero = ds.get("zero_optimization", {})
+    on_host = {k for k in ("offload_param", "offload_optimizer") if (zero.get(k) or {}).get("device", "none") != "none"}
+    moved = 0 if "offload_param" in on_host else 2 * shape.params // num_gpus if on_host else actor
+    out["cpu_offload_bytes_per_node"] = min(num_gpus, 8) * moved if colocated else 0
     out["gpu_bytes"] = gpu_gib * GIB
     out["warnings"] = [f"{phase} needs about {out[key] / GIB:.1f} GiB per GPU, over {MARGIN:.0%} of {gpu_gib:g} GiB"
                        for phase, key in (("training", "training_total"), ("rollout", "rollout_total"))

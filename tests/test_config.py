@@ -299,11 +299,34 @@ def test_ds_config_auto_fields_filled(tmp_path):
                            # the other sections too (DeepSpeed's parse of the whole), also after every model loaded
                            ('{"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"}, "bf16": {"enabled": '
                             '"auto", "immediate_grad_update": 3}}', "refused by DeepSpeed: ValidationError: 1 "
-                            "validation error for DeepSpeedBF16Config\nimmediate_grad_update")):
+                            "validation error for DeepSpeedBF16Config\nimmediate_grad_update"),
+                           # DeepSpeed's parse takes any text there
+                           ('{"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"}, "data_types": '
+                            '{"grad_accum_dtype": "fp33"}}', "data_types.grad_accum_dtype='fp33' is not a dtype"),
+                           ('{"zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW"}, "data_types": '
+                            '{"grad_acum_dtype": "fp32"}}', "DeepSpeed takes one key there, \"grad_accum_dtype\"")):
         bad.write_text(content)
         with pytest.raises(ValueError) as e:
             build_ds_config(cfg.train, bad, bf16=False)
         assert words in str(e.value) and (words != "is not valid JSON" or str(bad) in str(e.value))
+
+
+def test_zero1_in_bf16_with_fp32_accumulation_is_refused_under_a_colocated_engine(tmp_path):
+    """DeepSpeed runs its BF16_Optimizer for ZeRO-1 in bf16 with data_types.grad_accum_dtype=fp32 (what the shipped
+    configs set): it has no offload_states, and a colocated run failed at its first rollout on a GPU."""
+    from slime.distributed.ds_config import check_offloadable
+
+    cfg = load_config(None, BASE)
+    zero1 = tmp_path / "zero1.json"
+    ds = json.loads((REPO / "ds_configs/zero2.json").read_text())
+    ds["zero_optimization"]["stage"] = 1
+    zero1.write_text(json.dumps(ds))
+    with pytest.raises(ValueError, match=r"ZeRO-1 in bf16 with data_types.grad_accum_dtype=fp32 runs DeepSpeed's "
+                                         r"BF16_Optimizer, which cannot move its states off the GPU"):
+        check_offloadable(build_ds_config(cfg.train, zero1, bf16=True), str(zero1))
+    check_offloadable(build_ds_config(cfg.train, zero1, bf16=False), str(zero1))  # fp32: ZeRO-1's own optimizer
+    for shipped in ("zero2.json", "zero3.json", "zero3_offload.json"):
+        check_offloadable(build_ds_config(cfg.train, REPO / "ds_configs" / shipped, bf16=True), shipped)
 
 
 def test_ds_config_without_an_owned_key_takes_the_run_configs_and_batch_keys_are_refused(tmp_path):

@@ -119,6 +119,9 @@ def test_hand_computed_figures_for_qwen3_4b_on_8_gpus():
     assert p["engine_weights"] == 2 * params and p["rollout_total"] == pytest.approx(0.7 * 80 * GIB + 1.5 * GIB)
     assert p["reference"] == 0 and p["critic_states"] == 0  # GRPO without KL: neither
     assert p["cpu_offload_bytes_per_node"] == 8 * p["actor_states"]  # pinned on the host while SGLang generates
+    offload = plan(load_config(REPO / "examples/gpu_qwen3_4b_grpo_gsm8k.yaml", [
+        f"model.path={REPO / 'examples/model_configs/qwen3-4b'}", "train.ds_config=ds_configs/zero3_offload.json"]), 8)
+    assert offload["cpu_offload_bytes_per_node"] == 0  # its states live on the host: a rollout moves none
     z2 = plan(load_config(REPO / "examples/gpu_qwen3_4b_grpo_gsm8k.yaml", [
         f"model.path={REPO / 'examples/model_configs/qwen3-4b'}", "train.ds_config=ds_configs/zero2.json",
         "algo.kl_coef=0.01", "algo.use_kl_loss=true"]), 8)

@@ -175,7 +175,7 @@ def test_a_reward_function_missing_from_its_module_is_said_before_the_models_loa
     assert proc.returncode != 0 and "Traceback" not in out, out[-3000:]
     assert ("start-up error: ValueError: reward spec 'e2e_rewards:digit_fractio': module 'e2e_rewards' has no "
             "callable 'digit_fractio'") in out
-    assert "RL for 1 steps" not in out  # said before the models load
+    assert "Loading weights" not in out  # said before the models load
 
 
 def test_an_eval_budget_past_the_context_length_is_warned(model, task_dir, tmp_path):

@@ -73,6 +73,7 @@ def build_ds_config(train: TrainConfig, path: str | Path | None = None, *, bf16:
                          "skipped-step guard). ds_configs/zero2.json is the fast choice when a full copy of the "
                          "model fits on every rank")
     _check_zero_section(ds, path)
+    _check_data_types(ds, path)
     _check_with_deepspeed(ds, path)
     # We set accumulation boundaries by hand (micro-batch counts vary per step), so DeepSpeed
     # must neither scale the loss by 1/gas nor step on its own schedule.
@@ -193,6 +194,41 @@ def _check_zero_section(ds: dict, path: Path) -> None:
     except Exception as e:  # noqa: BLE001 -- pydantic's ValidationError, or a TypeError of a value
         raise ValueError(f"train.ds_config: {path}: its zero_optimization section is refused by DeepSpeed: {e}") \
             from None
+
+
+GRAD_ACCUM_DTYPES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+                     "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+                     "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16"}
+
+
+def grad_accum_dtype(ds: dict) -> str | None:
+    """data_types.grad_accum_dtype as fp32, bf16 or fp16 (None: unset, DeepSpeed sums in the model's dtype)."""
+    value = (ds.get("data_types") or {}).get("grad_accum_dtype")
+    return None if value is None else GRAD_ACCUM_DTYPES[value]
+
+
+def _check_data_types(ds: dict, path: Path) -> None:
+    """DeepSpeed's parse takes any text there and fails on it after the models load."""
+    data_types = ds.get("data_types")
+    if data_types is None:
+        return
+    if not isinstance(data_types, dict) or set(data_types) - {"grad_accum_dtype"}:
+        raise ValueError(f"train.ds_config: {path}: data_types={data_types!r}: DeepSpeed takes one key there, "
+                         '"grad_accum_dtype" (e.g. {"grad_accum_dtype": "fp32"})')
+    value = data_types.get("grad_accum_dtype")
+    if value is not None and value not in GRAD_ACCUM_DTYPES:
+        raise ValueError(f"train.ds_config: {path}: data_types.grad_accum_dtype={value!r} is not a dtype DeepSpeed "
+                         'sums gradients in: "fp32" (what ds_configs/*.json set), "bf16" or "fp16"')
+
+
+def check_offloadable(ds: dict, path: str) -> None:
+    """A colocated engine's turn moves the actor's states off the GPU (DeepSpeed's offload_states): ZeRO-1 in bf16
+    with fp32 gradient accumulation runs DeepSpeed's BF16_Optimizer instead of ZeRO's, which cannot."""
+    if zero_stage(ds) == 1 and (ds.get("bf16") or {}).get("enabled") is True and grad_accum_dtype(ds) == "fp32":
+        raise ValueError(f"train.ds_config={path}: ZeRO-1 in bf16 with data_types.grad_accum_dtype=fp32 runs "
+                         "DeepSpeed's BF16_Optimizer, which cannot move its states off the GPU while a colocated "
+                         "SGLang engine generates: use ds_configs/zero2.json (ZeRO-2 sums gradients in fp32 and "
+                         "offloads), or rollout.sglang.mode=disaggregated")
 
 
 def _check_with_deepspeed(ds: dict, path: Path) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from slime.config import PATH_KEYS, Config
 from slime.data.prompts import PromptSource, rows_on_every_rank, sft_samples
-from slime.distributed.ds_config import build_ds_config, read_ds_json, zero_stage
+from slime.distributed.ds_config import build_ds_config, check_offloadable, read_ds_json, zero_stage
 from slime.distributed.parallel_dims import ParallelDims
 from slime.models.export import exported_step
 from slime.models.loading import (check_critic, check_packing, check_prompt_vocab, check_stop_ids, check_turn_end,
@@ -291,7 +291,9 @@ def run(cfg: Config) -> dict:
     if cfg.checkpoint.resume:  # a resume of another model or layout, refused before any model loads
         check_resume_early(ckpt_dir, identity, dims)
     # the DeepSpeed JSON as parallelize() reads it, before any model loads (its refusals came after them all)
-    build_ds_config(cfg.train, bf16=resolve_dtype(cfg.model.dtype) == torch.bfloat16)
+    ds = build_ds_config(cfg.train, bf16=resolve_dtype(cfg.model.dtype) == torch.bfloat16)
+    if cfg.rollout.engine == "sglang" and cfg.rollout.sglang.mode == "colocated" and (not sft or cfg.eval.path):
+        check_offloadable(ds, cfg.train.ds_config)  # the actor's states leave the GPU while the engine generates
     tokenizer = load_tokenizer(cfg.model)
     check_stop_ids(cfg.model, cfg.rollout.stop_token_ids)
     check_packing(cfg)
