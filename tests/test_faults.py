@@ -829,8 +829,9 @@ def test_the_loops_own_stop_exits_and_user_codes_sys_exit_is_an_error():
             raise SystemExit(0)
 
 
-@pytest.mark.parametrize("fn, where", [("e2e_rewards:exits", "step 1, rollout"),
-                                       ("exits_on_import:reward", "step 0, importing rollout.reward.fn=exits_on_import:reward")])
+@pytest.mark.parametrize("fn, where", [
+    ("e2e_rewards:exits", "step 1, rollout"),
+    ("exits_on_import:reward", "step 0, importing rollout.reward.fn=exits_on_import:reward")])
 def test_a_reward_function_that_calls_sys_exit_0_fails_the_run(model, task_dir, tmp_path, fn, where):
     """sys.exit(0) in a reward's thread reached the main thread as SystemExit(0): the run ended after one step with
     exit code 0 and no checkpoint, a success to any scheduler. Also at the reward module's import."""

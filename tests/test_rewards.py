@@ -488,7 +488,8 @@ def test_a_run_that_ends_while_its_math_child_scores_does_not_wait_for_it(tmp_pa
     assert "counted as math/error" not in proc.stderr  # the kill at exit is no failure of a sample
 
 
-KILLED_SCRIPT = EXIT_SCRIPT.replace('''    print("main thread done", flush=True)''', '''    child, = rewards._math_pool[0]._processes
+KILLED_SCRIPT = EXIT_SCRIPT.replace('''    print("main thread done", flush=True)''',
+                                   '''    child, = rewards._math_pool[0]._processes
     Path(sys.argv[2]).write_text(str(child))
     time.sleep(3600)  # killed here, by SIGKILL: no exit hook runs''')
 
