@@ -25,7 +25,8 @@ import torch.distributed as dist
 from slime.utils.net import free_port
 
 logger = logging.getLogger(__name__)
-ON_MAIN_READ_S = 10.0  # how long rank 0 gives the others to read its error before it raises it
+ON_MAIN_READ_S = 30.0  # how long rank 0 gives the others to read its error before it raises it (they poll
+# every half second: the margin is for a loaded machine)
 _ON_MAIN_CALLS = itertools.count(1)  # ParallelDims.on_main's keys: every rank calls it as often, in one order
 
 
