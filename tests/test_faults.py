@@ -178,6 +178,19 @@ def test_a_reward_function_missing_from_its_module_is_said_before_the_models_loa
     assert "Loading weights" not in out  # said before the models load
 
 
+def test_zero1_in_bf16_under_a_colocated_engine_is_refused_before_the_models_load(model, task_dir, tmp_path):
+    """DeepSpeed's BF16_Optimizer (ZeRO-1, bf16, fp32 accumulation) cannot offload: a colocated run on a GPU failed at
+    its first rollout. Refused at start, before any model or engine loads (on CPU too, where offload is a no-op)."""
+    ds = json.loads((REPO / "ds_configs/zero2.json").read_text())
+    ds["zero_optimization"]["stage"] = 1
+    (tmp_path / "zero1.json").write_text(json.dumps(ds))
+    proc = launch(model, task_dir, tmp_path / "run", f"train.ds_config={tmp_path / 'zero1.json'}",
+                  "model.dtype=bfloat16", "rollout.engine=sglang", "train.num_steps=1", nproc=1, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Loading weights" not in out, out[-3000:]
+    assert "ZeRO-1 in bf16 with data_types.grad_accum_dtype=fp32 runs DeepSpeed's BF16_Optimizer" in out
+
+
 def test_an_eval_budget_past_the_context_length_is_warned(model, task_dir, tmp_path):
     """The training prompts and rollout.max_response_len were checked against the model's context (512 here);
     the eval file and eval.max_response_len were not, and evaluation generated past it without a word."""
