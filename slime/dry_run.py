@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from slime.config import Config
-from slime.distributed.ds_config import build_ds_config, check_offloadable, check_stage, zero_stage
+from slime.distributed.ds_config import (build_ds_config, check_offloadable, check_stage, grad_accum_dtype,
+                                         zero_stage)
 
 GIB = 2**30
 SGLANG_DEFAULT_MEM_FRACTION = 0.88  # roughly what SGLang picks on an 80 GB GPU when none is given
@@ -192,7 +193,7 @@ def plan(cfg: Config, num_gpus: int, gpu_gib: float = 80.0) -> dict:
     check_stage(stage, cfg.train, sp=sp, ep=ep, offload_params=needs_ref and cfg.algo.ref_offload)
     gathered = max(shape.largest_dense_layer, shape.largest_layer // ep) if shape.expert_params else shape.largest_layer
     actor = model_states_bytes(stage, shape.params, gathered, num_gpus)  # under ep, a rank gathers its experts only
-    if cfg.model.dtype != "float32" and str((ds.get("data_types") or {}).get("grad_accum_dtype")).lower() == "fp32":
+    if cfg.model.dtype != "float32" and grad_accum_dtype(ds) == "fp32":
         actor += 2 * shape.params // num_gpus  # the gradient partitions summed in fp32, not bf16
     ref = 0
     if needs_ref:

@@ -74,11 +74,11 @@ def build_ds_config(train: TrainConfig, path: str | Path | None = None, *, bf16:
                          "model fits on every rank")
     _check_zero_section(ds, path)
     _check_data_types(ds, path)
-    _check_with_deepspeed(ds, path)
     # We set accumulation boundaries by hand (micro-batch counts vary per step), so DeepSpeed
     # must neither scale the loss by 1/gas nor step on its own schedule.
     ds["gradient_accumulation_steps"] = 1
     ds["train_micro_batch_size_per_gpu"] = 1
+    _check_with_deepspeed(ds, path)
     return ds
 
 
@@ -241,7 +241,7 @@ def _check_with_deepspeed(ds: dict, path: Path) -> None:
     level = ds_logger.level
     ds_logger.setLevel(logging.WARNING)  # its INFO line of the world size it planned for
     try:
-        DeepSpeedConfig(copy.deepcopy({**ds, "gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": 1}))
+        DeepSpeedConfig(copy.deepcopy(ds))
     except Exception as e:  # noqa: BLE001 -- pydantic's ValidationError, DeepSpeed's asserts and ValueErrors
         raise ValueError(f"train.ds_config: {path}: refused by DeepSpeed: {type(e).__name__}: {e}") from None
     finally:
