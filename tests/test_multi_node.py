@@ -134,16 +134,14 @@ def test_ranks_per_node_under_deepspeeds_launcher(tmp_path):
     assert not any(line.endswith(" 127.0.0.1") for line in said)  # the route toward the master's node
 
 
-def test_each_rank_takes_its_gpu_before_the_first_collective():
+def test_each_rank_takes_its_gpu_before_the_first_collective(tmp_path):
     """On a GPU node, NCCL runs a collective on the current device: the config-agreement check (and DeepSpeed's
     init) ran before torch.cuda.set_device, every rank on cuda:0, and a multi-GPU launch failed at start. Run with
     gloo and a recorded set_device (tests/dist/device_order_checks.py)."""
-    proc = run_ranks([str(REPO / "tests/dist/device_order_checks.py")])
-    found = [json.loads(line[len("EVENTS "):]) for line in proc.stdout.splitlines() if line.startswith("EVENTS ")]
-    assert sorted(r["rank"] for r in found) == [0, 1]
-    for r in found:
-        rank = r["rank"]
-        assert r["events"] == [f"set_device({rank})", f"init_distributed on cuda:{rank}", f"agree on cuda:{rank}"]
+    run_ranks([str(REPO / "tests/dist/device_order_checks.py"), str(tmp_path)])
+    for rank in (0, 1):
+        events = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert events == [f"set_device({rank})", f"init_distributed on cuda:{rank}", f"agree on cuda:{rank}"]
 
 
 def test_the_engines_weight_group_does_not_split_the_trainer_worlds_communicator():

@@ -3,9 +3,11 @@ the first collective. NCCL runs a collective on the current device: the config-a
 set_device, so every rank ran it on cuda:0 and a multi-GPU launch failed at start. Here gloo stands in for NCCL
 and torch.cuda's availability and set_device are stand-ins that record the calls.
 
-    python tests/spawn_ranks.py 2 tests/dist/device_order_checks.py
+    python tests/spawn_ranks.py 2 tests/dist/device_order_checks.py OUT_DIR
 """
 import json
+import sys
+from pathlib import Path
 
 import deepspeed
 import torch
@@ -31,5 +33,6 @@ def record(what: str, fn):
 torch.cuda.is_available, torch.cuda.set_device = (lambda: True), set_device
 deepspeed.init_distributed = record("init_distributed", deepspeed.init_distributed)
 dims = ParallelDims.build(backend="gloo", agree=record("agree", lambda: dist.all_gather_object([None] * 2, 0)))
-print("EVENTS " + json.dumps({"rank": dims.rank, "events": events}), flush=True)
+# a file per rank: two ranks printing to one pipe may interleave their lines
+(Path(sys.argv[1]) / f"rank{dims.rank}.json").write_text(json.dumps(events))
 dist.barrier()
