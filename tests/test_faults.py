@@ -3,6 +3,7 @@ signals, hung reward functions and ranks, and bad data files."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -1050,3 +1051,20 @@ def test_run_sh_launches_on_the_visible_gpus(tmp_path):
         assert not (tmp_path / "built").exists()  # said before an asset's build (minutes for some), not after
         assert "Give this run a free port of its own, e.g. MASTER_PORT=" in out.stderr
         assert launch(MASTER_PORT="29x")[0].returncode == 2
+
+
+def test_a_lock_a_killed_op_build_left_is_named_before_the_run_waits_on_it(tmp_path, monkeypatch, caplog):
+    """DeepSpeed compiles CPU Adam (an offloaded optimizer), fused Adam (a GPU) and its CPU all-reduce at their first
+    use, under a lock file: a build killed midway (a CI job's timeout did) left it, and the next run waited on it
+    forever with no word. The file is named before DeepSpeed is started."""
+    from slime.distributed.parallel_dims import warn_build_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    (tmp_path / "deepspeed_shm_comm").mkdir()  # built: no lock
+    (tmp_path / "cpu_adam").mkdir()
+    (tmp_path / "cpu_adam" / "lock").touch()
+    with caplog.at_level(logging.WARNING):
+        warn_build_locks()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path / 'cpu_adam' / 'lock'} exists: another process is building DeepSpeed's op cpu_adam, or a killed "
+        "build left it; with no build running, this run waits on it forever: delete the file"]

@@ -59,6 +59,7 @@ class ParallelDims:
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not dist.is_initialized():
+            warn_build_locks()  # DeepSpeed builds its shared-memory all-reduce op here at a first run
             deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
             _unlink_shm_buffer()
         if agree is not None:
@@ -251,6 +252,21 @@ def shm_buffer_path(rank: int) -> Path:
     rendezvous address and port."""
     addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
     return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+
+
+def warn_build_locks() -> None:
+    """DeepSpeed compiles some ops at their first use (its CPU all-reduce, CPU Adam for an offloaded optimizer,
+    fused Adam on a GPU) under a lock file in torch's extensions folder; a build killed midway leaves the lock, and
+    every later run then waits on it forever, saying nothing. Say where, before a wait may start."""
+    from torch.utils.cpp_extension import _get_build_directory  # the folder torch builds each op in
+
+    try:
+        root = Path(_get_build_directory("", verbose=False))
+    except Exception:  # noqa: BLE001  (a private function: no word beats a failed run)
+        return
+    for lock in sorted(root.glob("*/lock")):
+        logger.warning("%s exists: another process is building DeepSpeed's op %s, or a killed build left it; with "
+                       "no build running, this run waits on it forever: delete the file", lock, lock.parent.name)
 
 
 def _unlink_shm_buffer() -> None:

@@ -14,7 +14,7 @@ import torch
 from slime.config import TrainConfig
 from slime.distributed.ds_config import build_ds_config, check_stage, zero_stage
 from slime.distributed.expert_parallel import expert_parallel_settings, num_experts
-from slime.distributed.parallel_dims import ParallelDims
+from slime.distributed.parallel_dims import ParallelDims, warn_build_locks
 
 
 def layout_settings(dims: ParallelDims, config) -> dict:
@@ -52,6 +52,7 @@ def parallelize(model: torch.nn.Module, dims: ParallelDims, train: TrainConfig, 
         engine.eval()
         return engine
     ds_config["optimizer"]["params"]["lr"] = lr
+    warn_build_locks()  # DeepSpeed builds CPU Adam (offloaded optimizer) or fused Adam (GPU) at a first run
     sched = (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)) if lr_lambda else None
     engine, *_ = deepspeed.initialize(model=model, model_parameters=param_groups(model, decay_groups),
                                       config=ds_config, lr_scheduler=sched)
