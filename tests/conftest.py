@@ -44,10 +44,49 @@ def run_ranks(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = R
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, str(REPO / "tests/spawn_ranks.py"), str(nproc), *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if os.environ.get("SLIME_TEST_FORK") == "1":  # DRAFT: tests/fork_server.py
+        proc = forked_job(cmd, nproc, args, env, cwd, timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
+
+
+_server = {}
+
+
+def forked_job(cmd, nproc, args, env, cwd, timeout) -> subprocess.CompletedProcess:
+    """DRAFT: the job's ranks as forks of tests/fork_server.py's post-import state (started at the first job)."""
+    import json
+    import signal
+    import socket
+    import tempfile
+
+    if not _server:
+        d = Path(tempfile.mkdtemp(prefix="forksrv"))
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests/fork_server.py"), str(d / "s")], stdout=subprocess.PIPE,
+                                text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        while (line := proc.stdout.readline()) and line.strip() != "ready":  # DeepSpeed's import prints first
+            pass
+        assert line, "tests/fork_server.py ended before it was ready"
+        _server.update(proc=proc, dir=d)
+    d = Path(tempfile.mkdtemp(dir=_server["dir"]))
+    req = dict(nproc=nproc, args=[str(a) for a in args], env=env, cwd=str(cwd), stdout=str(d / "out"),
+               stderr=str(d / "err"))
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(_server["dir"] / "s"))
+        s.settimeout(timeout)
+        f = s.makefile("rw")
+        f.write(json.dumps(req) + "\n")
+        f.flush()
+        pid = json.loads(f.readline())["pid"]
+        try:
+            code = json.loads(f.readline())["code"]
+        except (TimeoutError, socket.timeout):
+            os.killpg(pid, signal.SIGKILL)
+            raise subprocess.TimeoutExpired(cmd, timeout)
+    return subprocess.CompletedProcess(cmd, code, (d / "out").read_text(), (d / "err").read_text())
 
 
 def stable_adam_ds_config(out_dir: Path) -> Path:
