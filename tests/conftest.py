@@ -65,8 +65,8 @@ def forked_job(cmd, nproc, args, env, cwd, timeout) -> subprocess.CompletedProce
 
     if not _server:
         d = Path(tempfile.mkdtemp(prefix="forksrv"))
-        proc = subprocess.Popen([sys.executable, str(REPO / "tests/fork_server.py"), str(d / "s")], stdout=subprocess.PIPE,
-                                text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests/fork_server.py"), str(d / "s")],
+                                stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         while (line := proc.stdout.readline()) and line.strip() != "ready":  # DeepSpeed's import prints first
             pass
         assert line, "tests/fork_server.py ended before it was ready"
