@@ -58,7 +58,6 @@ _server = {}
 
 def forked_job(cmd, nproc, args, env, cwd, timeout) -> subprocess.CompletedProcess:
     """DRAFT: the job's ranks as forks of tests/fork_server.py's post-import state (started at the first job)."""
-    import json
     import signal
     import socket
     import tempfile
