@@ -37,14 +37,13 @@ def task_dir(tmp_path_factory) -> Path:
 
 def run_ranks(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = REPO,
               env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    """Launch `args` (a script and its arguments) on `nproc` CPU ranks over gloo (tests/spawn_ranks.py: the
-    launch DeepSpeed's launcher makes, without torchrun's start-up); `env` adds variables to this process's
-    environment. `check`: a failed job raises with its output (else the caller reads the returncode)."""
-    env = dict(os.environ, **(env or {}))
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
-    env.setdefault("OMP_NUM_THREADS", "1")
+    """Launch `args` (a script and its arguments) on `nproc` CPU ranks over gloo (the launch DeepSpeed's launcher
+    makes, without torchrun's start-up): as forks of tests/fork_server.py's post-import process where the job's
+    environment allows (see `forkable`), else as processes of tests/spawn_ranks.py. `env` adds variables to this
+    process's environment. `check`: a failed job raises with its output (else the caller reads the returncode)."""
+    env = job_env(os.environ, env)
     cmd = [sys.executable, str(REPO / "tests/spawn_ranks.py"), str(nproc), *args]
-    if os.environ.get("SLIME_TEST_FORK") == "1":  # DRAFT: tests/fork_server.py
+    if FORK and forkable(env):
         proc = forked_job(cmd, nproc, args, env, cwd, timeout)
     else:
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -53,39 +52,87 @@ def run_ranks(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = R
     return proc
 
 
-_server = {}
+def job_env(base, extra: dict | None) -> dict:
+    env = dict(base, **(extra or {}))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+# The fork server (tests/fork_server.py): on unless SLIME_TEST_FORK=0. Its environment is this session's at its
+# start (conftest's import), as run_ranks would pass it; a job may differ from it only in PYTHONPATH (read by the
+# fork), pytest's PYTEST_CURRENT_TEST and SLIME_* variables that slime reads at run time. IMPORT_TIME_VARS: those
+# slime reads when imported (tests/test_fork_server.py checks the list against slime's source).
+FORK = os.environ.get("SLIME_TEST_FORK", "1") != "0" and sys.platform == "linux"
+IMPORT_TIME_VARS = {"SLIME_ONEDNN_MIN_MACS", "SLIME_STUCK_AFTER_S"}
+SERVER_ENV = job_env(os.environ, None)
+_server: dict = {}
+
+
+def forkable(env: dict) -> bool:
+    changed = {k for k in env.keys() | SERVER_ENV.keys() if env.get(k) != SERVER_ENV.get(k)}
+    return all(k in ("PYTHONPATH", "PYTEST_CURRENT_TEST") or (k.startswith("SLIME_") and k not in IMPORT_TIME_VARS)
+               for k in changed)
+
+
+def fork_server() -> dict:
+    """The running server, started (or started again, if it died) here; its output goes to a log file."""
+    import atexit
+    import shutil
+    import tempfile
+    import time
+
+    from spawn_ranks import die_with_parent
+
+    if _server and _server["proc"].poll() is None:
+        return _server
+    d = Path(tempfile.mkdtemp(prefix="slime-forksrv-"))
+    with open(d / "server.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests/fork_server.py"), str(d / "socket")], cwd=REPO,
+                                env=SERVER_ENV, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                preexec_fn=die_with_parent)
+    while not (d / "socket").exists():  # it names the socket once it listens, after its imports
+        if proc.poll() is not None:
+            raise RuntimeError(f"tests/fork_server.py exited ({proc.returncode}) before it was ready:\n"
+                               f"{(d / 'server.log').read_text()[-4000:]}")
+        time.sleep(0.05)
+    if not _server:
+        atexit.register(lambda: (_server["proc"].kill(), _server["proc"].wait(), shutil.rmtree(_server["dir"])))
+    _server.update(proc=proc, dir=d)
+    return _server
 
 
 def forked_job(cmd, nproc, args, env, cwd, timeout) -> subprocess.CompletedProcess:
-    """DRAFT: the job's ranks as forks of tests/fork_server.py's post-import state (started at the first job)."""
+    import shutil
     import signal
     import socket
     import tempfile
 
-    if not _server:
-        d = Path(tempfile.mkdtemp(prefix="forksrv"))
-        proc = subprocess.Popen([sys.executable, str(REPO / "tests/fork_server.py"), str(d / "s")],
-                                stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        while (line := proc.stdout.readline()) and line.strip() != "ready":  # DeepSpeed's import prints first
-            pass
-        assert line, "tests/fork_server.py ended before it was ready"
-        _server.update(proc=proc, dir=d)
-    d = Path(tempfile.mkdtemp(dir=_server["dir"]))
+    server = fork_server()
+    d = Path(tempfile.mkdtemp(dir=server["dir"]))
     req = dict(nproc=nproc, args=[str(a) for a in args], env=env, cwd=str(cwd), stdout=str(d / "out"),
                stderr=str(d / "err"))
     with socket.socket(socket.AF_UNIX) as s:
-        s.connect(str(_server["dir"] / "s"))
+        s.connect(str(server["dir"] / "socket"))
         s.settimeout(timeout)
         f = s.makefile("rw")
         f.write(json.dumps(req) + "\n")
         f.flush()
-        pid = json.loads(f.readline())["pid"]
+        pid = None
         try:
+            pid = json.loads(f.readline())["pid"]
             code = json.loads(f.readline())["code"]
         except (TimeoutError, socket.timeout):
-            os.killpg(pid, signal.SIGKILL)
+            if pid is not None:
+                os.killpg(pid, signal.SIGKILL)
             raise subprocess.TimeoutExpired(cmd, timeout)
-    return subprocess.CompletedProcess(cmd, code, (d / "out").read_text(), (d / "err").read_text())
+        except json.JSONDecodeError:  # the connection closed without an answer: the job (or the server) was killed
+            raise RuntimeError(f"the fork server's job {pid} ended without an exit code (killed?); server log:\n"
+                               f"{(server['dir'] / 'server.log').read_text()[-4000:]}\njob stderr:\n"
+                               f"{(d / 'err').read_text()[-4000:] if (d / 'err').exists() else ''}") from None
+    out, err = ((d / name).read_text() for name in ("out", "err"))
+    shutil.rmtree(d)
+    return subprocess.CompletedProcess(cmd, code, out, err)
 
 
 def stable_adam_ds_config(out_dir: Path) -> Path:

@@ -1,96 +1,133 @@
-"""DRAFT (wip/fork-server; the suite does not use it unless SLIME_TEST_FORK=1): the test suite's launches spend ~8 of
-their ~13 s importing torch, transformers and DeepSpeed in each rank. This server imports them once, then runs each
-job's ranks as forks of its clean post-import state (measured: a 1-step tiny job in 3.4 s instead of 12.9 s).
+"""The test suite's fast launcher: a process that has imported torch, transformers, DeepSpeed and the trainer once
+(~8 s of every rank's start on the CI machine, and the suite launches over a hundred jobs) and runs each job's ranks
+as forks of that state, each `python SCRIPT ARGS` run through runpy as `__main__` (a 1-step tiny job: 3.4 s instead
+of 12.9 s). tests/conftest.py's `run_ranks` starts it at the suite's first job, unless SLIME_TEST_FORK=0.
 
     python tests/fork_server.py SOCKET
 
-Protocol: a client sends one JSON line {"nproc", "args", "env", "cwd", "stdout", "stderr"} (stdout/stderr: files the
-job writes); the server forks a job process (the server itself never runs a job), answers {"pid": JOB} (the job
-leads its own process group: the client kills it on its timeout), then {"code": CODE} when it ends. The job runs its
-ranks as tests/spawn_ranks.py does (the first failure stops the others)."""
+Protocol: a client connects to SOCKET and sends one JSON line {"nproc", "args", "env", "cwd", "stdout", "stderr"}
+(stdout/stderr: files the job writes). A job process forked for it answers {"pid": ITS_PID} (it leads its own
+process group: the client kills the group at its timeout), starts the ranks and stops them as tests/spawn_ranks.py
+does (the same `launch`), then answers {"code": EXIT_CODE}.
+
+What a fork does not redo is what the process did before it: the imports. A variable that a library reads when it
+is imported (OMP_NUM_THREADS, an HF_* or TORCH* setting, the SLIME_* knobs listed in conftest's IMPORT_TIME_VARS)
+comes from the server's start, so the client forks only jobs whose environment differs from the server's in
+variables read at run time, and spawns the others. A forked rank ends as the interpreter would: it joins non-daemon
+threads, runs the atexit callbacks, prints an uncaught exception through sys.excepthook, and dies of SIGINT after
+an uncaught KeyboardInterrupt."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
 import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
-import traceback
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-GRACE_S = 30
+from spawn_ranks import die_with_parent, launch, rank_env  # noqa: E402  (this folder; it puts the repo on sys.path)
+from slime.utils.net import reserved_port  # noqa: E402
 
 
-def run_rank(rank: int, req: dict, port: int) -> None:
-    """In a forked rank: become `python ARGS` with the job's environment, then exit with its code."""
-    code = 1
+class ForkedRank:
+    """A rank forked from the job process, with the part of subprocess.Popen that spawn_ranks.launch uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def fork_rank(args: list[str], env: dict[str, str]) -> ForkedRank:
+    pid = os.fork()
+    if pid:
+        return ForkedRank(pid)
+    die_with_parent()
+    os._exit(run_as_main(args, env))
+
+
+def run_as_main(args: list[str], env: dict[str, str]) -> int:
+    """In a forked process: `python ARGS` with environment `env`, up to the interpreter's exit; returns its code."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a fresh interpreter's handlers
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(env)
+    script = os.path.abspath(args[0])
+    sys.path[:0] = [os.path.dirname(os.path.realpath(script)), *filter(None, env.get("PYTHONPATH", "").split(":"))]
+    sys.argv = [script, *args[1:]]
+    code, interrupted = 0, False
     try:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_DFL)
-        os.environ.clear()
-        os.environ.update(req["env"], RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(req["nproc"]),
-                          LOCAL_WORLD_SIZE=str(req["nproc"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        os.chdir(req["cwd"])
-        script = str(Path(req["args"][0]).resolve())
-        sys.path[:0] = [os.path.dirname(script), *filter(None, req["env"].get("PYTHONPATH", "").split(os.pathsep))]
-        sys.argv = [script, *req["args"][1:]]
         runpy.run_path(script, run_name="__main__")
-        code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        code = exit_code(e)
+    except BaseException as e:  # noqa: BLE001  (what the interpreter prints and exits 1 for)
+        sys.excepthook(type(e), e, e.__traceback__)
+        code, interrupted = 1, isinstance(e, KeyboardInterrupt)
+    try:
+        threading._shutdown()  # what Py_FinalizeEx does first: wait for non-daemon threads, then atexit
+    except BaseException as e:  # noqa: BLE001
+        code = exit_code(e) if isinstance(e, SystemExit) else 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if interrupted:  # as CPython does: die of the signal, so that the parent sees a SIGINT death
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code
 
 
-def run_job(req: dict) -> int:
-    from slime.utils.net import reserved_port
-
-    with reserved_port() as port:
-        pids = []
-        for rank in range(req["nproc"]):
-            pid = os.fork()
-            if pid == 0:
-                run_rank(rank, req, port)
-            pids.append(pid)
-        codes: dict[int, int] = {}
-        failed = None
-        while len(codes) < len(pids) and failed is None:
-            for rank, pid in enumerate(pids):
-                if rank not in codes:
-                    done, status = os.waitpid(pid, os.WNOHANG)
-                    if done:
-                        codes[rank] = os.waitstatus_to_exitcode(status)
-                        if codes[rank] != 0:
-                            failed = (rank, codes[rank])
-            time.sleep(0.05)
-    if failed is None:
+def exit_code(e: SystemExit) -> int:
+    if e.code is None:
         return 0
-    rank, code = failed
-    print(f"fork_server: rank {rank} exited with code {code}; stopping the others", file=sys.stderr, flush=True)
-    deadline = time.monotonic() + GRACE_S
-    for r, pid in enumerate(pids):
-        if r not in codes:
-            os.kill(pid, signal.SIGTERM)
-    for r, pid in enumerate(pids):
-        while r not in codes and time.monotonic() < deadline and not os.waitpid(pid, os.WNOHANG)[0]:
-            time.sleep(0.05)
-        if r not in codes:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except (ProcessLookupError, ChildProcessError):
-                pass
-    return code if code > 0 else 1
+    if isinstance(e.code, int):
+        return e.code
+    print(e.code, file=sys.stderr)
+    return 1
+
+
+def run_job(conn: socket.socket) -> int:
+    """In a job process: read the request, answer the pid, run the ranks, answer the exit code."""
+    with conn, conn.makefile("rw") as f:
+        req = json.loads(f.readline())
+        os.chdir(req["cwd"])
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            os.dup2(os.open(req[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        f.write(json.dumps({"pid": os.getpid()}) + "\n")
+        f.flush()
+        nproc = req["nproc"]
+        with reserved_port() as port:
+            code = launch(nproc, lambda rank: fork_rank(req["args"], {**req["env"], **rank_env(rank, nproc, port)}))
+        f.write(json.dumps({"code": code}) + "\n")
+        f.flush()
+    return code
 
 
 def serve(path: str) -> None:
@@ -99,33 +136,26 @@ def serve(path: str) -> None:
     with long_lived_imports():
         import deepspeed  # noqa: F401
         from slime.trainer.loop import run  # noqa: F401
+    sys.stdout.flush()
+    sys.stderr.flush()
     srv = socket.socket(socket.AF_UNIX)
-    srv.bind(path)
+    srv.bind(path + ".tmp")
     srv.listen()
-    print("ready", flush=True)
+    os.rename(path + ".tmp", path)  # the client waits for this name: it connects only to a listening server
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # jobs are reaped by the kernel: the server never waits on one
     while True:
         conn, _ = srv.accept()
-        with conn, conn.makefile("rw") as f:
-            req = json.loads(f.readline())
-            job = os.fork()
-            if job == 0:
+        if os.fork() == 0:
+            code = 1
+            try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the job waits on its ranks
                 srv.close()
                 os.setsid()
-                for fd, name in ((1, "stdout"), (2, "stderr")):
-                    os.dup2(os.open(req[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-                code = 1
-                try:
-                    code = run_job(req)
-                finally:
-                    os._exit(code)
-            f.write(json.dumps({"pid": job}) + "\n")
-            f.flush()
-            code = os.waitstatus_to_exitcode(os.waitpid(job, 0)[1])
-            try:
-                f.write(json.dumps({"code": code}) + "\n")
-                f.flush()
-            except OSError:
-                pass
+                die_with_parent()
+                code = run_job(conn)
+            finally:
+                os._exit(code)
+        conn.close()
 
 
 if __name__ == "__main__":

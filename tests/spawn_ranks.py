@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slime.utils.net import reserved_port  # noqa: E402  (stdlib only: no torch import in the launcher)
@@ -31,16 +32,21 @@ def die_with_parent() -> None:
 
 
 def main() -> int:
+    nproc, args = int(sys.argv[1]), sys.argv[2:]
     with reserved_port() as port:
-        return launch(int(sys.argv[1]), sys.argv[2:], str(port))
+        return launch(nproc, lambda rank: subprocess.Popen(
+            [sys.executable, *args], env=dict(os.environ, **rank_env(rank, nproc, port)), preexec_fn=die_with_parent))
 
 
-def launch(nproc: int, args: list[str], port: str) -> int:
-    procs = []
-    for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, *args], env=env, preexec_fn=die_with_parent))
+def rank_env(rank: int, nproc: int, port: int) -> dict[str, str]:
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def launch(nproc: int, start: Callable[[int], subprocess.Popen]) -> int:
+    """Start ranks 0..nproc-1 with `start(rank)` (a Popen, or anything with its poll, send_signal, wait and kill:
+    tests/fork_server.py's forked ranks) and wait for them; returns the job's exit code."""
+    procs = [start(rank) for rank in range(nproc)]
 
     def forward(signum, _frame):
         for p in procs:
