@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny model and task written to a temp dir (no downloads), and a 2-rank launcher."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import subprocess
@@ -43,7 +44,9 @@ def run_ranks(args: list[str], nproc: int = 2, timeout: int = 600, cwd: Path = R
     process's environment. `check`: a failed job raises with its output (else the caller reads the returncode)."""
     env = job_env(os.environ, env)
     cmd = [sys.executable, str(REPO / "tests/spawn_ranks.py"), str(nproc), *args]
-    if FORK and forkable(env):
+    spawn_for = import_time_changes(env) if FORK else ["SLIME_TEST_FORK=0"]
+    _launches[", ".join(spawn_for) or "forked"] += 1
+    if not spawn_for:
         proc = forked_job(cmd, nproc, args, env, cwd, timeout)
     else:
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -60,19 +63,39 @@ def job_env(base, extra: dict | None) -> dict:
 
 
 # The fork server (tests/fork_server.py): on unless SLIME_TEST_FORK=0. Its environment is this session's at its
-# start (conftest's import), as run_ranks would pass it; a job may differ from it only in PYTHONPATH (read by the
-# fork), pytest's PYTEST_CURRENT_TEST and SLIME_* variables that slime reads at run time. IMPORT_TIME_VARS: those
-# slime reads when imported (tests/test_fork_server.py checks the list against slime's source).
+# start (conftest's import), as run_ranks would pass it; a job may differ from it only in RUN_TIME_VARS and in
+# SLIME_* variables that slime reads at run time. IMPORT_TIME_VARS: those slime reads when imported
+# (tests/test_fork_server.py checks the list against slime's source).
 FORK = os.environ.get("SLIME_TEST_FORK", "1") != "0" and sys.platform == "linux"
 IMPORT_TIME_VARS = {"SLIME_ONEDNN_MIN_MACS", "SLIME_STUCK_AFTER_S"}
+# The launcher's (each rank gets its own), pytest's, PYTHONPATH (the fork puts it on sys.path), and those that
+# libraries set in this process when in-process tests use them, each read at run time: slime's world of one
+# (RANK ... MASTER_PORT), inductor's cache folder and its loader's pointer (set again before each use), torch's
+# CUDA check, wandb's service (the server does not import wandb).
+RUN_TIME_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "PYTEST_CURRENT_TEST", "PYTHONPATH", "TORCHINDUCTOR_CACHE_DIR",
+                 "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "PYTORCH_NVML_BASED_CUDA_CHECK", "WANDB_SERVICE"}
 SERVER_ENV = job_env(os.environ, None)
 _server: dict = {}
+_launches: collections.Counter = collections.Counter()  # "forked", or the variables a spawned job was spawned for
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _launches:
+        spawned = ", ".join(f"{n} for {why}" for why, n in _launches.items() if why != "forked")
+        terminalreporter.write_line(f"run_ranks: {_launches['forked']} jobs forked from tests/fork_server.py; "
+                                    f"spawned: {spawned or 'none'}")
+
+
+def import_time_changes(env: dict) -> list[str]:
+    """The variables in which `env` differs from the server's and that may have been read at its imports."""
+    changed = {k for k in env.keys() | SERVER_ENV.keys() if env.get(k) != SERVER_ENV.get(k)}
+    return sorted(k for k in changed
+                  if k not in RUN_TIME_VARS and (not k.startswith("SLIME_") or k in IMPORT_TIME_VARS))
 
 
 def forkable(env: dict) -> bool:
-    changed = {k for k in env.keys() | SERVER_ENV.keys() if env.get(k) != SERVER_ENV.get(k)}
-    return all(k in ("PYTHONPATH", "PYTEST_CURRENT_TEST") or (k.startswith("SLIME_") and k not in IMPORT_TIME_VARS)
-               for k in changed)
+    return not import_time_changes(env)
 
 
 def fork_server() -> dict:
