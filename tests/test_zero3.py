@@ -165,7 +165,7 @@ def test_mini_batches_of_a_count_dp_does_not_divide_match_one_rank(tiny_model, t
 def test_a_rank_with_no_sample_runs_dummies_and_the_step_equals_one_rank(tiny_model, tmp_path):
     """One sample on 2 ranks (dynamic sampling can keep that few): the rank without any runs dummy micro-batches
     that carry the fields the other's samples do (advantages, pi_old), and the step is the one-rank step."""
-    one = {"MINIBATCH_N": "1"}
+    one = {"SLIME_TEST_MINIBATCH_N": "1"}
     ref = run_minibatch_checks(tiny_model, tmp_path / "1rank", 1, "train.num_mini_batches=1", env=one)
     got = run_minibatch_checks(tiny_model, tmp_path / "2ranks", 2, "train.num_mini_batches=1", env=one)
     assert ref["minis"] == got["minis"] == [[0]] and got["dummies"] == 1

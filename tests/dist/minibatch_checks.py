@@ -24,7 +24,8 @@ with long_lived_imports():
     from slime.trainer.losses import actor_loss
     from slime.trainer.policy_engine import PolicyEngine
 
-N = int(os.environ.get("MINIBATCH_N", "7"))  # 1: rank 0 holds no sample at all (rank 1 generated the one there is)
+# 1: rank 0 holds no sample at all (rank 1 generated the one there is)
+N = int(os.environ.get("SLIME_TEST_MINIBATCH_N", "7"))
 
 
 def main() -> None:
