@@ -1,11 +1,13 @@
 """Shared fixtures: a tiny model and task written to a temp dir (no downloads), and a 2-rank launcher."""
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -77,6 +79,7 @@ RUN_TIME_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
                  "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "PYTORCH_NVML_BASED_CUDA_CHECK", "WANDB_SERVICE"}
 SERVER_ENV = job_env(os.environ, None)
 _server: dict = {}
+_server_lock = threading.Lock()
 _launches: collections.Counter = collections.Counter()  # "forked", or the variables a spawned job was spawned for
 
 
@@ -98,31 +101,46 @@ def forkable(env: dict) -> bool:
     return not import_time_changes(env)
 
 
-def fork_server() -> dict:
+def fork_server(start_timeout: float = 300) -> dict:
     """The running server, started (or started again, if it died) here; its output goes to a log file."""
-    import atexit
     import shutil
     import tempfile
     import time
 
     from spawn_ranks import die_with_parent
 
-    if _server and _server["proc"].poll() is None:
+    with _server_lock:
+        if _server and _server["proc"].poll() is None:
+            return _server
+        if _server:  # it died: its folder goes with it
+            shutil.rmtree(_server["dir"], ignore_errors=True)
+        d = Path(tempfile.mkdtemp(prefix="slime-forksrv-"))
+        with open(d / "server.log", "w") as log:
+            proc = subprocess.Popen([sys.executable, str(REPO / "tests/fork_server.py"), str(d / "socket")], cwd=REPO,
+                                    env=SERVER_ENV, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    preexec_fn=die_with_parent)
+        deadline = time.monotonic() + start_timeout
+        while not (d / "socket").exists():  # it names the socket once it listens, after its imports
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                log = (d / "server.log").read_text()[-4000:]
+                shutil.rmtree(d, ignore_errors=True)
+                raise RuntimeError(f"tests/fork_server.py was not ready within {start_timeout:g} s (exit code "
+                                   f"{proc.returncode}); its output:\n{log}\n(SLIME_TEST_FORK=0 spawns every job)")
+            time.sleep(0.05)
+        if not _server:
+            atexit.register(stop_fork_server)
+        _server.update(proc=proc, dir=d)
         return _server
-    d = Path(tempfile.mkdtemp(prefix="slime-forksrv-"))
-    with open(d / "server.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, str(REPO / "tests/fork_server.py"), str(d / "socket")], cwd=REPO,
-                                env=SERVER_ENV, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                preexec_fn=die_with_parent)
-    while not (d / "socket").exists():  # it names the socket once it listens, after its imports
-        if proc.poll() is not None:
-            raise RuntimeError(f"tests/fork_server.py exited ({proc.returncode}) before it was ready:\n"
-                               f"{(d / 'server.log').read_text()[-4000:]}")
-        time.sleep(0.05)
-    if not _server:
-        atexit.register(lambda: (_server["proc"].kill(), _server["proc"].wait(), shutil.rmtree(_server["dir"])))
-    _server.update(proc=proc, dir=d)
-    return _server
+
+
+def stop_fork_server() -> None:
+    import shutil
+
+    _server["proc"].kill()
+    _server["proc"].wait()
+    shutil.rmtree(_server["dir"], ignore_errors=True)
 
 
 def forked_job(cmd, nproc, args, env, cwd, timeout) -> subprocess.CompletedProcess:
@@ -133,29 +151,31 @@ def forked_job(cmd, nproc, args, env, cwd, timeout) -> subprocess.CompletedProce
 
     server = fork_server()
     d = Path(tempfile.mkdtemp(dir=server["dir"]))
+    output = lambda name: (d / name).read_text(errors="replace") if (d / name).exists() else ""  # noqa: E731
     req = dict(nproc=nproc, args=[str(a) for a in args], env=env, cwd=str(cwd), stdout=str(d / "out"),
                stderr=str(d / "err"))
-    with socket.socket(socket.AF_UNIX) as s:
-        s.connect(str(server["dir"] / "socket"))
-        s.settimeout(timeout)
-        f = s.makefile("rw")
-        f.write(json.dumps(req) + "\n")
-        f.flush()
-        pid = None
-        try:
-            pid = json.loads(f.readline())["pid"]
-            code = json.loads(f.readline())["code"]
-        except (TimeoutError, socket.timeout):
-            if pid is not None:
-                os.killpg(pid, signal.SIGKILL)
-            raise subprocess.TimeoutExpired(cmd, timeout)
-        except json.JSONDecodeError:  # the connection closed without an answer: the job (or the server) was killed
-            raise RuntimeError(f"the fork server's job {pid} ended without an exit code (killed?); server log:\n"
-                               f"{(server['dir'] / 'server.log').read_text()[-4000:]}\njob stderr:\n"
-                               f"{(d / 'err').read_text()[-4000:] if (d / 'err').exists() else ''}") from None
-    out, err = ((d / name).read_text() for name in ("out", "err"))
-    shutil.rmtree(d)
-    return subprocess.CompletedProcess(cmd, code, out, err)
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(server["dir"] / "socket"))
+            s.settimeout(timeout)
+            f = s.makefile("rw")
+            f.write(json.dumps(req) + "\n")
+            f.flush()
+            pid = None
+            try:
+                pid = json.loads(f.readline())["pid"]
+                code = json.loads(f.readline())["code"]
+            except (TimeoutError, socket.timeout):
+                if pid is not None:
+                    os.killpg(pid, signal.SIGKILL)
+                raise subprocess.TimeoutExpired(cmd, timeout, output("out"), output("err")) from None
+            except json.JSONDecodeError:  # the connection closed without an answer: the job or the server was killed
+                raise RuntimeError(f"the fork server's job {pid} ended without an exit code (killed?); server log:\n"
+                                   f"{(server['dir'] / 'server.log').read_text()[-4000:]}\njob stderr:\n"
+                                   f"{output('err')[-4000:]}") from None
+        return subprocess.CompletedProcess(cmd, code, (d / "out").read_text(), (d / "err").read_text())
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def stable_adam_ds_config(out_dir: Path) -> Path:

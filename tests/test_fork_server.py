@@ -19,10 +19,17 @@ import conftest
 from conftest import REPO, forkable, forked_job, job_env, run_ranks
 
 SCRIPT = r'''
-import atexit, json, os, sys, threading, time
+import atexit, json, os, pickle, sys, threading, time
+import numpy
 out = sys.argv[1]
 rank = os.environ["RANK"]
 what = sys.argv[2] if rank == os.environ.get("ACT_ON_RANK", rank) else os.environ.get("OTHERS", "ok")
+unclosed = open(f"{out}/unclosed{rank}", "w")
+unclosed.write("flushed at the end")  # by the interpreter's finalization
+
+
+class Record:
+    pass
 
 
 def later():
@@ -31,8 +38,15 @@ def later():
 
 
 threading.Thread(target=later).start()  # non-daemon: the interpreter waits for it before atexit
-atexit.register(lambda: open(f"{out}/atexit{rank}", "w").write("ran"))
+
+
+def at_exit():  # __main__ is still the script's: its classes pickle
+    open(f"{out}/atexit{rank}", "w").write(f"ran, pickled {type(pickle.loads(pickle.dumps(Record())))}")
+
+
+atexit.register(at_exit)
 json.dump(dict(name=__name__, argv=sys.argv[1:], cwd=os.getcwd(), path0=sys.path[0], file=__file__, pid=os.getpid(),
+               numpy=numpy.random.rand(),
                env={k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_PORT", "SLIME_TEST_X")}),
           open(f"{out}/rank{rank}.json", "w"))
 if what == "raise":
@@ -72,8 +86,10 @@ def test_a_job_runs_its_script_as_python_would(mode, tmp_path):
         assert got["cwd"] == str(tmp_path) and got["path0"] == str(tmp_path)
         assert got["env"] == {"RANK": str(r), "WORLD_SIZE": "2", "MASTER_PORT": ranks[0]["env"]["MASTER_PORT"],
                               "SLIME_TEST_X": "x"}
-        assert (out / f"thread{r}").read_text() == "joined" and (out / f"atexit{r}").read_text() == "ran"
-    assert ranks[0]["pid"] != ranks[1]["pid"]
+        assert (out / f"thread{r}").read_text() == "joined"
+        assert (out / f"atexit{r}").read_text() == "ran, pickled <class '__main__.Record'>"
+        assert (out / f"unclosed{r}").read_text() == "flushed at the end"
+    assert ranks[0]["pid"] != ranks[1]["pid"] and ranks[0]["numpy"] != ranks[1]["numpy"]  # numpy seeded per process
 
 
 @pytest.mark.parametrize("mode", ["spawn", "fork"])
@@ -92,7 +108,7 @@ def test_a_failing_rank_ends_the_job_with_its_code_and_output(mode, what, code, 
     if what == "raise":
         assert "Traceback (most recent call last)" in proc.stderr
     out = tmp_path / "out"
-    assert (out / "thread1").read_text() == "joined" and (out / "atexit1").read_text() == "ran"
+    assert (out / "thread1").read_text() == "joined" and (out / "atexit1").read_text().startswith("ran")
 
 
 def test_a_job_past_its_timeout_is_killed_with_its_ranks(tmp_path):
@@ -122,12 +138,16 @@ def test_a_dead_server_is_started_again(tmp_path):
 
 @pytest.mark.skipif(not conftest.FORK, reason="SLIME_TEST_FORK=0: run_ranks spawns every job")
 def test_run_ranks_forks_the_jobs_it_can(tmp_path):
-    """A forked rank starts with DeepSpeed imported (the server's); a spawned one without."""
+    """A forked rank starts with DeepSpeed imported (the server's); a spawned one without. Each prints what the
+    server's imports printed, as a spawned rank prints it at its own, and draws its own torch seed."""
     script = tmp_path / "imported.py"
-    script.write_text("import os, sys\n"
-                      "open(os.environ['SLIME_TEST_OUT'], 'w').write(str('deepspeed' in sys.modules))\n")
-    run_ranks([str(script)], nproc=1, env={"SLIME_TEST_OUT": str(tmp_path / "got"), "SLIME_TEST_X": "1"})
-    assert (tmp_path / "got").read_text() == "True"
+    script.write_text("import os, sys, torch\nopen(os.environ['SLIME_TEST_OUT'] + os.environ['RANK'], 'w')"
+                      ".write(f\"{'deepspeed' in sys.modules} {torch.initial_seed()}\")\n")
+    proc = run_ranks([str(script)], nproc=2, env={"SLIME_TEST_OUT": str(tmp_path / "got"), "SLIME_TEST_X": "1"})
+    got = [(tmp_path / f"got{r}").read_text().split() for r in range(2)]
+    assert got[0][0] == got[1][0] == "True" and got[0][1] != got[1][1]
+    imports_said = (conftest.fork_server()["dir"] / "server.log").read_text().splitlines()
+    assert all(proc.stdout.count(line) + proc.stderr.count(line) == 2 for line in imports_said), imports_said
 
 
 def test_a_job_that_sets_a_variable_read_at_import_is_spawned(tmp_path):
