@@ -763,6 +763,8 @@ def test_a_rank_that_stops_answering_is_named_with_step_and_phase(model, task_di
     assert proc.returncode != 0
     assert "step 1, rollout: a collective waited more than train.dist_timeout_minutes=0.25" in out
     assert "in sleep_on_rank1" in out, out[-3000:]
+    # what the start said of it, once (rank 0): a reward timeout past the collectives' names no function
+    assert out.count("rollout.reward.timeout=600s not below train.dist_timeout_minutes=0.25 (15 s): on 2 ranks") == 1
 
 
 @pytest.mark.parametrize("error, collective", [
