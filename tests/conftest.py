@@ -5,15 +5,21 @@ import atexit
 import collections
 import json
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from spawn_ranks import die_with_parent  # noqa: E402  (tests/, on sys.path under pytest)
 
 
 def make_task(out_dir: Path, n_train: int = 400, n_eval: int = 50) -> Path:
@@ -103,12 +109,6 @@ def forkable(env: dict) -> bool:
 
 def fork_server(start_timeout: float = 300) -> dict:
     """The running server, started (or started again, if it died) here; its output goes to a log file."""
-    import shutil
-    import tempfile
-    import time
-
-    from spawn_ranks import die_with_parent
-
     with _server_lock:
         if _server and _server["proc"].poll() is None:
             return _server
@@ -136,19 +136,12 @@ def fork_server(start_timeout: float = 300) -> dict:
 
 
 def stop_fork_server() -> None:
-    import shutil
-
     _server["proc"].kill()
     _server["proc"].wait()
     shutil.rmtree(_server["dir"], ignore_errors=True)
 
 
 def forked_job(cmd, nproc, args, env, cwd, timeout) -> subprocess.CompletedProcess:
-    import shutil
-    import signal
-    import socket
-    import tempfile
-
     server = fork_server()
     d = Path(tempfile.mkdtemp(dir=server["dir"]))
     output = lambda name: (d / name).read_text(errors="replace") if (d / name).exists() else ""  # noqa: E731
